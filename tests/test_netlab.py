@@ -1,0 +1,291 @@
+"""Tests of scripts/netlab.py: real namespaces, real tc shaping, real TCP and gloo traffic.
+
+Skipped (with the reason) when not root or when ``ip``/``tc`` are missing. Only lower bounds on
+wall-clock time are asserted (a shaped link cannot be faster than its rate).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import netlab  # noqa: E402
+
+PROBLEM = netlab.requirements_problem()
+needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+pytestmark = pytest.mark.netlab
+PY = sys.executable
+NETLAB = str(ROOT / "scripts" / "netlab.py")
+
+
+def _root_links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+
+
+def _assert_gone(lab_id: str) -> None:
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    assert f"{netlab.PREFIX}-{lab_id}-" not in names, names
+    assert lab_id not in _root_links()
+
+
+def _wait_for(pred, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+TCP_SCRIPT = textwrap.dedent("""
+    import os, socket, sys, time
+    rank, n, port = int(os.environ["RANK"]), int(sys.argv[1]), 29601
+    if rank == 0:
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((os.environ["LAB_ADDR"], port)); s.listen(1); s.settimeout(30)
+        c, _ = s.accept(); c.settimeout(30)
+        got, t0 = 0, time.perf_counter()
+        while got < n:
+            b = c.recv(1 << 20)
+            if not b:
+                break
+            got += len(b)
+        print(got, time.perf_counter() - t0)
+    else:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                c = socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        c.sendall(b"x" * n)
+        c.close()
+""")
+
+
+@needs_lab
+def test_shaped_tcp_transfer_is_rate_limited(tmp_path):
+    """A 4 MB TCP transfer over a 40 Mbit/s link cannot take less than ~bytes*8/rate."""
+    script = tmp_path / "tcp.py"
+    script.write_text(TCP_SCRIPT)
+    nbytes, rate = 4_000_000, 40.0
+    with netlab.NetLab(hosts=2, rate_mbit=rate) as lab:
+        res = lab.run([PY, str(script), str(nbytes)], timeout=60)
+        lab_id = lab.lab_id
+    assert res.ok, res.describe() + res.ranks[0].stderr + res.ranks[1].stderr
+    got, seconds = res.ranks[0].stdout.split()
+    assert int(got) == nbytes
+    bound = nbytes * 8 / (rate * 1e6)
+    # Unshaped veths move 4 MB in a few ms; the shaped link needs >= 0.8 s.
+    assert float(seconds) >= bound / 1.3, (seconds, bound)
+    _assert_gone(lab_id)
+
+
+GLOO_SCRIPT = textwrap.dedent("""
+    import datetime, os, torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    r, w = dist.get_rank(), dist.get_world_size()
+    t = torch.arange(1000, dtype=torch.float64) * (r + 1)
+    dist.all_reduce(t)
+    expect = torch.arange(1000, dtype=torch.float64) * (w * (w + 1) / 2)
+    print("OK" if torch.equal(t, expect) else f"BAD {t[:4].tolist()}", os.environ["GLOO_SOCKET_IFNAME"])
+    dist.destroy_process_group()
+""")
+
+
+@needs_lab
+def test_gloo_all_reduce_across_lab_hosts(tmp_path):
+    """A real 3-process gloo all_reduce, rendezvous on host 0's lab address, gives the exact sum."""
+    script = tmp_path / "ar.py"
+    script.write_text(GLOO_SCRIPT)
+    with netlab.NetLab(hosts=3, rate_mbit=500) as lab:
+        res = lab.run([PY, str(script)], timeout=120, out_dir=tmp_path / "out")
+        lab_id = lab.lab_id
+    assert res.ok, res.describe() + "".join(r.stderr for r in res.ranks)
+    for r in res.ranks:
+        assert r.stdout.split() == ["OK", netlab.LAB_IFNAME]
+        assert (tmp_path / "out" / f"rank{r.rank}.out").read_text() == r.stdout
+    _assert_gone(lab_id)
+
+
+@needs_lab
+def test_rank_environment_and_loopback(tmp_path):
+    """Each rank sees the rendezvous variables and its own lab address; loopback is up."""
+    code = (
+        "import os, socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); "
+        "print(*[os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', "
+        "'MASTER_PORT', 'LAB_RATE_MBIT', 'GLOO_SOCKET_IFNAME', 'LAB_ADDR')], '{rank}')"
+    )
+    with netlab.NetLab(hosts=2, rate_mbit=100, master_port=29555) as lab:
+        res = lab.run([PY, "-c", code], timeout=30)
+        addrs = lab.addrs
+    assert res.ok, res.describe() + res.ranks[0].stderr
+    for r in res.ranks:
+        assert r.stdout.split() == [
+            str(r.rank),
+            "0",
+            "2",
+            addrs[0],
+            "29555",
+            "100",
+            "lab0",
+            addrs[r.rank],
+            str(r.rank),
+        ]
+    assert addrs[0].startswith("10.77.") and addrs[0] != addrs[1]
+
+
+@needs_lab
+def test_teardown_after_failing_rank_kills_the_others():
+    """Rank 1 fails at once; rank 0 (sleeping) is killed after the grace period; lab is gone."""
+    code = "import os, sys, time; r = int(os.environ['RANK']); time.sleep(60) if r == 0 else sys.exit(3)"
+    t0 = time.monotonic()
+    with netlab.NetLab(hosts=2, rate_mbit=100) as lab:
+        res = lab.run([PY, "-c", code], timeout=50, grace=0.5)
+        lab_id = lab.lab_id
+    assert not res.ok and not res.timed_out
+    assert res.ranks[1].returncode == 3
+    assert res.ranks[0].killed and res.ranks[0].returncode != 0
+    assert res.returncode == 3
+    assert time.monotonic() - t0 < 45  # killed, not waited out (the only bound: a hang guard)
+    _assert_gone(lab_id)
+
+
+@needs_lab
+def test_timeout_kills_all_ranks_and_tears_down():
+    with netlab.NetLab(hosts=2, rate_mbit=100) as lab:
+        res = lab.run(["sleep", "30"], timeout=0.5)
+        lab_id = lab.lab_id
+        assert sorted(lab.leftovers()) == sorted(lab.namespaces)  # still up inside the block
+    assert res.timed_out and res.returncode == 124
+    assert all(r.killed for r in res.ranks)
+    _assert_gone(lab_id)
+
+
+@needs_lab
+def test_exception_inside_lab_tears_down():
+    with pytest.raises(ZeroDivisionError), netlab.NetLab(hosts=2, rate_mbit=50) as lab:
+        lab_id = lab.lab_id
+        _ = 1 / 0
+    _assert_gone(lab_id)
+
+
+@needs_lab
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_to_cli_tears_down(sig, tmp_path):
+    """Ctrl-C / SIGTERM to the netlab CLI kills the ranks and deletes the namespaces."""
+    p = subprocess.Popen(
+        [PY, NETLAB, "--hosts", "2", "--rate-mbit", "100", "--quiet", "--", "sleep", "60"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lab_id = f"{p.pid}-1"
+        ns0 = f"{netlab.PREFIX}-{lab_id}-h0"
+        _wait_for(
+            lambda: netlab._ns_pids(ns0) if ns0 in netlab.list_lab_namespaces() else None,
+            20,
+            "the rank to start",
+        )
+        pids = netlab._ns_pids(ns0)
+        p.send_signal(sig)
+        p.wait(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0
+    _assert_gone(lab_id)
+    for pid in pids:
+        assert not netlab._pid_alive(pid) or Path(f"/proc/{pid}/status").read_text().find("zombie") >= 0
+
+
+@needs_lab
+def test_stale_lab_of_killed_owner_is_cleaned_up():
+    """SIGKILL leaves the namespaces; the next lab start (or --cleanup) removes them."""
+    p = subprocess.Popen(
+        [PY, NETLAB, "--hosts", "2", "--rate-mbit", "100", "--quiet", "--", "sleep", "60"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    lab_id = f"{p.pid}-1"
+    ns0 = f"{netlab.PREFIX}-{lab_id}-h0"
+    try:
+        _wait_for(
+            lambda: netlab._ns_pids(ns0) if ns0 in netlab.list_lab_namespaces() else None,
+            20,
+            "the rank to start",
+        )
+    finally:
+        p.kill()
+        p.wait()
+    assert ns0 in netlab.list_lab_namespaces()  # SIGKILL: no chance to clean up
+    out = subprocess.run([PY, NETLAB, "--cleanup"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert ns0 in out.stdout
+    _assert_gone(lab_id)
+
+
+@needs_lab
+def test_cli_exit_status_reflects_rank_failure(tmp_path):
+    out = subprocess.run(
+        [
+            PY,
+            NETLAB,
+            "--hosts",
+            "2",
+            "--rate-mbit",
+            "100",
+            "--out",
+            str(tmp_path),
+            "--",
+            PY,
+            "-c",
+            "import os, sys; print('hi', os.environ['RANK']); sys.exit(int(os.environ['RANK']) * 5)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 5, out.stderr
+    assert "[rank 1] hi 1" in out.stdout
+    assert (tmp_path / "rank0.out").read_text() == "hi 0\n"
+
+
+def test_bad_arguments_are_named():
+    for kwargs, word in [
+        ({"hosts": 0, "rate_mbit": 10}, "hosts"),
+        ({"hosts": 2, "rate_mbit": -1}, "rate_mbit"),
+        ({"hosts": 2, "rate_mbit": 10, "delay_ms": -1}, "delay_ms"),
+        ({"hosts": 2, "rate_mbit": 10, "master_port": 80}, "master_port"),
+    ]:
+        with pytest.raises(netlab.NetLabError, match=word):
+            netlab.NetLab(**kwargs)
+
+
+def test_tbf_parameters_scale_with_rate():
+    b1, l1 = netlab.tbf_params(10)
+    b2, l2 = netlab.tbf_params(10_000)
+    assert b1 >= 4 * 1500 and l1 >= 64 * 1024
+    assert b2 == int(10_000e6 / 8 * 1e-3) and l2 == int(10_000e6 / 8 * 20e-3)
+
+
+def test_run_requires_lab_up():
+    lab = netlab.NetLab(hosts=2, rate_mbit=10)
+    with pytest.raises(netlab.NetLabError, match="not up"):
+        lab.run(["true"])
+    assert os.getpid() == int(lab.lab_id.split("-")[0])
