@@ -1,0 +1,62 @@
+"""The single-process oracle: all N workers of the CERAR ring in one process."""
+
+from __future__ import annotations
+
+import torch
+
+from cerar.codes import Code
+from cerar.rounds import run_rounds
+
+TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_transport_dtype(dtype: torch.dtype, code: Code, name: str = "tensor") -> None:
+    """Refuse dtypes the protocol cannot carry: integers always, 16-bit floats unless the code is
+    well conditioned enough (kappa <= LOW_PRECISION_KAPPA_LIMIT) for their rounding."""
+    from cerar.codes import LOW_PRECISION_KAPPA_LIMIT
+
+    if dtype not in TRANSPORT_DTYPES:
+        raise ValueError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {dtype}")
+    if dtype in (torch.float16, torch.bfloat16) and code.kappa > LOW_PRECISION_KAPPA_LIMIT:
+        raise ValueError(
+            f"{name} has dtype {dtype}, whose rounding the code's kappa={code.kappa:.3g} would amplify; "
+            f"16-bit transport needs kappa <= {LOW_PRECISION_KAPPA_LIMIT} (an exact code, c <= N): "
+            "use float32"
+        )
+
+
+def code_matrices(code: Code, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (N x c x c) and D (N x c x L) as tensors of the transport dtype on the device."""
+    A = torch.tensor(code.A, dtype=torch.float64).to(device=device, dtype=dtype)
+    D = torch.tensor(code.D, dtype=torch.float64).to(device=device, dtype=dtype)
+    return A, D
+
+
+def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False):
+    """Run the protocol for all N workers in one process and return each worker's result [N, d].
+
+    G is [N, d]: row i is worker i's gradient, float32 or float64, on any device. The rounds,
+    their order and the dtype of every block are those of the distributed ``cerar.all_reduce``,
+    so this is the oracle it is tested against. With ``return_values_sent`` also returns the
+    number of values each worker sent (L * ceil(d / c)).
+    """
+    if not isinstance(G, torch.Tensor):
+        raise ValueError(f"G must be a torch.Tensor of shape [N, d], got {type(G).__name__}")
+    check_transport_dtype(G.dtype, code, "G")
+    if G.dim() != 2 or G.shape[0] != code.N:
+        raise ValueError(f"G must have shape [N, d] with N={code.N} (the code's N), got {tuple(G.shape)}")
+    N, d = G.shape
+    c, m = code.c, code.m_for(d)
+    blocks = G.new_zeros(N, c * m)
+    blocks[:, :d] = G
+    A, D = code_matrices(code, G.dtype, G.device)
+    sent = 0
+
+    def exchange(x: torch.Tensor, t: int) -> torch.Tensor:
+        nonlocal sent
+        sent += x.shape[-1]
+        return torch.roll(x, shifts=1, dims=0)  # worker i receives what worker i-1 sent
+
+    with torch.no_grad():
+        result = run_rounds(blocks.view(N, c, m), A, D, N, exchange).view(N, c * m)[:, :d].clone()
+    return (result, sent) if return_values_sent else result
