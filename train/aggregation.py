@@ -1,0 +1,209 @@
+"""Gradient aggregators: how the replicas' gradients become one averaged gradient.
+
+Every aggregator offers the two modes of the loop:
+- `aggregate(flat)`: average one flat gradient tensor in place across ranks (overlap=false, the
+  paper's measurement: a separate, timed aggregation phase after backward);
+- `register_hook(ddp)`: do the same as a DDP communication hook (overlap=true), overlapping with
+  backward. `bytes_sent_by_hook()` then reports what the last step's hooks sent.
+
+`nccl` is torch.distributed.all_reduce on the job's backend (gloo on CPU, NCCL on GPU); `ring` and
+`cerar` go through the cerar library's public API only; `powersgd`, `fp16` and `bf16` are the hooks
+torch ships (fp16/bf16 are also implemented on the flat gradient for overlap=false).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring all-reduce (reduce-scatter + all-gather): 2(N-1)/N * d."""
+    return int(2 * (world_size - 1) * numel * element_size // world_size) if world_size > 1 else 0
+
+
+class Aggregator:
+    """Average gradients across the ranks of the default process group."""
+
+    name = "base"
+    supports_flat = True
+
+    def __init__(self, world_size: int, timeout_s: float):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        """Average `flat` across ranks in place; return the bytes this rank sent."""
+        raise NotImplementedError
+
+    def register_hook(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
+        """Install this aggregation as ddp's communication hook (default: DDP's own all-reduce)."""
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        """Bytes sent during the last overlapped step."""
+        return ring_allreduce_bytes(numel, 4, self.world_size)
+
+
+class AllReduceAggregator(Aggregator):
+    """torch.distributed.all_reduce, then divide by N; hook mode is DDP's built-in reduction."""
+
+    name = "nccl"
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        if self.world_size > 1:
+            dist.all_reduce(flat)
+            flat.div_(self.world_size)
+        return ring_allreduce_bytes(flat.numel(), flat.element_size(), self.world_size)
+
+
+class LowPrecisionAllReduce(Aggregator):
+    """Cast to float16/bfloat16, all-reduce, cast back: half the bytes of the float32 all-reduce."""
+
+    def __init__(self, world_size: int, timeout_s: float, dtype: torch.dtype):
+        super().__init__(world_size, timeout_s)
+        self.dtype = dtype
+        self.name = "fp16" if dtype == torch.float16 else "bf16"
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        if self.world_size > 1:
+            low = flat.div(self.world_size).to(self.dtype)
+            dist.all_reduce(low)
+            flat.copy_(low)
+        return ring_allreduce_bytes(
+            flat.numel(), torch.tensor([], dtype=self.dtype).element_size(), self.world_size
+        )
+
+    def register_hook(self, ddp) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = (
+            default_hooks.fp16_compress_hook
+            if self.dtype == torch.float16
+            else default_hooks.bf16_compress_hook
+        )
+        ddp.register_comm_hook(None, hook)
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        return ring_allreduce_bytes(numel, 2, self.world_size)
+
+
+class PowerSGDAggregator(Aggregator):
+    """torch's PowerSGD hook (low-rank compression with error feedback); hook mode only."""
+
+    name = "powersgd"
+    supports_flat = False
+
+    def __init__(self, world_size: int, timeout_s: float, rank: int, start_iter: int):
+        super().__init__(world_size, timeout_s)
+        self.rank, self.start_iter = rank, start_iter
+        self.shapes: list[torch.Size] = []
+        self.state = None
+
+    def register_hook(self, ddp) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+        self.shapes = [p.shape for p in ddp.module.parameters() if p.requires_grad]
+        self.state = powerSGD_hook.PowerSGDState(
+            process_group=None, matrix_approximation_rank=self.rank, start_powerSGD_iter=self.start_iter
+        )
+        ddp.register_comm_hook(self.state, powerSGD_hook.powerSGD_hook)
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        """Estimate: before start_iter a plain all-reduce; after, P and Q factors for matrices."""
+        if self.state is None or self.state.iter <= self.start_iter:
+            return ring_allreduce_bytes(numel, 4, self.world_size)
+        compressed = 0
+        for shape in self.shapes:
+            if len(shape) >= 2:
+                n, m = shape[0], int(torch.Size(shape[1:]).numel())
+                compressed += (n + m) * min(self.rank, n, m)
+            else:
+                compressed += int(shape.numel())
+        return ring_allreduce_bytes(compressed, 4, self.world_size)
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        raise RuntimeError("powersgd runs as a DDP communication hook only (trainer.overlap=true)")
+
+
+class CerarAggregator(Aggregator):
+    """CERAR (or, with exact_ring, cerar's exact ring) through the cerar public API."""
+
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float,
+        c: int,
+        construction: str,
+        eps: float | None,
+        kappa_max: float | None,
+        exact_ring: bool,
+    ):
+        super().__init__(world_size, timeout_s)
+        import cerar
+
+        self.cerar = cerar
+        self.c, self.construction, self.eps, self.kappa_max = c, construction, eps, kappa_max
+        self.exact_ring = exact_ring
+        self.name = "ring" if exact_ring else f"cerar-{construction}"
+        self.code = None
+        if not exact_ring and world_size > 1:
+            self.code = cerar.make_code(
+                world_size, c, construction=construction, eps=eps, kappa_max=kappa_max
+            )
+        self.hook_state = None
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        if self.world_size < 2:
+            return 0
+        if self.exact_ring:
+            stats = self.cerar.ring_all_reduce(flat, op="avg", timeout=self.timeout)
+        else:
+            stats = self.cerar.all_reduce(flat, self.code, op="avg", timeout=self.timeout)
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.ddp import CerarHookState, cerar_hook
+
+        self.hook_state = CerarHookState(
+            process_group=None,
+            construction=self.construction,
+            c=self.c,
+            eps=self.eps,
+            kappa_max=self.kappa_max,
+            exact_ring=self.exact_ring,
+            timeout=self.timeout,
+        )
+        ddp.register_comm_hook(self.hook_state, cerar_hook)
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        if self.hook_state is None:
+            return 0
+        sent = sum(int(s.bytes_sent) for s in self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        return sent
+
+
+def build_aggregator(cfg, world_size: int) -> Aggregator:
+    """The aggregator named by cfg.aggregator (its kind), with c from the root config."""
+    a, timeout = cfg.aggregator, float(cfg.trainer.collective_timeout_s)
+    if a.kind == "nccl":
+        return AllReduceAggregator(world_size, timeout)
+    if a.kind in ("fp16", "bf16"):
+        return LowPrecisionAllReduce(
+            world_size, timeout, torch.float16 if a.kind == "fp16" else torch.bfloat16
+        )
+    if a.kind == "powersgd":
+        return PowerSGDAggregator(world_size, timeout, a.powersgd_rank, a.powersgd_start_iter)
+    if a.kind == "ring":
+        return CerarAggregator(world_size, timeout, cfg.c, "exact", None, None, exact_ring=True)
+    if a.kind == "cerar":
+        return CerarAggregator(
+            world_size, timeout, cfg.c, a.construction, a.eps, a.kappa_max, exact_ring=False
+        )
+    raise ValueError(f"aggregator.kind={a.kind!r} is unknown")

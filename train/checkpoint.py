@@ -1,0 +1,134 @@
+"""Checkpoints: atomic, checksummed, the last K kept, a corrupt latest falling back to the previous.
+
+Layout: <run_dir>/checkpoints/step-00000100.pt and its checksum file step-00000100.pt.sha256.
+A checkpoint is complete only when both exist and the digest matches; the payload is written to a
+temporary file, fsync'd and renamed, then the checksum likewise, then the directory is fsync'd.
+
+The state (built by the loop) holds the model, optimizer and scheduler of the exactly-aggregating
+rank N-1 (under CERAR the only replica with the exact aggregate; under exact aggregators all ranks
+agree) and every rank's own data position and RNG states, so each rank resumes its own stream.
+Only rank N-1 writes; all ranks read (the run directory must be on a shared file system across nodes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^step-(\d{8})\.pt$")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one is required, or one that does not fit this run."""
+
+
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def list_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint payload in the run dir, newest first (complete or not)."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _NAME.match(p.name))]
+    return sorted(found, reverse=True)
+
+
+def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int) -> Path:
+    """Write `state` as the checkpoint of `step` atomically with its SHA-256; keep the newest `keep`."""
+    folder = checkpoint_dir(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    path = folder / f"step-{step:08d}.pt"
+    _atomic_write(path, payload)
+    digest = hashlib.sha256(payload).hexdigest()
+    _atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
+    _fsync_dir(folder)
+    for _, old in list_checkpoints(run_dir)[keep:]:
+        old.unlink(missing_ok=True)
+        old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+    return path
+
+
+def _read_verified(path: Path) -> bytes:
+    """The payload of a checkpoint whose checksum file exists and matches; raise otherwise."""
+    sidecar = path.with_name(path.name + ".sha256")
+    if not sidecar.exists():
+        raise CheckpointError(f"{path.name} has no checksum file (an interrupted write?)")
+    expected = sidecar.read_text().split()[0]
+    payload = path.read_bytes()
+    actual = hashlib.sha256(payload).hexdigest()
+    if actual != expected:
+        raise CheckpointError(
+            f"{path.name} fails its SHA-256 check ({len(payload)} bytes; corrupt or truncated)"
+        )
+    return payload
+
+
+def load_latest_checkpoint(run_dir: str | Path, map_location="cpu") -> tuple[dict, Path] | None:
+    """The newest checkpoint that verifies, falling back over corrupt ones with a warning; None if none."""
+    for _, path in list_checkpoints(run_dir):
+        try:
+            payload = _read_verified(path)
+            state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=False)
+        except Exception as err:  # a damaged file of any kind: try the previous one
+            log.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, err)
+            continue
+        return state, path
+    return None
+
+
+def discard_checkpoints(run_dir: str | Path) -> int:
+    """Remove every checkpoint of the run dir (a fresh run, resume=false, must not be resumed into later)."""
+    removed = 0
+    for _, path in list_checkpoints(run_dir):
+        path.unlink(missing_ok=True)
+        path.with_name(path.name + ".sha256").unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+def rng_states() -> dict:
+    """This process's random number generator states (torch, CUDA, Python, NumPy)."""
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_states(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])

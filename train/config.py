@@ -1,0 +1,275 @@
+"""The one typed configuration object of a training run, and its validation.
+
+The dataclasses below are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`,
+so every YAML file and every command-line override is merged into typed fields: an unknown key
+(a typo) or a value of the wrong type stops the run while Hydra composes the config, before any
+process group exists. `validate()` adds the checks types cannot express (c >= 1, kappa_max >= 1,
+a local data folder that exists, ...) and raises `ConfigError` with one message naming the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """An invalid configuration value; the message names the offending field."""
+
+
+@dataclass
+class ModelConfig:
+    """A GPTNeoX architecture and the optimiser settings Pythia used for that size."""
+
+    name: str = MISSING
+    num_layers: int = MISSING
+    hidden_size: int = MISSING
+    num_heads: int = MISSING
+    intermediate_size: int | None = None  # None: 4 * hidden_size, as in Pythia
+    vocab_size: int = 50304
+    max_position_embeddings: int = 2048
+    rotary_pct: float = 0.25
+    rotary_emb_base: int = 10000
+    use_parallel_residual: bool = True
+    tie_word_embeddings: bool = False
+    layer_norm_eps: float = 1e-5
+    # optimiser (Pythia: Adam betas 0.9/0.95, eps 1e-8, wd 0.01, clip 1.0, 1% warmup, cosine to lr/10)
+    lr: float = MISSING
+    min_lr_ratio: float = 0.1
+    warmup_fraction: float = 0.01
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from. `kind` picks the loader: embedded, pile or local."""
+
+    name: str = MISSING
+    kind: str = MISSING  # embedded | pile | local
+    seq_len: int = 128
+    cache_dir: str = "${oc.env:CERAR_PYTHIA_CACHE,'~/.cache/cerar-pythia'}"
+    # embedded / local: a byte-level BPE tokenizer trained on the training text on first use
+    bpe_vocab_size: int = 8192
+    val_fraction: float = 0.05  # the last documents (embedded/local) form the fixed validation split
+    # local: a folder of .txt (one document per file) and .jsonl (one {"text": ...} per line) files
+    path: str | None = None
+    # pile: a Hugging Face dataset read with streaming
+    dataset: str = "monology/pile-uncopyrighted"
+    dataset_config: str | None = None
+    data_files: str | None = None  # e.g. a local jsonl with dataset=json
+    val_data_files: str | None = None  # with data_files: the files of the validation split
+    train_split: str = "train"
+    val_split: str = "validation"
+    text_field: str = "text"
+    tokenizer: str = "EleutherAI/gpt-neox-20b"  # a hub name or a local directory (pile only)
+    val_docs: int = 200  # documents of the validation split kept as the fixed validation set
+
+
+@dataclass
+class AggregatorConfig:
+    """How gradients are summed across replicas.
+
+    kind: nccl (torch.distributed.all_reduce on the job's backend: gloo on CPU, NCCL on GPU),
+    ring (cerar's exact ring), cerar (coded approximate ring), powersgd, fp16, bf16.
+    """
+
+    name: str = MISSING
+    kind: str = MISSING
+    construction: str = "perturbation"  # cerar: exact | vandermonde | perturbation | optimized
+    eps: float | None = None
+    kappa_max: float | None = None
+    powersgd_rank: int = 1
+    powersgd_start_iter: int = 2
+
+
+@dataclass
+class TrainerConfig:
+    """The loop: steps, batch, precision, evaluation and the diagnostics of approximate aggregation."""
+
+    max_steps: int = 300
+    micro_batch_size: int = 8  # sequences per rank per micro-step
+    grad_accum: int = 1
+    overlap: bool | None = None  # None: false (the paper's measurement) unless the aggregator is hook-only
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    eval_every: int = 50
+    eval_batches: int = 4  # micro-batches per rank in one evaluation
+    log_every: int = 1
+    drift_every: int = 10
+    measure_error_every: int = 0
+    resync_every: int = 0  # 0: never; k: every k steps broadcast parameters from rank N-1
+    collective_timeout_s: float = 300.0
+    progress_bar: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 100  # 0: no periodic checkpoints
+    keep: int = 2
+    at_end: bool = True
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"  # offline | online | disabled
+    project: str = "cerar-pythia"
+    entity: str | None = None
+    group: str | None = None  # None: derived from model, data, aggregator, c and N
+    tags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainConfig:
+    """The root config: `c` and `seed` at the top so that `c=16` works as an override."""
+
+    model: ModelConfig = MISSING
+    data: DataConfig = MISSING
+    aggregator: AggregatorConfig = MISSING
+    c: int = 16
+    seed: int = 1234
+    resume: str = "auto"  # auto | true | false
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+AGGREGATOR_KINDS = ("nccl", "ring", "cerar", "powersgd", "fp16", "bf16")
+HOOK_ONLY_AGGREGATORS = ("powersgd",)
+CERAR_CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
+DATA_KINDS = ("embedded", "pile", "local")
+
+
+def register_configs() -> None:
+    """Make TrainConfig the schema of configs/config.yaml (its defaults list names `train_schema`)."""
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _one_of(value: str, allowed: tuple[str, ...], name: str) -> None:
+    _require(value in allowed, f"{name}={value!r} is not one of {', '.join(allowed)}")
+
+
+def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> None:
+    """Check what the types cannot; raise ConfigError naming the first bad field. No side effects."""
+    m, d, a, t, ck = cfg.model, cfg.data, cfg.aggregator, cfg.trainer, cfg.checkpoint
+    _require(cfg.c >= 1, f"c={cfg.c} must be >= 1 (the number of gradient components)")
+    _one_of(normalise_resume(cfg.resume), ("auto", "true", "false"), "resume")
+    # model
+    _require(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
+    _require(
+        m.hidden_size % m.num_heads == 0,
+        f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}",
+    )
+    _require(m.lr > 0, f"model.lr={m.lr} must be > 0")
+    _require(0 <= m.warmup_fraction < 1, f"model.warmup_fraction={m.warmup_fraction} must be in [0, 1)")
+    _require(0 <= m.min_lr_ratio <= 1, f"model.min_lr_ratio={m.min_lr_ratio} must be in [0, 1]")
+    _require(m.grad_clip >= 0, f"model.grad_clip={m.grad_clip} must be >= 0 (0 disables clipping)")
+    # data
+    _one_of(d.kind, DATA_KINDS, "data.kind")
+    _require(
+        2 <= d.seq_len <= m.max_position_embeddings,
+        f"data.seq_len={d.seq_len} must be in [2, model.max_position_embeddings={m.max_position_embeddings}]",
+    )
+    _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    if d.kind in ("embedded", "local"):
+        _require(
+            256 < d.bpe_vocab_size <= m.vocab_size,
+            f"data.bpe_vocab_size={d.bpe_vocab_size} must be in (256, model.vocab_size={m.vocab_size}]",
+        )
+    if d.kind == "local":
+        _require(d.path is not None, "data.path is required for data=local (a folder of .txt/.jsonl files)")
+        folder = Path(os.path.expanduser(d.path))
+        _require(folder.is_dir(), f"data.path={d.path} is not an existing folder")
+        _require(
+            any(p.suffix in (".txt", ".jsonl") for p in folder.rglob("*")),
+            f"data.path={d.path} holds no .txt or .jsonl files",
+        )
+    # aggregator
+    _one_of(a.kind, AGGREGATOR_KINDS, "aggregator.kind")
+    if a.kind == "cerar":
+        _one_of(a.construction, CERAR_CONSTRUCTIONS, "aggregator.construction")
+        _require(
+            a.kappa_max is None or a.kappa_max >= 1,
+            f"aggregator.kappa_max={a.kappa_max} must be >= 1 (a condition number) or null",
+        )
+        _require(a.eps is None or a.eps > 0, f"aggregator.eps={a.eps} must be > 0 or null")
+    if a.kind == "powersgd":
+        _require(a.powersgd_rank >= 1, f"aggregator.powersgd_rank={a.powersgd_rank} must be >= 1")
+    if a.kind in HOOK_ONLY_AGGREGATORS:
+        _require(
+            t.overlap is not False,
+            f"aggregator={a.name} is a DDP communication hook only; it needs trainer.overlap=true",
+        )
+    # trainer
+    for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every"):
+        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
+    for key in ("eval_every", "drift_every", "measure_error_every", "resync_every"):
+        _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0 (0 disables it)")
+    _one_of(t.device, ("auto", "cpu", "cuda"), "trainer.device")
+    _one_of(t.precision, ("auto", "fp32", "bf16"), "trainer.precision")
+    _require(t.collective_timeout_s > 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0")
+    _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0")
+    _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
+    _one_of(cfg.wandb.mode, ("offline", "online", "disabled"), "wandb.mode")
+    if world_size is not None and a.kind == "cerar":
+        _validate_cerar_code(cfg, world_size)
+
+
+def _validate_cerar_code(cfg, world_size: int) -> None:
+    """Let cerar judge (N, c, construction, eps, kappa_max) before any process group starts."""
+    if world_size < 2:
+        return  # a single process aggregates nothing
+    import cerar
+
+    a = cfg.aggregator
+    try:
+        cerar.make_code(world_size, cfg.c, construction=a.construction, eps=a.eps, kappa_max=a.kappa_max)
+    except ValueError as err:
+        raise ConfigError(f"aggregator={a.name} with N={world_size}, c={cfg.c}: {err}") from None
+
+
+def normalise_resume(value) -> str:
+    """`resume=true` arrives as a bool or the string 'True'; keep one spelling."""
+    return str(value).strip().lower()
+
+
+def effective_overlap(cfg) -> bool:
+    """overlap=null means: the paper's separate aggregation phase, unless the aggregator is hook-only."""
+    if cfg.trainer.overlap is None:
+        return cfg.aggregator.kind in HOOK_ONLY_AGGREGATORS
+    return bool(cfg.trainer.overlap)
+
+
+def config_fingerprint(cfg: DictConfig) -> str:
+    """SHA-256 of the resolved config: ranks exchange it at start to catch mismatched launches."""
+    text = OmegaConf.to_yaml(cfg, resolve=True, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def run_identity(cfg, world_size: int) -> tuple[str, str, list[str]]:
+    """W&B run name, group and tags from model, data, aggregator, c and N."""
+    agg = cfg.aggregator.name + (f"-c{cfg.c}" if cfg.aggregator.kind == "cerar" else "")
+    name = f"{cfg.model.name}_{cfg.data.name}_{agg}_n{world_size}_s{cfg.seed}"
+    group = cfg.wandb.group or f"{cfg.model.name}_{cfg.data.name}_n{world_size}"
+    tags = [
+        cfg.model.name,
+        cfg.data.name,
+        cfg.aggregator.name,
+        f"c={cfg.c}",
+        f"N={world_size}",
+        *cfg.wandb.tags,
+    ]
+    return name, group, tags

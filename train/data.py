@@ -1,0 +1,353 @@
+"""Token streams for training and the fixed validation set.
+
+Three sources, one interface (`DataBundle`):
+- embedded: real English text shipped by the `gensim` package (Wikipedia articles and the Lee news
+  corpus), so a fresh offline machine can train. Tokenised by a byte-level BPE trained with HF
+  `tokenizers` on first use; tokenizer and token arrays are cached under `data.cache_dir`.
+- local: a folder of .txt / .jsonl files, handled like embedded.
+- pile: a Hugging Face dataset streamed with `datasets` (a Pile copy by default), tokenised with
+  `AutoTokenizer` (GPT-NeoX-20B by default).
+
+Each rank reads its own shard; the train stream's position is a small dict (`state_dict`) saved in
+checkpoints so that a resumed run reads exactly the batches an uninterrupted one would have read.
+Cache building is safe under concurrent ranks: a file lock serialises it and files are renamed into
+place atomically, so it needs no process group.
+"""
+
+from __future__ import annotations
+
+import bz2
+import contextlib
+import fcntl
+import hashlib
+import importlib.resources
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+log = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+CACHE_FORMAT = "v1"
+
+
+@dataclass
+class DataBundle:
+    train: Any  # WindowStream | StreamingWindows: next_batch(B) -> LongTensor (B, seq_len + 1)
+    val_batches: list[torch.Tensor]  # this rank's share of the fixed validation set
+    vocab_size: int  # tokens the tokenizer can emit; must fit the model's embedding
+
+
+# ----------------------------------------------------------------------------- text sources
+
+
+def _gensim_test_file(name: str) -> Path:
+    """A file shipped with gensim's test data, located through the installed package."""
+    path = importlib.resources.files("gensim") / "test" / "test_data" / name
+    if not path.is_file():
+        raise FileNotFoundError(f"gensim does not ship {name}; is gensim>=4.3 installed?")
+    return Path(str(path))
+
+
+_WIKI_QUOTES = re.compile(r"'{2,}")
+_WIKI_HEADING = re.compile(r"^\s*=+\s*(.*?)\s*=+\s*$", re.MULTILINE)
+_BLANK_LINES = re.compile(r"\n\s*\n(\s*\n)+")
+
+
+def _clean_wikitext(raw: str) -> str:
+    """Wikitext to plain prose: gensim's filter_wiki drops markup; keep case and punctuation."""
+    from gensim.corpora.wikicorpus import filter_wiki
+
+    text = filter_wiki(raw)
+    text = _WIKI_QUOTES.sub("", text)
+    text = _WIKI_HEADING.sub(r"\1", text)
+    text = "\n".join(line.strip() for line in text.splitlines())
+    return _BLANK_LINES.sub("\n\n", text).strip()
+
+
+def embedded_documents() -> tuple[list[str], list[str]]:
+    """(train, validation) documents of the embedded corpus; the last 5% of each source validate."""
+    from gensim.corpora.wikicorpus import extract_pages
+
+    wiki_file = _gensim_test_file("enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2")
+    with bz2.open(wiki_file) as f:
+        articles = [_clean_wikitext(text) for _, text, _ in extract_pages(f)]
+    articles = [a for a in articles if len(a) > 200 and not a.upper().startswith("#REDIRECT")]
+    news = [line.strip() for line in _gensim_test_file("lee_background.cor").read_text().splitlines()]
+    news = [n for n in news if n]
+    train, val = [], []
+    for docs in (articles, news):
+        cut = len(docs) - max(1, round(0.05 * len(docs)))
+        train += docs[:cut]
+        val += docs[cut:]
+    return train, val
+
+
+def local_files(folder: str) -> list[Path]:
+    root = Path(os.path.expanduser(folder))
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl"))
+
+
+def local_documents(folder: str, text_field: str, val_fraction: float) -> tuple[list[str], list[str]]:
+    """Each .txt file is one document, each .jsonl line one; the last documents validate."""
+    docs: list[str] = []
+    for path in local_files(folder):
+        if path.suffix == ".txt":
+            docs.append(path.read_text(encoding="utf-8", errors="replace"))
+        else:
+            for line in path.read_text(encoding="utf-8").splitlines():
+                if line.strip():
+                    docs.append(json.loads(line)[text_field])
+    docs = [d for d in docs if d.strip()]
+    if len(docs) < 2:
+        raise ValueError(f"data.path={folder} holds {len(docs)} document(s); need at least 2 (train and val)")
+    cut = min(len(docs) - 1, max(1, int(round(len(docs) * (1 - val_fraction)))))
+    return docs[:cut], docs[cut:]
+
+
+# ----------------------------------------------------------------------------- cache
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    """Exclusive advisory lock: one rank builds a cache entry while the others wait."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _atomic_write_bytes(path: Path, payload: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(payload)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _save_array(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.npy")
+    np.save(tmp, array)
+    os.replace(tmp, path)
+
+
+def _tokenize(tokenizer, docs: list[str], eos_id: int) -> np.ndarray:
+    """Concatenate documents, each followed by the end-of-text token."""
+    ids: list[int] = []
+    for enc in tokenizer.encode_batch(docs):
+        ids.extend(enc.ids)
+        ids.append(eos_id)
+    return np.asarray(ids, dtype=np.uint16 if tokenizer.get_vocab_size() < 65536 else np.uint32)
+
+
+def bpe_token_arrays(
+    cache_dir: Path, key: str, vocab_size: int, load_docs
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Train (once) a byte-level BPE on the training documents and tokenise both splits, cached by key."""
+    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+    entry = cache_dir / f"{key}-bpe{vocab_size}-{CACHE_FORMAT}"
+    files = [entry / "tokenizer.json", entry / "train.npy", entry / "val.npy"]
+    with _file_lock(cache_dir / f"{entry.name}.lock"):
+        if not all(f.exists() for f in files):
+            log.info("building tokenizer and token cache in %s (first use only)", entry)
+            entry.mkdir(parents=True, exist_ok=True)
+            train_docs, val_docs = load_docs()
+            tokenizer = ByteLevelBPETokenizer()
+            tokenizer.train_from_iterator(
+                train_docs,
+                vocab_size=vocab_size,
+                min_frequency=2,
+                special_tokens=[EOS_TOKEN],
+                show_progress=False,
+            )
+            eos_id = tokenizer.token_to_id(EOS_TOKEN)
+            _save_array(files[1], _tokenize(tokenizer, train_docs, eos_id))
+            _save_array(files[2], _tokenize(tokenizer, val_docs, eos_id))
+            _atomic_write_bytes(
+                files[0], tokenizer.to_str().encode()
+            )  # written last: marks the entry complete
+    tokenizer = Tokenizer.from_file(str(files[0]))
+    return np.load(files[1]), np.load(files[2]), tokenizer.get_vocab_size()
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+class WindowStream:
+    """Non-overlapping (seq_len + 1)-token windows of a token array, shuffled each epoch by seed,
+    rank r taking every N-th window. Position = (epoch, index into this rank's windows)."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, rank: int, world_size: int, seed: int):
+        self.tokens, self.seq_len = tokens, seq_len
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.num_windows = (len(tokens) - 1) // seq_len
+        if self.num_windows < world_size:
+            raise ValueError(
+                f"{len(tokens)} training tokens give {self.num_windows} windows of "
+                f"{seq_len + 1}; fewer than the {world_size} ranks"
+            )
+        self.epoch, self.index = 0, 0
+        self._order = self._epoch_order()
+
+    def _epoch_order(self) -> np.ndarray:
+        perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.num_windows)
+        usable = (self.num_windows // self.world_size) * self.world_size  # equal shares on every rank
+        return perm[:usable][self.rank :: self.world_size]
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        rows = []
+        for _ in range(batch_size):
+            if self.index >= len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._epoch_order()
+            start = int(self._order[self.index]) * self.seq_len
+            rows.append(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+            self.index += 1
+        return torch.from_numpy(np.stack(rows))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])
+        self._order = self._epoch_order()
+
+
+def validation_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, num_batches: int, rank: int, world_size: int
+) -> list[torch.Tensor]:
+    """This rank's share of the fixed validation set: the first windows of the validation split."""
+    n = (len(tokens) - 1) // seq_len
+    if n < 1:
+        raise ValueError(
+            f"the validation split has {len(tokens)} tokens; fewer than seq_len + 1 = {seq_len + 1}"
+        )
+    wanted = batch_size * num_batches * world_size
+    ids = [(rank + world_size * k) % n for k in range(min(wanted, max(n, world_size)) // world_size)] or [
+        rank % n
+    ]
+    rows = [tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64) for i in ids]
+    windows = torch.from_numpy(np.stack(rows))
+    return list(windows.split(batch_size))
+
+
+class StreamingWindows:
+    """Pack a streamed, tokenised document sequence into windows. Resumable: the state is the number
+    of documents this rank has consumed plus the tokens left over from the last one."""
+
+    def __init__(self, open_stream, encode, eos_id: int, seq_len: int):
+        self.open_stream, self.encode, self.eos_id, self.seq_len = open_stream, encode, eos_id, seq_len
+        self.docs_consumed, self.buffer = 0, []
+        self._iter = None
+
+    def _next_doc(self) -> str:
+        if self._iter is None:
+            self._iter = iter(self.open_stream(self.docs_consumed))
+        try:
+            doc = next(self._iter)
+        except StopIteration:  # end of the stream: start the next pass
+            self.docs_consumed, self._iter = 0, iter(self.open_stream(0))
+            doc = next(self._iter)
+        self.docs_consumed += 1
+        return doc
+
+    def next_batch(self, batch_size: int) -> torch.Tensor:
+        need = batch_size * self.seq_len + 1
+        while len(self.buffer) < need:
+            self.buffer.extend(self.encode(self._next_doc()) + [self.eos_id])
+        rows = [
+            self.buffer[i * self.seq_len : i * self.seq_len + self.seq_len + 1] for i in range(batch_size)
+        ]
+        self.buffer = self.buffer[batch_size * self.seq_len :]
+        return torch.tensor(rows, dtype=torch.long)
+
+    def state_dict(self) -> dict:
+        return {"docs_consumed": self.docs_consumed, "buffer": list(self.buffer)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.docs_consumed, self.buffer = int(state["docs_consumed"]), list(state["buffer"])
+        self._iter = None
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _cache_dir(d) -> Path:
+    return Path(os.path.expanduser(d.cache_dir))
+
+
+def _local_key(d) -> str:
+    listing = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in local_files(d.path)]
+    digest = hashlib.sha256(json.dumps([listing, d.text_field, d.val_fraction]).encode()).hexdigest()[:16]
+    return f"local-{digest}"
+
+
+def _pile_bundle(cfg, rank: int, world_size: int) -> DataBundle:
+    from datasets import load_dataset
+    from datasets.distributed import split_dataset_by_node
+    from transformers import AutoTokenizer
+
+    d, t = cfg.data, cfg.trainer
+    tokenizer = AutoTokenizer.from_pretrained(d.tokenizer)
+    eos_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    data_files = None
+    if d.data_files is not None:
+        data_files = {d.train_split: d.data_files}
+        if d.val_data_files is not None:
+            data_files[d.val_split] = d.val_data_files
+
+    def open_split(split: str, shard: bool, skip: int = 0):
+        ds = load_dataset(d.dataset, d.dataset_config, data_files=data_files, split=split, streaming=True)
+        if shard:
+            ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
+        if skip:
+            ds = ds.skip(skip)
+        return (row[d.text_field] for row in ds)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    val_ids: list[int] = []
+    for i, doc in enumerate(open_split(d.val_split, shard=False)):
+        if i >= d.val_docs:
+            break
+        val_ids.extend(encode(doc) + [eos_id])
+    val_tokens = np.asarray(val_ids, dtype=np.int64)
+    train = StreamingWindows(lambda skip: open_split(d.train_split, True, skip), encode, eos_id, d.seq_len)
+    val = validation_batches(val_tokens, d.seq_len, t.micro_batch_size, t.eval_batches, rank, world_size)
+    return DataBundle(train=train, val_batches=val, vocab_size=len(tokenizer))
+
+
+def build_data(cfg, rank: int, world_size: int) -> DataBundle:
+    """The train stream and validation batches of this rank for cfg.data."""
+    d, t = cfg.data, cfg.trainer
+    if d.kind == "pile":
+        return _pile_bundle(cfg, rank, world_size)
+    if d.kind == "embedded":
+        train_tokens, val_tokens, vocab = bpe_token_arrays(
+            _cache_dir(d), "embedded", d.bpe_vocab_size, embedded_documents
+        )
+    elif d.kind == "local":
+        train_tokens, val_tokens, vocab = bpe_token_arrays(
+            _cache_dir(d),
+            _local_key(d),
+            d.bpe_vocab_size,
+            lambda: local_documents(d.path, d.text_field, d.val_fraction),
+        )
+    else:
+        raise ValueError(f"data.kind={d.kind!r} is not one of embedded, pile, local")
+    train = WindowStream(train_tokens, d.seq_len, rank, world_size, cfg.seed)
+    val = validation_batches(val_tokens, d.seq_len, t.micro_batch_size, t.eval_batches, rank, world_size)
+    return DataBundle(train=train, val_batches=val, vocab_size=vocab)
