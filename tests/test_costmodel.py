@@ -1,0 +1,193 @@
+"""Tests of cerar/costmodel.py: closed forms, fitting, monotonicity, the report CLI."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cerar import costmodel as cm
+
+
+@pytest.mark.parametrize("N", [2, 3, 4, 8, 16, 64])
+@pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
+def test_byte_ratio_matches_closed_form(N, k):
+    c = k * N
+    d = 7 * N * c  # divisible by both c and N: no padding
+    ratio = cm.cerar_values(d, N, c) / cm.ring_values(d, N)
+    assert ratio == pytest.approx((1 + (N - 2) / c) / (2 * (N - 1) / N), rel=1e-14)
+    assert ratio == pytest.approx(cm.byte_ratio_limit(N, c), rel=1e-14)
+    assert cm.cerar_rounds(N, c) == c + N - 2 and cm.ring_rounds(N) == 2 * (N - 1)
+    assert cm.cerar_values(d, N, c) == (c + N - 2) * (d // c)
+    assert cm.ring_values(d, N) == 2 * (N - 1) * (d // N)
+
+
+def test_padding_rounds_up():
+    assert cm.ring_values(10, 4) == 2 * 3 * 3
+    assert cm.cerar_values(10, 4, 3) == 5 * 4
+    assert cm.cerar_work(10, 4, 3) == 3 * 3 * 4 + 3 * 5 * 4 + 2 * 5 * 4
+
+
+def test_c_equal_n_sends_ring_bytes_and_is_never_faster():
+    link = cm.LinkModel(1e-5, 1e9, 1e12)
+    for N in (2, 4, 8, 32):
+        d = N * 1000
+        assert cm.cerar_values(d, N, N) == cm.ring_values(d, N)
+        assert link.cerar_time(d, N, N) >= link.ring_time(d, N)
+
+
+def _synthetic_rows(alpha, beta, gamma, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    rows = []
+    for N in (2, 4, 8):
+        for mb in (1, 4, 16, 64):
+            nbytes = mb * 2**20
+            for agg, c in [("ring", None), ("cerar", N), ("cerar", 2 * N), ("cerar", 4 * N)]:
+                x = cm.features(agg, nbytes // 4, N, c, 4)
+                t = float(np.array([alpha, beta, gamma]) @ x) * (1 + noise * rng.standard_normal())
+                rows.append(
+                    {
+                        "where": "lab",
+                        "rate_mbit": "200",
+                        "aggregator": agg,
+                        "construction": "",
+                        "N": str(N),
+                        "c": "" if c is None else str(c),
+                        "bytes": str(nbytes),
+                        "seconds_median": repr(t),
+                        "seconds_min": repr(t),
+                        "seconds_max": repr(t),
+                        "repeats": "5",
+                    }
+                )
+    return rows
+
+
+def test_fit_recovers_known_parameters_exactly():
+    alpha, beta, gamma = 2e-4, 1 / 25e6, 1 / 3e9
+    f = cm.fit(_synthetic_rows(alpha, beta, gamma))
+    assert f.alpha == pytest.approx(alpha, rel=1e-6)
+    assert f.beta == pytest.approx(beta, rel=1e-9)
+    assert f.gamma == pytest.approx(gamma, rel=1e-6)
+    assert f.rel_rmse < 1e-9 and f.n_rows == 48
+
+
+def test_fit_with_noise_is_close_and_nonnegative():
+    alpha, beta, gamma = 1e-3, 1 / 50e6, 1 / 2e9
+    f = cm.fit(_synthetic_rows(alpha, beta, gamma, noise=0.02, seed=3))
+    assert f.beta == pytest.approx(beta, rel=0.05)
+    assert f.gamma == pytest.approx(gamma, rel=0.3)
+    assert f.alpha >= 0 and f.gamma >= 0
+
+
+def test_fit_clamps_absent_term_to_zero():
+    f = cm.fit(_synthetic_rows(0.0, 1 / 10e6, 0.0))
+    assert f.alpha == 0.0 and f.gamma == 0.0 and f.beta == pytest.approx(1e-7, rel=1e-9)
+    assert math.isinf(f.throughput)
+
+
+def test_fit_rejects_too_few_rows_and_bad_aggregator():
+    rows = _synthetic_rows(1e-4, 1e-8, 1e-9)[:2]
+    with pytest.raises(ValueError, match="at least 3"):
+        cm.fit(rows)
+    with pytest.raises(ValueError, match="unknown aggregator"):
+        cm.features("tree", 100, 4, None)
+    with pytest.raises(ValueError, match="needs c"):
+        cm.features("cerar", 100, 4, None)
+    with pytest.raises(ValueError, match="N"):
+        cm.ring_rounds(1)
+    with pytest.raises(ValueError, match="bandwidth"):
+        cm.LinkModel(1e-5, 0.0, 1e12)
+
+
+def test_monotonicity():
+    link = cm.LinkModel(1e-5, 25e9, 5e12)
+    ds = [10**6, 10**7, 10**8, 10**9]
+    for N in (4, 8, 64):
+        ring = [link.ring_time(d, N) for d in ds]
+        cer = [link.cerar_time(d, N, 4 * N) for d in ds]
+        assert ring == sorted(ring) and cer == sorted(cer)
+    slow, fast = cm.LinkModel(1e-5, 1e9, 5e12), cm.LinkModel(1e-5, 1e11, 5e12)
+    assert slow.ring_time(10**8, 8) > fast.ring_time(10**8, 8)
+    assert slow.cerar_time(10**8, 8, 32) > fast.cerar_time(10**8, 8, 32)
+    # bytes saved matter more on slow links: CERAR's relative advantage shrinks as bandwidth grows
+    adv = [cm.projection(cm.LinkModel(1e-5, bw, 5e12), 10**9, 8)["ar_saving"] for bw in (1e9, 1e10, 1e11)]
+    assert adv[0] > adv[1] > adv[2]
+    # the byte ratio decreases in c towards N/(2(N-1))
+    r = [cm.byte_ratio_limit(8, c) for c in (8, 16, 32, 1024)]
+    assert r == sorted(r, reverse=True) and r[-1] > 8 / 14
+
+
+def test_best_c_beats_grid_and_infinite_throughput_approaches_byte_bound():
+    link = cm.LinkModel(0.0, 1e9, 1e30)
+    d, N = 10**8, 8
+    c, t = link.best_c(d, N)
+    for k in (1, 2, 4, 8):
+        assert t <= link.cerar_time(d, N, k * N) + 1e-15
+    assert t / link.ring_time(d, N) == pytest.approx(N / (2 * (N - 1)), rel=0.02)
+    assert c > 8 * N
+
+
+def test_min_c_for_byte_saving():
+    assert cm.min_c_for_byte_saving(8, 0.47) is None  # bound is 1 - 8/14 = 42.9 %
+    c = cm.min_c_for_byte_saving(8, 0.30)
+    assert cm.byte_ratio_limit(8, c) <= 0.70 < cm.byte_ratio_limit(8, c - 1)
+
+
+def test_cli_report_from_csv(tmp_path):
+    rows = _synthetic_rows(2e-4, 1 / 25e6, 1 / 3e9)
+    path = tmp_path / "allreduce.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(cm.CSV_COLUMNS) + ["extra"])
+        w.writeheader()
+        for r in rows:
+            w.writerow({**r, "extra": "x"})
+    out = tmp_path / "costmodel.md"
+    cp = subprocess.run(
+        [sys.executable, "-m", "cerar.costmodel", "--csv", str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert cp.returncode == 0, cp.stderr
+    text = out.read_text()
+    for heading in ("## Fitted parameters", "## Projections", "## Comparison with the paper", "| 1.4b |"):
+        assert heading in text
+    assert "| lab | 200 | 48 |" in text
+    assert "25.0 MB/s | 1.00 |" in text  # fitted bandwidth and its ratio to the 200 Mbit/s link
+
+
+def test_cli_names_missing_csv_and_columns(tmp_path):
+    cp = subprocess.run(
+        [sys.executable, cm.__file__, "--csv", str(tmp_path / "nope.csv")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cp.returncode == 2 and "nope.csv" in cp.stderr
+    bad = tmp_path / "bad.csv"
+    bad.write_text("where,N\nlab,2\n")
+    cp = subprocess.run(
+        [sys.executable, cm.__file__, "--csv", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert cp.returncode == 2 and "seconds_median" in cp.stderr
+
+
+def test_module_imports_nothing_from_train_or_distributed():
+    """Loaded on its own (not via the cerar package), the module pulls in neither torch nor train."""
+    code = (
+        "import importlib.util, sys; "
+        f"spec = importlib.util.spec_from_file_location('cm', {cm.__file__!r}); "
+        "m = importlib.util.module_from_spec(spec); sys.modules['cm'] = m; spec.loader.exec_module(m); "
+        "print([k for k in sys.modules if k.split('.')[0] in ('torch', 'train', 'cerar')])"
+    )
+    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stderr
+    assert cp.stdout.strip() == "[]", cp.stdout
