@@ -342,12 +342,17 @@ def max_condition(A: np.ndarray) -> float:
     return float(np.max(np.linalg.cond(A)))
 
 
-def _real_part(M: np.ndarray, name: str) -> np.ndarray:
+def _real_part(M: np.ndarray, name: str, kappa_V: float) -> np.ndarray:
+    """The real part of M, after checking that its imaginary part is construction rounding
+    (about the unit roundoff times kappa(V)) and not a sign of points that are not
+    conjugate-closed."""
     scale = max(np.abs(M).max(), 1.0)
-    if np.abs(M.imag).max() > _IMAG_TOLERANCE * scale:
+    tolerance = max(_IMAG_TOLERANCE, 1e-14 * kappa_V)
+    if np.abs(M.imag).max() > tolerance * scale:
         raise ValueError(
-            f"{name} is not real to rounding (imaginary part {np.abs(M.imag).max():.2e} of {scale:.2e}): "
-            "the points are too ill-conditioned to build in float64; choose a larger eps"
+            f"{name} is not real to rounding (imaginary part {np.abs(M.imag).max():.2e} of {scale:.2e}, "
+            f"kappa(V) = {kappa_V:.2e}): the points are too ill-conditioned to build in float64; "
+            "choose a larger eps"
         )
     return np.ascontiguousarray(M.real)
 
@@ -359,8 +364,9 @@ def _freeze(N, c, construction, eps, kappa_max, points) -> Code:
         A = np.eye(c)[None].copy()
         D = np.zeros((1, c, 0))
     else:
-        A = _real_part(encoders(points, N), "A_j")
-        D = _real_part(decoders(points, N), "D_i")
+        kappa_V = np.linalg.cond(np.vander(points, c, increasing=True))
+        A = _real_part(encoders(points, N), "A_j", kappa_V)
+        D = _real_part(decoders(points, N), "D_i", kappa_V)
     return code_from_matrices(N, c, construction, eps, kappa_max, points, A, D)
 
 
