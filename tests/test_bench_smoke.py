@@ -1,0 +1,74 @@
+"""Smoke test of scripts/bench_allreduce.py: tiny sizes, N=2, loopback, real gloo processes.
+
+Checks that every aggregator produces a row with the required CSV columns first, sane values,
+and that the CERAR rows report the closed-form rounds and bytes. No speed is asserted.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cerar
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_allreduce.py"
+REQUIRED = ["where", "rate_mbit", "aggregator", "construction", "N", "c", "bytes",
+            "seconds_median", "seconds_min", "seconds_max", "repeats"]  # fmt: skip
+
+
+def _run(tmp_path, *extra, timeout=240):
+    csv_path = tmp_path / "allreduce.csv"
+    cmd = [sys.executable, str(SCRIPT), "--n", "2", "--sizes-mb", "0.0625,0.25", "--repeats", "2",
+           "--warmup", "1", "--csv", str(csv_path), "--timeout", "200", "--collective-timeout", "60",
+           "--log-dir", str(tmp_path / "logs"), "--figures", "--figures-dir", str(tmp_path / "fig"),
+           *extra]  # fmt: skip
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
+    assert cp.returncode == 0, cp.stdout + cp.stderr + logs
+    with open(csv_path, newline="") as f:
+        reader = csv.DictReader(f)
+        header = reader.fieldnames
+        rows = list(reader)
+    return header, rows
+
+
+@pytest.mark.skipif(
+    not hasattr(cerar, "all_reduce") or not hasattr(cerar, "ring_all_reduce"),
+    reason="cerar.all_reduce / cerar.ring_all_reduce (cerar/protocol.py) not available yet",
+)
+def test_bench_loopback_rows(tmp_path):
+    header, rows = _run(tmp_path, "--constructions", "exact,perturbation", "--c-mult", "1,2")
+    assert header[: len(REQUIRED)] == REQUIRED
+    keys = {(r["aggregator"], r["construction"], r["c"], int(r["bytes"])) for r in rows}
+    for nbytes in (65536, 262144):
+        assert ("nccl", "", "", nbytes) in keys and ("ring", "", "", nbytes) in keys
+        assert ("cerar", "exact", "2", nbytes) in keys
+        assert ("cerar", "perturbation", "4", nbytes) in keys
+    for r in rows:
+        assert r["where"] == "loopback" and r["rate_mbit"] == "" and r["N"] == "2" and r["repeats"] == "2"
+        lo, med, hi = float(r["seconds_min"]), float(r["seconds_median"]), float(r["seconds_max"])
+        assert 0 < lo <= med <= hi
+        if r["aggregator"] == "cerar":
+            N, c, d = 2, int(r["c"]), int(r["bytes"]) // 4
+            assert int(r["rounds"]) == c + N - 2
+            assert int(r["bytes_sent"]) == (c + N - 2) * -(-d // c) * 4
+        if r["aggregator"] != "cerar" or r["construction"] == "exact":
+            assert float(r["rel_error"]) < 1e-5
+    assert (tmp_path / "fig" / "saving_vs_c.png").stat().st_size > 0
+
+
+def test_bench_rejects_bad_flags(tmp_path):
+    for args, word in [
+        (["--n", "1"], "--n"),
+        (["--aggregators", "tree"], "tree"),
+        (["--sizes-mb", "x"], "sizes"),
+    ]:
+        cp = subprocess.run([sys.executable, str(SCRIPT), *args, "--csv", str(tmp_path / "x.csv")],
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert cp.returncode == 2 and word in cp.stderr, cp.stderr
+        assert not (tmp_path / "x.csv").exists()
