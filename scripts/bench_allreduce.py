@@ -146,6 +146,10 @@ def worker(args) -> int:
 
     import cerar
 
+    if not hasattr(cerar, "all_reduce"):  # before cerar/__init__ exports the protocol
+        import cerar.protocol as proto
+
+        cerar.all_reduce, cerar.ring_all_reduce = proto.all_reduce, proto.ring_all_reduce
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=args.collective_timeout)
     dist.init_process_group("gloo", timeout=timeout)

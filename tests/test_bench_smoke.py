@@ -15,15 +15,23 @@ import pytest
 
 import cerar
 
+try:  # cerar.all_reduce, or the protocol module before cerar/__init__ exports it
+    import cerar.protocol as _proto
+
+    HAVE_PROTOCOL = hasattr(_proto, "all_reduce") and hasattr(_proto, "ring_all_reduce")
+except ImportError:
+    HAVE_PROTOCOL = hasattr(cerar, "all_reduce") and hasattr(cerar, "ring_all_reduce")
+needs_protocol = pytest.mark.skipif(not HAVE_PROTOCOL, reason="cerar.all_reduce / ring_all_reduce not available")
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "bench_allreduce.py"
 REQUIRED = ["where", "rate_mbit", "aggregator", "construction", "N", "c", "bytes",
             "seconds_median", "seconds_min", "seconds_max", "repeats"]  # fmt: skip
 
 
-def _run(tmp_path, *extra, timeout=240):
+def _run(tmp_path, *extra, timeout=240, sizes="0.0625,0.25"):
     csv_path = tmp_path / "allreduce.csv"
-    cmd = [sys.executable, str(SCRIPT), "--n", "2", "--sizes-mb", "0.0625,0.25", "--repeats", "2",
+    cmd = [sys.executable, str(SCRIPT), "--n", "2", "--sizes-mb", sizes, "--repeats", "2",
            "--warmup", "1", "--csv", str(csv_path), "--timeout", "200", "--collective-timeout", "60",
            "--log-dir", str(tmp_path / "logs"), "--figures", "--figures-dir", str(tmp_path / "fig"),
            *extra]  # fmt: skip
@@ -37,10 +45,7 @@ def _run(tmp_path, *extra, timeout=240):
     return header, rows
 
 
-@pytest.mark.skipif(
-    not hasattr(cerar, "all_reduce") or not hasattr(cerar, "ring_all_reduce"),
-    reason="cerar.all_reduce / cerar.ring_all_reduce (cerar/protocol.py) not available yet",
-)
+@needs_protocol
 def test_bench_loopback_rows(tmp_path):
     header, rows = _run(tmp_path, "--constructions", "exact,perturbation", "--c-mult", "1,2")
     assert header[: len(REQUIRED)] == REQUIRED
@@ -72,3 +77,27 @@ def test_bench_rejects_bad_flags(tmp_path):
                             capture_output=True, text=True, timeout=60)  # fmt: skip
         assert cp.returncode == 2 and word in cp.stderr, cp.stderr
         assert not (tmp_path / "x.csv").exists()
+
+
+@needs_protocol
+@pytest.mark.netlab
+def test_bench_in_lab_rows(tmp_path):
+    """The --lab path: a 2-host lab at 400 Mbit/s; rows carry the rate and the byte bound."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import netlab
+
+    problem = netlab.requirements_problem()
+    if problem:
+        pytest.skip(problem)
+    header, rows = _run(tmp_path, "--lab", "--rate-mbit", "400", "--quiet", "--constructions", "exact",
+                        "--c-mult", "1", sizes="0.0625,1")  # fmt: skip
+    assert header[: len(REQUIRED)] == REQUIRED
+    assert {r["aggregator"] for r in rows} == {"nccl", "ring", "cerar"}
+    for r in rows:
+        assert r["where"] == "lab" and r["rate_mbit"] == "400"
+        if r["aggregator"] != "nccl":
+            bound = int(r["bytes_sent"]) * 8 / 400e6
+            assert float(r["byte_bound_seconds"]) == pytest.approx(bound)
+            if int(r["bytes"]) == 2**20:
+                # a shaped link cannot beat its rate (a lower bound only; slack for the tbf burst)
+                assert float(r["seconds_min"]) >= bound / 1.3, r
