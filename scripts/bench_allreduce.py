@@ -448,7 +448,7 @@ def make_figures(csv_path: Path, out_dir: Path) -> list[Path]:
                         pts.setdefault(int(r["c"]) / N, []).append(r["_t"])
                 xs = sorted(pts)
                 ax.plot(xs, [1 - statistics.median(pts[x]) / t_ring for x in xs], marker="o",
-                        label=f"{where} {rate} N={N} {cons} ({big:g} MiB)")  # fmt: skip
+                        label=f"{where} {rate + ' Mbit/s ' if rate else ''}N={N} {cons} ({big:g} MiB)")  # fmt: skip
                 from_model = [1 - (1 + (N - 2) / (x * N)) / (2 * (N - 1) / N) for x in xs]
                 ax.plot(xs, from_model, color="gray", linestyle=":", linewidth=0.8)
     ax.axhline(0, color="black", linewidth=0.8)
