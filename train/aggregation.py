@@ -71,18 +71,12 @@ class LowPrecisionAllReduce(Aggregator):
             low = flat.div(self.world_size).to(self.dtype)
             dist.all_reduce(low)
             flat.copy_(low)
-        return ring_allreduce_bytes(
-            flat.numel(), torch.tensor([], dtype=self.dtype).element_size(), self.world_size
-        )
+        return ring_allreduce_bytes(flat.numel(), torch.tensor([], dtype=self.dtype).element_size(), self.world_size)
 
     def register_hook(self, ddp) -> None:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        hook = (
-            default_hooks.fp16_compress_hook
-            if self.dtype == torch.float16
-            else default_hooks.bf16_compress_hook
-        )
+        hook = default_hooks.fp16_compress_hook if self.dtype == torch.float16 else default_hooks.bf16_compress_hook
         ddp.register_comm_hook(None, hook)
 
     def bytes_sent_by_hook(self, numel: int) -> int:
@@ -149,9 +143,7 @@ class CerarAggregator(Aggregator):
         self.name = "ring" if exact_ring else f"cerar-{construction}"
         self.code = None
         if not exact_ring and world_size > 1:
-            self.code = cerar.make_code(
-                world_size, c, construction=construction, eps=eps, kappa_max=kappa_max
-            )
+            self.code = cerar.make_code(world_size, c, construction=construction, eps=eps, kappa_max=kappa_max)
         self.hook_state = None
 
     @property
@@ -179,7 +171,9 @@ class CerarAggregator(Aggregator):
             exact_ring=self.exact_ring,
             timeout=self.timeout,
         )
-        ddp.register_comm_hook(self.hook_state, cerar_hook)
+        # Passed through an unannotated adapter: DDP rejects a hook whose annotations are strings
+        # (cerar.ddp uses `from __future__ import annotations`).
+        ddp.register_comm_hook(self.hook_state, lambda state, bucket: cerar_hook(state, bucket))
 
     def bytes_sent_by_hook(self, numel: int) -> int:
         if self.hook_state is None:
@@ -195,15 +189,11 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
     if a.kind == "nccl":
         return AllReduceAggregator(world_size, timeout)
     if a.kind in ("fp16", "bf16"):
-        return LowPrecisionAllReduce(
-            world_size, timeout, torch.float16 if a.kind == "fp16" else torch.bfloat16
-        )
+        return LowPrecisionAllReduce(world_size, timeout, torch.float16 if a.kind == "fp16" else torch.bfloat16)
     if a.kind == "powersgd":
         return PowerSGDAggregator(world_size, timeout, a.powersgd_rank, a.powersgd_start_iter)
     if a.kind == "ring":
         return CerarAggregator(world_size, timeout, cfg.c, "exact", None, None, exact_ring=True)
     if a.kind == "cerar":
-        return CerarAggregator(
-            world_size, timeout, cfg.c, a.construction, a.eps, a.kappa_max, exact_ring=False
-        )
+        return CerarAggregator(world_size, timeout, cfg.c, a.construction, a.eps, a.kappa_max, exact_ring=False)
     raise ValueError(f"aggregator.kind={a.kind!r} is unknown")

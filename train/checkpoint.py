@@ -89,9 +89,7 @@ def _read_verified(path: Path) -> bytes:
     payload = path.read_bytes()
     actual = hashlib.sha256(payload).hexdigest()
     if actual != expected:
-        raise CheckpointError(
-            f"{path.name} fails its SHA-256 check ({len(payload)} bytes; corrupt or truncated)"
-        )
+        raise CheckpointError(f"{path.name} fails its SHA-256 check ({len(payload)} bytes; corrupt or truncated)")
     return payload
 
 

@@ -109,6 +109,8 @@ class TrainerConfig:
     resync_every: int = 0  # 0: never; k: every k steps broadcast parameters from rank N-1
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
+    bucket_cap_mb: float = 25.0  # DDP bucket size (overlap=true); torch's default 25
+    stop_after_step: int = 0  # >0: end this launch after that step, unfinished (simulates a preemption)
 
 
 @dataclass
@@ -216,7 +218,7 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
     # trainer
     for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every"):
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
-    for key in ("eval_every", "drift_every", "measure_error_every", "resync_every"):
+    for key in ("eval_every", "drift_every", "measure_error_every", "resync_every", "stop_after_step"):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0 (0 disables it)")
     _one_of(t.device, ("auto", "cpu", "cuda"), "trainer.device")
     _one_of(t.precision, ("auto", "fp32", "bf16"), "trainer.precision")

@@ -151,9 +151,7 @@ def _tokenize(tokenizer, docs: list[str], eos_id: int) -> np.ndarray:
     return np.asarray(ids, dtype=np.uint16 if tokenizer.get_vocab_size() < 65536 else np.uint32)
 
 
-def bpe_token_arrays(
-    cache_dir: Path, key: str, vocab_size: int, load_docs
-) -> tuple[np.ndarray, np.ndarray, int]:
+def bpe_token_arrays(cache_dir: Path, key: str, vocab_size: int, load_docs) -> tuple[np.ndarray, np.ndarray, int]:
     """Train (once) a byte-level BPE on the training documents and tokenise both splits, cached by key."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
@@ -175,9 +173,7 @@ def bpe_token_arrays(
             eos_id = tokenizer.token_to_id(EOS_TOKEN)
             _save_array(files[1], _tokenize(tokenizer, train_docs, eos_id))
             _save_array(files[2], _tokenize(tokenizer, val_docs, eos_id))
-            _atomic_write_bytes(
-                files[0], tokenizer.to_str().encode()
-            )  # written last: marks the entry complete
+            _atomic_write_bytes(files[0], tokenizer.to_str().encode())  # written last: marks the entry complete
     tokenizer = Tokenizer.from_file(str(files[0]))
     return np.load(files[1]), np.load(files[2]), tokenizer.get_vocab_size()
 
@@ -231,13 +227,9 @@ def validation_batches(
     """This rank's share of the fixed validation set: the first windows of the validation split."""
     n = (len(tokens) - 1) // seq_len
     if n < 1:
-        raise ValueError(
-            f"the validation split has {len(tokens)} tokens; fewer than seq_len + 1 = {seq_len + 1}"
-        )
+        raise ValueError(f"the validation split has {len(tokens)} tokens; fewer than seq_len + 1 = {seq_len + 1}")
     wanted = batch_size * num_batches * world_size
-    ids = [(rank + world_size * k) % n for k in range(min(wanted, max(n, world_size)) // world_size)] or [
-        rank % n
-    ]
+    ids = [(rank + world_size * k) % n for k in range(min(wanted, max(n, world_size)) // world_size)] or [rank % n]
     rows = [tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64) for i in ids]
     windows = torch.from_numpy(np.stack(rows))
     return list(windows.split(batch_size))
@@ -267,9 +259,7 @@ class StreamingWindows:
         need = batch_size * self.seq_len + 1
         while len(self.buffer) < need:
             self.buffer.extend(self.encode(self._next_doc()) + [self.eos_id])
-        rows = [
-            self.buffer[i * self.seq_len : i * self.seq_len + self.seq_len + 1] for i in range(batch_size)
-        ]
+        rows = [self.buffer[i * self.seq_len : i * self.seq_len + self.seq_len + 1] for i in range(batch_size)]
         self.buffer = self.buffer[batch_size * self.seq_len :]
         return torch.tensor(rows, dtype=torch.long)
 

@@ -118,13 +118,9 @@ class Trainer:
         self.numel = sum(p.numel() for p in self.params)
         self.state = TrainState()
         self.timer = PhaseTimer(device)
-        use_bf16 = cfg.trainer.precision == "bf16" or (
-            cfg.trainer.precision == "auto" and device.type == "cuda"
-        )
+        use_bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and device.type == "cuda")
         self.autocast = (
-            (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-            if use_bf16
-            else contextlib.nullcontext
+            (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
         )
         self.tokens_per_step = self.t.micro_batch_size * self.t.grad_accum * cfg.data.seq_len * world_size
 
@@ -233,9 +229,7 @@ class Trainer:
         with self.timer.phase("optimizer"):
             if finite:
                 if self.cfg.model.grad_clip > 0:
-                    record["grad_norm"] = float(
-                        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.model.grad_clip)
-                    )
+                    record["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.model.grad_clip))
                 self.optimizer.step()
                 self.scheduler.step()
             else:
@@ -244,9 +238,7 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.state.step = step
         self.state.tokens += self.tokens_per_step
-        record.update(
-            {"train_loss_local": loss, "bytes_sent": bytes_sent, "skipped_steps": self.state.skipped_steps}
-        )
+        record.update({"train_loss_local": loss, "bytes_sent": bytes_sent, "skipped_steps": self.state.skipped_steps})
         return {k: v for k, v in record.items() if v is not None}
 
     # ------------------------------------------------------------------ diagnostics
@@ -323,9 +315,12 @@ class Trainer:
                 self.save_checkpoint()
             if bar is not None:
                 bar.update(1)
+            if t.stop_after_step and start_step < t.stop_after_step <= step and not last:
+                break
         if bar is not None:
             bar.close()
-        if self.state.last_val_loss is None or start_step == t.max_steps:
+        finished = self.state.step == t.max_steps
+        if finished and (self.state.last_val_loss is None or start_step == t.max_steps):
             self.state.last_val_loss = self.evaluate()
         return {
             "wall_seconds": time.perf_counter() - start_wall,

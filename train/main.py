@@ -50,16 +50,17 @@ def fail(message: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def run(cfg: DictConfig) -> None:
+def run(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """One training run writing into run_dir; returns its summary (None when stopped early)."""
     launch = launch_from_env()
     validate(cfg, world_size=launch.world_size)  # before any process group: bad input stops here
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     resume = normalise_resume(cfg.resume)
     if launch.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
 
     device = pick_device(cfg, launch)
-    init_process_group(launch, device, cfg.trainer.collective_timeout_s)
+    if not dist.is_initialized():  # train/sweep.py starts the group once for several runs
+        init_process_group(launch, device, cfg.trainer.collective_timeout_s)
     check_same_config(config_fingerprint(cfg), device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
 
@@ -91,7 +92,9 @@ def run(cfg: DictConfig) -> None:
 
     overlap = effective_overlap(cfg)
     ddp = torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[device.index] if device.type == "cuda" else None
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=ddp_bucket_cap_mb(cfg, model, device, overlap),
     )
     if overlap:
         aggregator.register_hook(ddp)
@@ -114,25 +117,39 @@ def run(cfg: DictConfig) -> None:
 
     trainer.logger = RunLogger(cfg, run_dir, launch.world_size, launch.rank == 0, trainer.state.step)
     result = trainer.fit()
-    trainer.logger.summary(
-        {
-            "final_step": trainer.state.step,
-            "final_val_loss": trainer.state.last_val_loss,
-            "wall_seconds": result["wall_seconds"],
-            "tokens": trainer.state.tokens,
-            "param_sha256": parameter_sha256(model),
-            "skipped_steps": trainer.state.skipped_steps,
-            "resumed_from_step": resumed_from,
-            "world_size": launch.world_size,
-            "aggregator": cfg.aggregator.name,
-            "c": cfg.c,
-            "overlap": overlap,
-            "parameters": count_parameters(model),
-        }
-    )
+    if trainer.state.step < cfg.trainer.max_steps:  # trainer.stop_after_step: a simulated preemption
+        log.warning("stopped after step %d of %d (trainer.stop_after_step)", trainer.state.step, cfg.trainer.max_steps)
+        trainer.logger.close()
+        dist.barrier()
+        return None
+    summary = {
+        "final_step": trainer.state.step,
+        "final_val_loss": trainer.state.last_val_loss,
+        "wall_seconds": result["wall_seconds"],
+        "tokens": trainer.state.tokens,
+        "param_sha256": parameter_sha256(model),
+        "skipped_steps": trainer.state.skipped_steps,
+        "resumed_from_step": resumed_from,
+        "world_size": launch.world_size,
+        "aggregator": cfg.aggregator.name,
+        "c": cfg.c,
+        "overlap": overlap,
+        "parameters": count_parameters(model),
+    }
+    trainer.logger.summary(summary)
     trainer.logger.close()
     dist.barrier()
-    dist.destroy_process_group()
+    return summary
+
+
+def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: bool) -> float:
+    """trainer.bucket_cap_mb, except PowerSGD on gloo gets one bucket: its chained collectives, issued
+    from future callbacks of several buckets, can interleave differently on different ranks there."""
+    cap = float(cfg.trainer.bucket_cap_mb)
+    if overlap and cfg.aggregator.kind == "powersgd" and device.type == "cpu":
+        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        cap = max(cap, model_mb + 1.0)
+    return cap
 
 
 def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: int, device) -> int | None:
@@ -146,9 +163,7 @@ def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: in
     loaded = ckpt.load_latest_checkpoint(run_dir, map_location=device)
     if loaded is None:
         if resume == "true":
-            raise ckpt.CheckpointError(
-                f"resume=true but {ckpt.checkpoint_dir(run_dir)} holds no valid checkpoint"
-            )
+            raise ckpt.CheckpointError(f"resume=true but {ckpt.checkpoint_dir(run_dir)} holds no valid checkpoint")
         return None
     state, path = loaded
     trainer.restore(state)
@@ -159,9 +174,12 @@ def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: in
 @hydra.main(config_path="../configs", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> None:
     try:
-        run(cfg)
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
     except (ConfigError, ckpt.CheckpointError) as err:
         fail(str(err))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

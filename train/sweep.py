@@ -1,0 +1,94 @@
+"""Several training runs in one launch: one process group, imports paid once, runs side by side.
+
+    torchrun --nproc_per_node=4 train/sweep.py outputs/sweep \\
+        "nccl: aggregator=nccl" "ring: aggregator=ring" "cerar16: aggregator=cerar c=16" \\
+        -- model=pythia-14m trainer.max_steps=20
+
+The first argument is the folder that receives one sub-folder per run; each run is "LABEL: OVERRIDES"
+(positional, so torchrun's own options cannot swallow them); everything after `--` applies to every
+run. All configs are composed and validated before the process group starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: import `train` from the repo root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+import torch.distributed as dist
+from hydra import compose, initialize_config_dir
+
+from train.checkpoint import CheckpointError
+from train.config import ConfigError, register_configs, validate
+from train.distributed import init_process_group, launch_from_env, pick_device
+from train.main import fail, run
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    common: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, common = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", help="folder that receives one sub-folder per run")
+    parser.add_argument("runs", nargs="+", metavar="LABEL: OVERRIDES", help="a run's label and its overrides")
+    args = parser.parse_args(argv)
+    parsed = []
+    for spec in args.runs:
+        label, sep, overrides = spec.partition(":")
+        if not sep or not label.strip():
+            parser.error(f"run {spec!r} is not of the form 'LABEL: OVERRIDES'")
+        parsed.append((label.strip(), overrides))
+    args.runs = parsed
+    return args, common
+
+
+def compose_runs(args: argparse.Namespace, common: list[str]):
+    register_configs()
+    runs = []
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        for label, overrides in args.runs:
+            cfg = compose(config_name="config", overrides=common + shlex.split(overrides))
+            runs.append((label, cfg))
+    return runs
+
+
+def main(argv: list[str]) -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args, common = parse_args(argv)
+    launch = launch_from_env()
+    try:
+        runs = compose_runs(args, common)
+        for label, cfg in runs:
+            try:
+                validate(cfg, world_size=launch.world_size)
+            except ConfigError as err:
+                raise ConfigError(f"run {label}: {err}") from None
+        device = pick_device(runs[0][1], launch)
+        init_process_group(launch, device, max(cfg.trainer.collective_timeout_s for _, cfg in runs))
+        summaries = {}
+        for label, cfg in runs:
+            summaries[label] = run(cfg, Path(args.out) / label)
+        if launch.rank == 0:
+            print(json.dumps({"sweep": summaries}, indent=2))
+    except (ConfigError, CheckpointError) as err:
+        fail(str(err))
+    except Exception as err:  # hydra composition errors (unknown option, bad type) and the like
+        if type(err).__module__.startswith(("hydra", "omegaconf")):
+            fail(f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
