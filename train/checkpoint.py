@@ -23,12 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train.config import UserError
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^step-(\d{8})\.pt$")
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     """No usable checkpoint where one is required, or one that does not fit this run."""
 
 

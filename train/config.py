@@ -18,7 +18,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A problem with what the user asked for (config, run directory): reported as one line, no traceback."""
+
+
+class ConfigError(UserError, ValueError):
     """An invalid configuration value; the message names the offending field."""
 
 

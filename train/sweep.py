@@ -24,10 +24,10 @@ if __package__ in (None, ""):  # run as a script: import `train` from the repo r
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
-from train.checkpoint import CheckpointError
-from train.config import ConfigError, register_configs, validate
+from train.config import ConfigError, UserError, register_configs, validate
 from train.distributed import init_process_group, launch_from_env, pick_device
-from train.main import fail, run
+from train.main import fail
+from train.run import run
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> None:
             summaries[label] = run(cfg, Path(args.out) / label)
         if launch.rank == 0:
             print(json.dumps({"sweep": summaries}, indent=2))
-    except (ConfigError, CheckpointError) as err:
+    except UserError as err:
         fail(str(err))
     except Exception as err:  # hydra composition errors (unknown option, bad type) and the like
         if type(err).__module__.startswith(("hydra", "omegaconf")):

@@ -1,0 +1,162 @@
+"""The Hydra configs: Pythia parameter counts, every group option composes and validates, and each
+invalid override stops the run at start with one clear message (no traceback, no process group)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from train.config import ConfigError, config_fingerprint, register_configs, validate
+from train.model import build_model, count_parameters
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+register_configs()
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+PYTHIA_PARAMETERS = {
+    "pythia-70m": 70_426_624,
+    "pythia-160m": 162_322_944,
+    "pythia-410m": 405_334_016,
+    "pythia-1b": 1_011_781_632,
+    "pythia-1.4b": 1_414_647_808,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PYTHIA_PARAMETERS))
+def test_pythia_parameter_counts_on_meta_device(name):
+    cfg = composed(f"model={name}")
+    model = build_model(cfg.model, device="meta")
+    assert count_parameters(model) == PYTHIA_PARAMETERS[name]
+    hf = model.config
+    assert hf.num_hidden_layers == cfg.model.num_layers and hf.vocab_size == 50304
+    assert hf.use_parallel_residual and not hf.tie_word_embeddings
+    assert hf.max_position_embeddings == 2048
+
+
+def test_pythia_optimizer_settings():
+    lrs = {"14m": 1e-3, "31m": 1e-3, "70m": 1e-3, "160m": 6e-4, "410m": 3e-4, "1b": 3e-4, "1.4b": 2e-4}
+    for size, lr in lrs.items():
+        m = composed(f"model=pythia-{size}").model
+        assert m.lr == pytest.approx(lr)
+        assert (m.adam_beta1, m.adam_beta2, m.adam_eps) == (0.9, 0.95, 1e-8)
+        assert (m.min_lr_ratio, m.warmup_fraction, m.weight_decay, m.grad_clip) == (0.1, 0.01, 0.01, 1.0)
+        assert m.rotary_pct == 0.25 and m.intermediate_size == 4 * m.hidden_size
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
+
+
+def test_every_group_option_composes_and_validates(tmp_path):
+    (tmp_path / "a.txt").write_text("some text")
+    assert {"nccl", "ring", "cerar", "cerar_vandermonde", "cerar_perturbation", "cerar_optimized", "powersgd",
+            "fp16", "bf16"} <= set(_options("aggregator"))
+    assert {"embedded", "pile", "local", } == set(_options("data"))
+    for model in _options("model"):
+        validate(composed(f"model={model}"))
+    for data in _options("data"):
+        validate(composed(f"data={data}", f"data.path={tmp_path}", "model=pythia-70m"))
+    for aggregator in _options("aggregator"):
+        cfg = composed(f"aggregator={aggregator}", "c=4")
+        validate(cfg, world_size=4 if aggregator != "cerar_vandermonde" else 2)
+
+
+def test_root_defaults_are_the_cpu_quick_start():
+    cfg = composed()
+    assert (cfg.model.name, cfg.data.name, cfg.aggregator.name) == ("tiny", "embedded", "nccl")
+    assert cfg.c == 16 and cfg.wandb.mode == "offline" and cfg.resume == "auto"
+    assert composed("c=16", "aggregator=cerar").aggregator.construction == "perturbation"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["c=0"], "c=0 must be >= 1"),
+        (["aggregator=cerar", "aggregator.kappa_max=0.5"], "aggregator.kappa_max=0.5"),
+        (["aggregator=cerar", "aggregator.construction=magic"], "aggregator.construction='magic'"),
+        (["data=local"], "data.path is required"),
+        (["trainer.max_steps=0"], "trainer.max_steps=0"),
+        (["resume=maybe"], "resume='maybe'"),
+        (["wandb.mode=sometimes"], "wandb.mode='sometimes'"),
+        (["aggregator=powersgd", "trainer.overlap=false"], "needs trainer.overlap=true"),
+        (["data.seq_len=4096"], "data.seq_len=4096"),
+        (["model.num_heads=5"], "divisible by model.num_heads=5"),
+    ],
+)
+def test_validate_names_the_bad_field(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate(composed(*overrides))
+
+
+def test_cerar_code_is_judged_by_cerar_before_start():
+    with pytest.raises(ConfigError, match="N=2, c=16"):
+        validate(composed("aggregator=cerar", "c=16"), world_size=2)
+    validate(composed("aggregator=cerar", "c=16"), world_size=4)
+
+
+def test_resume_accepts_booleans():
+    validate(composed("resume=true"))
+    validate(composed("resume=false"))
+
+
+def test_fingerprint_changes_with_any_override():
+    assert config_fingerprint(composed()) == config_fingerprint(composed())
+    assert config_fingerprint(composed()) != config_fingerprint(composed("seed=1"))
+
+
+# Each entry: overrides, a piece of the one error message. Run as real processes of train/main.py.
+INVALID_OVERRIDES = [
+    (["aggregator=foo"], "Could not find 'aggregator/foo'"),
+    (["model=bar"], "Could not find 'model/bar'"),
+    (["data=baz"], "Could not find 'data/baz'"),
+    (["c=0"], "c=0 must be >= 1"),
+    (["c=abc"], "could not be converted to Integer"),
+    (["aggregator=cerar", "aggregator.kappa_max=0.5"], "aggregator.kappa_max=0.5 must be >= 1"),
+    (["aggregator=cerar", "aggregator.kappa_max=high"], "could not be converted to Float"),
+    (["data=local"], "data.path is required"),
+    (["data=local", "data.path=/nonexistent/corpus"], "data.path=/nonexistent/corpus is not an existing folder"),
+    (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
+]
+
+
+def _run_main(overrides: list[str], tmp: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "CERAR_PYTHIA_CACHE": str(tmp / "cache"), **(env_extra or {})}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None) if not env_extra or key not in env_extra else None
+    cmd = [sys.executable, str(ROOT / "train" / "main.py"), *overrides, f"hydra.run.dir={tmp / 'run'}",
+           "wandb.mode=disabled"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+
+@pytest.mark.timeout(300)
+def test_invalid_overrides_exit_with_one_clear_message(tmp_path):
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda case: _run_main(case[0], tmp_path), INVALID_OVERRIDES))
+    for (overrides, message), proc in zip(INVALID_OVERRIDES, results, strict=True):
+        output = proc.stdout + proc.stderr
+        assert proc.returncode != 0, overrides
+        assert message in output, (overrides, output)
+        assert "Traceback" not in output, (overrides, output)
+        assert "parameters;" not in output, (overrides, output)  # the model was never built
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(120)
+def test_cerar_code_rejected_before_process_group(tmp_path):
+    # WORLD_SIZE as torchrun sets it, but no rendezvous exists: reaching init_process_group would hang/fail.
+    proc = _run_main(["aggregator=cerar", "c=16"], tmp_path, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    assert proc.returncode == 2
+    assert "error: aggregator=cerar with N=2, c=16" in proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -1,0 +1,152 @@
+"""One training run, top to bottom: validate, start the process group, build data, model, optimizer
+and aggregator, resume if asked, train, write the summary. Entry points: train/main.py (Hydra) and
+train/sweep.py (several runs in one launch).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from train import checkpoint as ckpt
+from train.aggregation import build_aggregator
+from train.config import ConfigError, config_fingerprint, effective_overlap, normalise_resume, validate
+from train.data import build_data
+from train.distributed import check_same_config, init_process_group, launch_from_env, pick_device
+from train.loop import Trainer
+from train.metrics import RunLogger, parameter_sha256
+from train.model import build_model, count_parameters, optimizer_param_groups
+from train.schedule import build_scheduler
+
+log = logging.getLogger("train")
+
+
+def run(cfg: DictConfig, run_dir: Path) -> dict | None:
+    """One training run writing into run_dir; returns its summary (None when stopped early)."""
+    launch = launch_from_env()
+    validate(cfg, world_size=launch.world_size)  # before any process group: bad input stops here
+    resume = normalise_resume(cfg.resume)
+    if launch.rank != 0:
+        logging.getLogger().setLevel(logging.WARNING)
+
+    device = pick_device(cfg, launch)
+    if not dist.is_initialized():  # train/sweep.py starts the group once for several runs
+        init_process_group(launch, device, cfg.trainer.collective_timeout_s)
+    check_same_config(config_fingerprint(cfg), device)
+    torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
+
+    data = build_data(cfg, launch.rank, launch.world_size)
+    if data.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
+            f"{data.vocab_size} tokens (data={cfg.data.name}); pick a Pythia model or raise it"
+        )
+    model = build_model(cfg.model, device)
+    log.info(
+        "model %s: %s parameters; %d ranks on %s; aggregator %s (c=%d)",
+        cfg.model.name,
+        f"{count_parameters(model):,}",
+        launch.world_size,
+        device,
+        cfg.aggregator.name,
+        cfg.c,
+    )
+    m = cfg.model
+    optimizer = torch.optim.AdamW(
+        optimizer_param_groups(model, m.weight_decay),
+        lr=m.lr,
+        betas=(m.adam_beta1, m.adam_beta2),
+        eps=m.adam_eps,
+    )
+    scheduler = build_scheduler(optimizer, m, cfg.trainer.max_steps)
+    aggregator = build_aggregator(cfg, launch.world_size)
+
+    overlap = effective_overlap(cfg)
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        bucket_cap_mb=ddp_bucket_cap_mb(cfg, model, device, overlap),
+    )
+    if overlap:
+        aggregator.register_hook(ddp)
+
+    trainer = Trainer(
+        cfg,
+        ddp=ddp,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        data=data,
+        aggregator=aggregator,
+        logger=None,
+        device=device,
+        rank=launch.rank,
+        world_size=launch.world_size,
+        run_dir=run_dir,
+        overlap=overlap,
+    )
+    resumed_from = resume_or_start_fresh(trainer, run_dir, resume, launch.rank, device)
+
+    trainer.logger = RunLogger(cfg, run_dir, launch.world_size, launch.rank == 0, trainer.state.step)
+    result = trainer.fit()
+    if trainer.state.step < cfg.trainer.max_steps:  # trainer.stop_after_step: a simulated preemption
+        log.warning("stopped after step %d of %d (trainer.stop_after_step)", trainer.state.step, cfg.trainer.max_steps)
+        trainer.logger.close()
+        dist.barrier()
+        return None
+    summary = {
+        "final_step": trainer.state.step,
+        "final_val_loss": trainer.state.last_val_loss,
+        "wall_seconds": result["wall_seconds"],
+        "tokens": trainer.state.tokens,
+        "param_sha256": parameter_sha256(model),
+        "skipped_steps": trainer.state.skipped_steps,
+        "resumed_from_step": resumed_from,
+        "world_size": launch.world_size,
+        "aggregator": cfg.aggregator.name,
+        "c": cfg.c,
+        "overlap": overlap,
+        "parameters": count_parameters(model),
+    }
+    trainer.logger.summary(summary)
+    trainer.logger.close()
+    dist.barrier()
+    return summary
+
+
+def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: bool) -> float:
+    """trainer.bucket_cap_mb, except PowerSGD on gloo gets one bucket: its chained collectives, issued
+    from future callbacks of several buckets, can interleave differently on different ranks there."""
+    cap = float(cfg.trainer.bucket_cap_mb)
+    if overlap and cfg.aggregator.kind == "powersgd" and device.type == "cpu":
+        model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+        cap = max(cap, model_mb + 1.0)
+    return cap
+
+
+def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: int, device) -> int | None:
+    """resume=auto: continue from the newest valid checkpoint if any; true: require one; false: fresh."""
+    if resume == "false":
+        dist.barrier()
+        if rank == 0 and (removed := ckpt.discard_checkpoints(run_dir)):
+            log.warning("resume=false: removed %d old checkpoint(s) in %s", removed, run_dir)
+        dist.barrier()
+        return None
+    loaded = ckpt.load_latest_checkpoint(run_dir, map_location=device)
+    if loaded is None:
+        if resume == "true":
+            raise ckpt.CheckpointError(f"resume=true but {ckpt.checkpoint_dir(run_dir)} holds no valid checkpoint")
+        return None
+    state, path = loaded
+    trainer.restore(state)
+    log.info("resumed from %s (step %d)", path, trainer.state.step)
+    return trainer.state.step
+
+
+def finish() -> None:
+    """Tear down the process group if this process started one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
