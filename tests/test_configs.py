@@ -61,9 +61,22 @@ def _options(group: str) -> list[str]:
 
 def test_every_group_option_composes_and_validates(tmp_path):
     (tmp_path / "a.txt").write_text("some text")
-    assert {"nccl", "ring", "cerar", "cerar_vandermonde", "cerar_perturbation", "cerar_optimized", "powersgd",
-            "fp16", "bf16"} <= set(_options("aggregator"))
-    assert {"embedded", "pile", "local", } == set(_options("data"))
+    assert {
+        "nccl",
+        "ring",
+        "cerar",
+        "cerar_vandermonde",
+        "cerar_perturbation",
+        "cerar_optimized",
+        "powersgd",
+        "fp16",
+        "bf16",
+    } <= set(_options("aggregator"))
+    assert {
+        "embedded",
+        "pile",
+        "local",
+    } == set(_options("data"))
     for model in _options("model"):
         validate(composed(f"model={model}"))
     for data in _options("data"):
@@ -135,8 +148,13 @@ def _run_main(overrides: list[str], tmp: Path, env_extra: dict | None = None) ->
     env = {**os.environ, "CERAR_PYTHIA_CACHE": str(tmp / "cache"), **(env_extra or {})}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None) if not env_extra or key not in env_extra else None
-    cmd = [sys.executable, str(ROOT / "train" / "main.py"), *overrides, f"hydra.run.dir={tmp / 'run'}",
-           "wandb.mode=disabled"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "train" / "main.py"),
+        *overrides,
+        f"hydra.run.dir={tmp / 'run'}",
+        "wandb.mode=disabled",
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
 
 

@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import hashlib
 import importlib.resources
+import itertools
 import json
 import logging
 import os
@@ -302,9 +303,9 @@ def _pile_bundle(cfg, rank: int, world_size: int) -> DataBundle:
         ds = load_dataset(d.dataset, d.dataset_config, data_files=data_files, split=split, streaming=True)
         if shard:
             ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
-        if skip:
-            ds = ds.skip(skip)
-        return (row[d.text_field] for row in ds)
+        texts = (row[d.text_field] for row in ds)
+        # Skip in Python: IterableDataset.skip after split_dataset_by_node skips the unsplit stream.
+        return itertools.islice(texts, skip, None)
 
     def encode(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,205 @@
+"""Single-process pieces of the harness: checkpoints, LR schedule, data streams and loaders."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from train import checkpoint as ckpt
+from train.config import register_configs
+from train.data import (
+    WindowStream,
+    bpe_token_arrays,
+    build_data,
+    embedded_documents,
+    local_documents,
+    validation_batches,
+)
+from train.schedule import lr_multiplier
+
+ROOT = Path(__file__).resolve().parents[1]
+register_configs()
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def _state(step: int) -> dict:
+    return {"step": step, "weights": torch.full((4,), float(step))}
+
+
+def test_checkpoints_keep_the_last_k(tmp_path):
+    for step in (1, 2, 3, 4):
+        ckpt.save_checkpoint(tmp_path, step, _state(step), keep=2)
+    assert [s for s, _ in ckpt.list_checkpoints(tmp_path)] == [4, 3]
+    state, path = ckpt.load_latest_checkpoint(tmp_path)
+    assert state["step"] == 4 and path.name == "step-00000004.pt"
+    assert not list(ckpt.checkpoint_dir(tmp_path).glob(".*tmp*"))  # no temporary files left behind
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_checksum"])
+def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, caplog, damage):
+    for step in (5, 10):
+        ckpt.save_checkpoint(tmp_path, step, _state(step), keep=3)
+    latest = ckpt.checkpoint_dir(tmp_path) / "step-00000010.pt"
+    payload = bytearray(latest.read_bytes())
+    if damage == "flip":
+        payload[len(payload) // 2] ^= 0xFF
+        latest.write_bytes(bytes(payload))
+    elif damage == "truncate":
+        latest.write_bytes(bytes(payload[: len(payload) // 3]))
+    else:
+        latest.with_name(latest.name + ".sha256").unlink()
+    with caplog.at_level(logging.WARNING):
+        state, path = ckpt.load_latest_checkpoint(tmp_path)
+    assert state["step"] == 5 and torch.equal(state["weights"], torch.full((4,), 5.0))
+    assert "step-00000010.pt is unusable" in caplog.text
+
+
+def test_no_checkpoint_and_discard(tmp_path):
+    assert ckpt.load_latest_checkpoint(tmp_path) is None
+    ckpt.save_checkpoint(tmp_path, 1, _state(1), keep=1)
+    assert ckpt.discard_checkpoints(tmp_path) == 1
+    assert ckpt.load_latest_checkpoint(tmp_path) is None
+
+
+def test_rng_states_round_trip():
+    saved = ckpt.rng_states()
+    first = (torch.rand(3), np.random.rand(3))
+    ckpt.set_rng_states(saved)
+    again = (torch.rand(3), np.random.rand(3))
+    assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1])
+
+
+# ----------------------------------------------------------------------------- schedule
+
+
+def test_lr_schedule_warms_up_then_decays_to_a_tenth():
+    steps = 1000
+    values = [lr_multiplier(s, steps, 0.01, 0.1) for s in range(steps)]
+    assert values[0] == pytest.approx(0.1) and values[9] == pytest.approx(1.0)  # 10 warmup steps
+    assert all(b <= a + 1e-12 for a, b in zip(values[10:], values[11:], strict=False))
+    assert lr_multiplier(steps, steps, 0.01, 0.1) == pytest.approx(0.1)
+    assert values[-1] > 0.1
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_window_stream_shards_are_disjoint_and_resumable():
+    tokens = np.arange(10_000, dtype=np.uint16)
+    streams = [WindowStream(tokens, 16, rank, 2, seed=7) for rank in range(2)]
+    firsts = [s.next_batch(8)[:, 0].tolist() for s in streams]
+    assert not set(firsts[0]) & set(firsts[1])
+    batch = streams[0].next_batch(4)
+    assert torch.equal(batch[:, 1:], batch[:, :-1] + 1)  # contiguous windows of seq_len + 1 tokens
+    state = streams[0].state_dict()
+    expected = [streams[0].next_batch(50) for _ in range(30)]  # crosses epoch boundaries
+    resumed = WindowStream(tokens, 16, 0, 2, seed=7)
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert all(torch.equal(e, resumed.next_batch(50)) for e in expected)
+
+
+def test_validation_batches_are_fixed_and_split_across_ranks():
+    tokens = np.arange(2_000, dtype=np.uint16)
+    a = validation_batches(tokens, 16, 4, 2, rank=0, world_size=2)
+    b = validation_batches(tokens, 16, 4, 2, rank=1, world_size=2)
+    assert len(a) == 2 and a[0].shape == (4, 17)
+    assert not set(torch.cat(a)[:, 0].tolist()) & set(torch.cat(b)[:, 0].tolist())
+    assert torch.equal(torch.cat(a), torch.cat(validation_batches(tokens, 16, 4, 2, rank=0, world_size=2)))
+
+
+def _cfg(**data):
+    """The composed root config with data.* overrides and a small batch."""
+    overrides = [f"data={data.pop('kind')}", "trainer.micro_batch_size=2", "trainer.eval_batches=2"]
+    overrides += [f"data.{k}={v}" for k, v in data.items()]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_embedded_corpus_is_real_english_with_a_fixed_split(tmp_path):
+    train, val = embedded_documents()
+    assert len(train) > 300 and 5 <= len(val) < len(train) // 10
+    text = " ".join(train)
+    assert "alphabet" in text and " the " in text and "[[" not in text
+    cfg = _cfg(kind="embedded", cache_dir=str(tmp_path), seq_len=32)
+    bundle = build_data(cfg, rank=0, world_size=2)
+    assert bundle.vocab_size <= 8192 and bundle.train.num_windows > 10_000
+    assert bundle.train.next_batch(2).shape == (2, 33)
+    cached = sorted(p.name for p in next(p for p in tmp_path.glob("embedded-*") if p.is_dir()).iterdir())
+    assert cached == ["tokenizer.json", "train.npy", "val.npy"]
+
+
+def test_local_folder_of_txt_and_jsonl(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "cat", "sleeps", "on", "mat"]
+    rng = np.random.default_rng(0)
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words, 400)))
+    with open(corpus / "more.jsonl", "w") as f:
+        for _ in range(6):
+            f.write(json.dumps({"text": " ".join(rng.choice(words, 400))}) + "\n")
+    train, val = local_documents(str(corpus), "text", 0.2)
+    assert len(train) + len(val) == 12 and len(val) >= 2
+    cfg = _cfg(
+        name="local",
+        kind="local",
+        path=str(corpus),
+        cache_dir=str(tmp_path / "cache"),
+        seq_len=16,
+        bpe_vocab_size=300,
+        val_fraction=0.2,
+    )
+    bundle = build_data(cfg, rank=1, world_size=2)
+    assert bundle.vocab_size <= 300 and bundle.train.next_batch(3).shape == (3, 17)
+    assert bundle.val_batches and bundle.val_batches[0].shape[1] == 17
+
+
+def test_pile_loader_streams_a_local_jsonl_with_a_local_tokenizer(tmp_path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    docs = [f"Document number {i} says hello to the streaming loader. " * 20 for i in range(40)]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:30]))
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[30:]))
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(docs, vocab_size=400, special_tokens=["<|endoftext|>"], show_progress=False)
+    PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>").save_pretrained(
+        tmp_path / "tok"
+    )
+    cfg = _cfg(
+        name="pile",
+        kind="pile",
+        dataset="json",
+        data_files=str(tmp_path / "train.jsonl"),
+        val_data_files=str(tmp_path / "val.jsonl"),
+        tokenizer=str(tmp_path / "tok"),
+        seq_len=32,
+        val_docs=5,
+    )
+    bundle = build_data(cfg, rank=0, world_size=2)
+    assert bundle.vocab_size <= 400 and bundle.val_batches[0].shape == (2, 33)
+    bundle.train.next_batch(2)
+    state = json.loads(json.dumps(bundle.train.state_dict()))
+    expected = [bundle.train.next_batch(2) for _ in range(5)]
+    again = build_data(cfg, rank=0, world_size=2).train
+    again.load_state_dict(state)
+    assert all(torch.equal(e, again.next_batch(2)) for e in expected)
+
+
+def test_bpe_cache_is_built_once(tmp_path):
+    calls = []
+
+    def docs():
+        calls.append(1)
+        return ["alpha beta gamma delta " * 50] * 4, ["alpha beta " * 50]
+
+    first = bpe_token_arrays(tmp_path, "unit", 300, docs)
+    second = bpe_token_arrays(tmp_path, "unit", 300, docs)
+    assert len(calls) == 1 and np.array_equal(first[0], second[0]) and first[2] == second[2]
