@@ -1,18 +1,27 @@
-"""CERAR: ring-based coded approximate all-reduce.
+"""CERAR: ring-based coded approximate all-reduce for data-parallel training.
 
 Public API:
-    make_code(N, c, construction, eps, kappa_max) -> Code
-    simulate(G, code) -> each simulated worker's result
+    make_code(N, c, construction, eps, kappa_max) -> Code     the code (``cerar.codes``)
+    simulate(G, code)                                          all N workers in one process
+    all_reduce(tensor, code, group, op, timeout) -> stats      CERAR between processes
+    ring_all_reduce(tensor, group, op, timeout) -> stats       the exact ring baseline
+    cerar.ddp.CerarHookState, cerar.ddp.cerar_hook             the DDP communication hook
 """
 
 from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, LOW_PRECISION_KAPPA_LIMIT, Code, make_code
+from cerar.protocol import DEFAULT_TIMEOUT, AllReduceStats, CollectiveError, all_reduce, ring_all_reduce
 from cerar.simulate import simulate
 
 __all__ = [
     "CONSTRUCTIONS",
     "DEFAULT_KAPPA_MAX",
+    "DEFAULT_TIMEOUT",
     "LOW_PRECISION_KAPPA_LIMIT",
+    "AllReduceStats",
     "Code",
+    "CollectiveError",
+    "all_reduce",
     "make_code",
+    "ring_all_reduce",
     "simulate",
 ]

@@ -162,9 +162,7 @@ def _validated(N, c, construction, eps, kappa_max):
     if kappa_max is not None and not (isinstance(kappa_max, (int, float)) and kappa_max >= 1):
         raise ValueError(f"kappa_max must be a number >= 1, got {kappa_max!r}")
     if construction == "exact" and c > N:
-        raise ValueError(
-            f"construction 'exact' needs c <= N (only N N-th roots of unity exist), got c={c}, N={N}"
-        )
+        raise ValueError(f"construction 'exact' needs c <= N (only N N-th roots of unity exist), got c={c}, N={N}")
     eps = None if eps is None else float(eps)
     kappa_max = None if kappa_max is None else float(kappa_max)
     return int(N), int(c), construction, eps, kappa_max

@@ -1,25 +1,28 @@
-"""The L rounds of the CERAR protocol, written once for one worker or a batch of simulated workers.
+"""One worker's side of the L rounds of the CERAR protocol, written once for every caller.
 
-Both the distributed ``cerar.all_reduce`` and the single-process oracle ``cerar.simulate`` run this
-loop; they differ only in ``exchange``, which sends x_i(t) to worker i+1 and returns y_i(t) from
-worker i-1 (point-to-point messages, or a roll of the batch).
+Both the distributed ``cerar.all_reduce`` and the single-process oracle ``cerar.simulate`` drive
+``CodedRingWorker`` objects; they differ only in how x_i(t) reaches worker i+1 (point-to-point
+messages, or a hand-over between objects in one process).
 
 Per round t = 1..L at worker i (spec, "The protocol at worker i"):
-    x_i(t)    = u_i(t) + yhat_i(t-1)          u_i(t) = row t of A_i G_i, zero for t > c
+    x_i(t)    = yhat_i(t-1) + u_i(t)          u_i(t) = row t of A_i G_i, zero for t > c
     y_i(t)    = what worker i-1 sent
     yhat_i(t) = y_i(t) - u_i(t - N + 1)       its own injection, back after going round once
     acc_i    += D_i[:, t] yhat_i(t)           decoding as blocks arrive
 and finally S_hat_i = G_i + acc_i.
 
-Storage beyond the input: the accumulator (c blocks), the injections of the last N rounds
-(N blocks) and the block in flight: (1 + (N + 1)/c) d. Encoding is one row of A_i times G_i per
-round and decoding one rank-1 update per round, both batched matrix products on G's device.
+Storage beyond the input is the accumulator (c blocks) and the two blocks in flight, (1 + 2/c) d:
+instead of keeping the last N-1 injections (the spec's (1 + N/c) d), each injection is recomputed
+from G_i when it comes back round, so encoding costs 2 c d multiply-adds instead of c d. Every
+step is an in-place batched matrix product on G's device.
+
+G_i arrives as rows of length m in two parts, ``head`` (the rows that are a view of the caller's
+tensor) and ``tail`` (the last, zero-padded rows), so the input is never copied whole.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from contextlib import contextmanager
 
 import torch
@@ -60,41 +63,52 @@ class PhaseTimer:
         return dict(self.seconds)
 
 
-def run_rounds(
-    G: torch.Tensor,
-    A: torch.Tensor,
-    D: torch.Tensor,
-    N: int,
-    exchange: Callable[[torch.Tensor, int], torch.Tensor],
-    timer: PhaseTimer | None = None,
-) -> torch.Tensor:
-    """Run the L rounds for a batch of B workers and return S_hat (B x c x m, G's dtype).
+class CodedRingWorker:
+    """One worker's state through the L rounds: ``outgoing(t)`` forms x(t), ``incoming(t, y)``
+    takes y(t), and ``result()`` is S_hat once all L rounds have run.
 
-    G: [B, c, m] the workers' component matrices; A: [B, c, c]; D: [B, c, L] in G's dtype and on
-    G's device. ``exchange(x, t)`` sends x ([B, m], worker b's x(t)) round the ring and returns the
-    [B, m] blocks received in round t. The returned tensor is freshly allocated.
+    head: [1, k, m] and tail: [1, c-k, m], the rows of the worker's G (k may be 0 or c).
+    A: [1, c, c] and D: [1, c, L] are A_i and D_i in G's dtype on G's device. first_message is a
+    zeroed [1, 1, m] buffer that becomes x(1); each received block becomes the next message, in
+    place, so the caller must receive each round into a buffer other than the one it sent.
+    The distributed protocol and the oracle drive the same objects, so they do the same arithmetic.
     """
-    timer = timer or PhaseTimer(G.device, enabled=False)
-    B, c, m = G.shape
-    L = D.shape[-1]
-    acc = torch.zeros_like(G)
-    injections = G.new_zeros(N, B, 1, m)  # u(t) lives in slot t mod N until round t + N - 1
-    yhat = G.new_zeros(B, 1, m)
-    for t in range(1, L + 1):
-        if t <= c:
-            with timer.phase("encode"):
-                u_t = injections[t % N]
-                torch.bmm(A[:, t - 1 : t, :], G, out=u_t)
-                x = yhat.add_(u_t)
-        else:
-            x = yhat
-        with timer.phase("comm"):
-            y = exchange(x.view(B, m), t).view(B, 1, m)
-        with timer.phase("decode"):
-            s = t - N + 1
-            if 1 <= s <= c:
-                y.sub_(injections[s % N])
-            yhat = y
-            acc.baddbmm_(D[:, :, t - 1 : t], yhat)
-    with timer.phase("decode"):
-        return acc.add_(G)
+
+    def __init__(self, head, tail, A, D, N: int, first_message: torch.Tensor, timer: PhaseTimer | None = None):
+        self.head, self.tail, self.A, self.D, self.N = head, tail, A, D, N
+        self.c = A.shape[-1]
+        self.timer = timer or PhaseTimer(head.device, enabled=False)
+        self.acc = head.new_zeros(1, self.c, head.shape[-1])
+        self.yhat = first_message
+
+    def _add_injection(self, block: torch.Tensor, t: int, sign: int) -> None:
+        """block += sign * u(t), u(t) = row t of A_i G_i, with G_i = [head; tail]."""
+        k = self.head.shape[1]
+        if k:
+            block.baddbmm_(self.A[:, t - 1 : t, :k], self.head, alpha=sign)
+        if self.tail.shape[1]:
+            block.baddbmm_(self.A[:, t - 1 : t, k:], self.tail, alpha=sign)
+
+    def outgoing(self, t: int) -> torch.Tensor:
+        """x(t) = yhat(t-1) + u(t), formed in place in yhat's buffer."""
+        if t <= self.c:
+            with self.timer.phase("encode"):
+                self._add_injection(self.yhat, t, +1)
+        return self.yhat
+
+    def incoming(self, t: int, y: torch.Tensor) -> None:
+        """yhat(t) = y(t) - u(t - N + 1), in place in y's buffer; acc += D_i[:, t] yhat(t)."""
+        with self.timer.phase("decode"):
+            s = t - self.N + 1
+            if 1 <= s <= self.c:
+                self._add_injection(y, s, -1)
+            self.yhat = y
+            self.acc.baddbmm_(self.D[:, :, t - 1 : t], y)
+
+    def result(self) -> torch.Tensor:
+        """S_hat = G + acc, as [1, c, m] (in the accumulator's buffer)."""
+        with self.timer.phase("decode"):
+            k = self.head.shape[1]
+            self.acc[:, :k] += self.head
+            self.acc[:, k:] += self.tail
+        return self.acc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cerar.codes import Code
-from cerar.rounds import run_rounds
+from cerar.rounds import CodedRingWorker
 
 TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -47,16 +47,21 @@ def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False):
         raise ValueError(f"G must have shape [N, d] with N={code.N} (the code's N), got {tuple(G.shape)}")
     N, d = G.shape
     c, m = code.c, code.m_for(d)
-    blocks = G.new_zeros(N, c * m)
-    blocks[:, :d] = G
+    rows = G.new_zeros(N, c * m)
+    rows[:, :d] = G
+    rows = rows.view(N, c, m)
+    k = d // m  # split G's rows as the distributed version does: those inside the tensor, the rest
     A, D = code_matrices(code, G.dtype, G.device)
-    sent = 0
-
-    def exchange(x: torch.Tensor, t: int) -> torch.Tensor:
-        nonlocal sent
-        sent += x.shape[-1]
-        return torch.roll(x, shifts=1, dims=0)  # worker i receives what worker i-1 sent
-
     with torch.no_grad():
-        result = run_rounds(blocks.view(N, c, m), A, D, N, exchange).view(N, c * m)[:, :d].clone()
-    return (result, sent) if return_values_sent else result
+        workers = [
+            CodedRingWorker(
+                rows[i : i + 1, :k], rows[i : i + 1, k:], A[i : i + 1], D[i : i + 1], N, G.new_zeros(1, 1, m)
+            )
+            for i in range(N)
+        ]
+        for t in range(1, code.L + 1):
+            sent = [worker.outgoing(t).clone() for worker in workers]
+            for i, worker in enumerate(workers):
+                worker.incoming(t, sent[i - 1])  # worker i receives what worker i-1 sent
+        result = torch.cat([worker.result() for worker in workers]).view(N, c * m)[:, :d]
+    return (result, code.L * m) if return_values_sent else result

@@ -1,0 +1,358 @@
+"""CERAR and the exact ring all-reduce between processes, on ``torch.distributed`` point-to-point.
+
+One code path for gloo (CPU tensors) and NCCL (CUDA tensors): every round is one
+``dist.batch_isend_irecv`` of a send to the next rank and a receive from the previous one in the
+group's rank order, waited for with a timeout. Encoding and decoding are batched matrix products on
+the tensor's device (see ``cerar.rounds``).
+
+Costs per call, for a tensor of d values (m = ceil(d/c)):
+
+=================  =========================  ==============================
+                   ``all_reduce`` (CERAR)     ``ring_all_reduce`` (exact)
+=================  =========================  ==============================
+rounds             L = c + N - 2              2 (N - 1)
+values sent        L m ~ (1 + (N-2)/c) d      2 (N - 1) ceil(d/N)
+extra storage      (c + 2) m ~ (1 + 2/c) d    2 ceil(d/N), plus a padded copy
+                                              when N does not divide d
+arithmetic         2 c d encode + L c m       (N - 1) ceil(d/N) additions
+                   decode multiply-adds
+error              the code's (0 for exact)   none
+=================  =========================  ==============================
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from cerar.codes import Code
+from cerar.rounds import CodedRingWorker, PhaseTimer
+from cerar.simulate import check_transport_dtype, code_matrices
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+"""How long one round may wait for its peers before the call fails."""
+
+OPS = ("sum", "avg")
+
+PROTOCOL_VERSION = 1
+"""Bumped whenever the rounds or the code matrices change: ranks of different versions refuse to mix."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective could not complete: a peer died, stalled past the timeout, or disagreed."""
+
+
+@dataclass
+class AllReduceStats:
+    """What one call cost this rank. Times are this rank's wall-clock seconds per phase."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rounds: int = 0
+    seconds_encode: float = 0.0
+    seconds_comm: float = 0.0
+    seconds_decode: float = 0.0
+    peak_extra_bytes: int = 0
+
+    @property
+    def seconds_total(self) -> float:
+        return self.seconds_encode + self.seconds_comm + self.seconds_decode
+
+
+# ------------------------------------------------------------------------------------------------
+# Ring plumbing shared by both protocols
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Ring:
+    group: dist.ProcessGroup | None
+    size: int
+    rank: int
+    next_rank: int  # global ranks, as P2POp wants them
+    prev_rank: int
+    timeout: timedelta
+    operation: str
+
+    @classmethod
+    def of(cls, group, timeout, operation: str) -> _Ring:
+        if not dist.is_available() or not dist.is_initialized():
+            raise CollectiveError(f"{operation}: torch.distributed is not initialised (call init_process_group)")
+        size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        if rank < 0:
+            raise ValueError(f"{operation}: this process is not a member of the given group")
+
+        def global_rank(r):
+            return r if group is None else dist.get_global_rank(group, r)
+
+        return cls(
+            group,
+            size,
+            rank,
+            global_rank((rank + 1) % size),
+            global_rank((rank - 1) % size),
+            _as_timedelta(timeout),
+            operation,
+        )
+
+    def wait(self, work, what: str, peer: int | None = None) -> None:
+        """Wait for ``work`` with the timeout, turning any failure into a CollectiveError that
+        names the operation and the peer."""
+        try:
+            work.wait(self.timeout)
+        except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
+            peer_text = f" with rank {peer}" if peer is not None else ""
+            raise CollectiveError(
+                f"{self.operation}: {what}{peer_text} failed or timed out "
+                f"(timeout {self.timeout.total_seconds():g}s): {error}"
+            ) from error
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor, what: str) -> None:
+        """Send to the next rank and receive from the previous one, concurrently."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.next_rank, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
+        ]
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except Exception as error:
+            raise CollectiveError(f"{self.operation}: {what}: could not post messages: {error}") from error
+        self.wait(works[1], f"{what}: receive", self.prev_rank)
+        self.wait(works[0], f"{what}: send", self.next_rank)
+
+
+def _as_timedelta(timeout) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"timeout must be seconds or a timedelta, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {seconds}")
+    return timedelta(seconds=seconds)
+
+
+def _check_tensor(tensor, operation: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{operation}: tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_floating_point():
+        raise ValueError(f"{operation}: tensor must be floating point (float32 or float64), got dtype {tensor.dtype}")
+
+
+def _check_op(op: str, operation: str) -> None:
+    if op not in OPS:
+        raise ValueError(f"{operation}: op must be one of {OPS}, got {op!r}")
+
+
+def _bytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ------------------------------------------------------------------------------------------------
+# Agreement before the first round
+# ------------------------------------------------------------------------------------------------
+
+_agreed: set[tuple] = set()
+
+
+def _agreement_key(ring: _Ring, fields: tuple) -> tuple:
+    return (id(ring.group), ring.size, fields)
+
+
+def check_agreement(ring: _Ring, fields: dict[str, object]) -> None:
+    """Check once per (group, fields) that every rank holds the same ``fields``; a disagreement
+    raises on every rank, naming the field and the ranks, instead of hanging in the rounds."""
+    key = _agreement_key(ring, tuple(fields.items()))
+    if key in _agreed:
+        return
+    digests = [_digest(value) for value in fields.values()]
+    mine = torch.tensor(digests, dtype=torch.int64)
+    device = _group_device(ring.group)
+    gathered = [torch.empty_like(mine, device=device) for _ in range(ring.size)]
+    ring.wait(
+        dist.all_gather(gathered, mine.to(device), group=ring.group, async_op=True),
+        "checking that all ranks agree on the call",
+    )
+    table = torch.stack([g.cpu() for g in gathered])
+    for column, name in enumerate(fields):
+        values = table[:, column]
+        if not torch.all(values == values[0]):
+            disagreeing = [r for r in range(ring.size) if values[r] != values[ring.rank]]
+            raise CollectiveError(
+                f"{ring.operation}: ranks disagree on {name} (this rank, {ring.rank}, has "
+                f"{fields[name]!r}; ranks {disagreeing} differ): every rank must pass the same {name}"
+            )
+    _agreed.add(key)
+
+
+def _digest(value) -> int:
+    if isinstance(value, bytes):
+        data = value
+    elif isinstance(value, float):
+        data = struct.pack("<d", value)
+    else:
+        data = repr(value).encode()
+    return int.from_bytes(hashlib.sha256(data).digest()[:7], "little")
+
+
+def _group_device(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+# ------------------------------------------------------------------------------------------------
+# CERAR
+# ------------------------------------------------------------------------------------------------
+
+_device_codes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _worker_matrices(code: Code, i: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A_i [1, c, c] and D_i [1, c, L] on the device, cached per (code, worker, dtype, device)."""
+    key = (id(code), i, dtype, str(device))
+    if key not in _device_codes:
+        A, D = code_matrices(code, dtype, device)
+        _device_codes[key] = (A[i : i + 1].contiguous(), D[i : i + 1].contiguous())
+    return _device_codes[key]
+
+
+def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", timeout=None) -> AllReduceStats:
+    """Approximate all-reduce of ``tensor`` in place with the CERAR code ``code``.
+
+    Like ``dist.all_reduce``: every rank of ``group`` calls it with a tensor of the same shape and
+    gets (approximately) the sum, or with ``op="avg"`` the mean, of all of them. Rank i of the
+    group plays worker i of the code; the last rank gets the exact result for the closed-form
+    constructions. Any shape and contiguity; float32/float64, and float16/bfloat16 only for codes
+    with kappa <= ``cerar.LOW_PRECISION_KAPPA_LIMIT``. Raises ValueError for bad input and
+    CollectiveError when a peer fails, stalls past ``timeout`` (seconds or timedelta, per round,
+    default 5 minutes) or disagrees on the code or the length.
+    """
+    operation = "cerar.all_reduce"
+    _check_tensor(tensor, operation)
+    _check_op(op, operation)
+    if not isinstance(code, Code):
+        raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
+    check_transport_dtype(tensor.dtype, code, "tensor")
+    ring = _Ring.of(group, timeout, operation)
+    if ring.size != code.N:
+        raise ValueError(
+            f"{operation}: the code was built for N={code.N} workers but the group has {ring.size} ranks; "
+            f"use cerar.make_code({ring.size}, c, ...)"
+        )
+    d = tensor.numel()
+    check_agreement(
+        ring,
+        {
+            "N": code.N,
+            "c": code.c,
+            "construction": code.construction,
+            "eps": code.eps,
+            "kappa_max": code.kappa_max,
+            "cerar protocol version": PROTOCOL_VERSION,
+            "tensor length d": d,
+            "dtype": str(tensor.dtype),
+        },
+    )
+    stats = AllReduceStats(rounds=code.L)
+    if code.N == 1 or d == 0:
+        return stats
+
+    timer = PhaseTimer(tensor.device)
+    c, m, N = code.c, code.m_for(d), code.N
+    flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
+    k = d // m  # rows of G that lie wholly inside the tensor: used in place
+    head = flat[: k * m].view(1, k, m)
+    tail = flat.new_zeros(1, c - k, m)
+    tail.view(-1)[: d - k * m] = flat[k * m :]
+    A, D = _worker_matrices(code, ring.rank, tensor.dtype, tensor.device)
+    messages = flat.new_zeros(2, 1, 1, m)  # x(t) goes out of one while y(t) arrives in the other
+
+    worker = CodedRingWorker(head, tail, A, D, N, messages[0], timer)
+    with torch.no_grad():
+        for t in range(1, code.L + 1):
+            x = worker.outgoing(t)
+            y = messages[t % 2]
+            with timer.phase("comm"):
+                ring.shift(x.view(-1), y.view(-1), f"round {t}/{code.L}")
+            worker.incoming(t, y)
+        result = worker.result().view(-1)[:d]
+        if op == "avg":
+            result.div_(N)
+        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+            tensor.copy_(result.view(tensor.shape))
+        else:
+            flat.copy_(result)
+
+    seconds = timer.totals()
+    stats.bytes_sent = stats.bytes_received = code.L * m * tensor.element_size()
+    stats.seconds_encode = seconds.get("encode", 0.0)
+    stats.seconds_comm = seconds.get("comm", 0.0)
+    stats.seconds_decode = seconds.get("decode", 0.0)
+    accumulator = c * m * tensor.element_size()
+    copy = _bytes(flat) if flat.data_ptr() != tensor.data_ptr() else 0
+    stats.peak_extra_bytes = accumulator + _bytes(tail, messages) + copy
+    return stats
+
+
+# ------------------------------------------------------------------------------------------------
+# The exact ring baseline
+# ------------------------------------------------------------------------------------------------
+
+
+def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum", timeout=None) -> AllReduceStats:
+    """Exact ring all-reduce in place (reduce-scatter, then all-gather) on the same point-to-point
+    rounds as ``all_reduce``: the apples-to-apples baseline for CERAR.
+
+    Each rank sends 2 (N - 1) ceil(d/N) values in 2 (N - 1) rounds.
+    """
+    operation = "cerar.ring_all_reduce"
+    _check_tensor(tensor, operation)
+    _check_op(op, operation)
+    ring = _Ring.of(group, timeout, operation)
+    N, d = ring.size, tensor.numel()
+    check_agreement(ring, {"tensor length d": d, "dtype": str(tensor.dtype)})
+    stats = AllReduceStats(rounds=2 * (N - 1) if N > 1 else 0)
+    if N == 1 or d == 0:
+        return stats
+
+    timer = PhaseTimer(tensor.device)
+    chunk = -(-d // N)
+    in_place = tensor.is_contiguous() and d == N * chunk
+    flat = tensor.view(-1) if in_place else tensor.new_zeros(N * chunk)
+    if not in_place:
+        flat[:d] = tensor.reshape(-1)
+    chunks = flat.view(N, chunk)
+    incoming = flat.new_empty(chunk)
+    i = ring.rank
+    with torch.no_grad():
+        for step in range(N - 1):  # reduce-scatter: chunk (i + 1) ends up complete at rank i
+            with timer.phase("comm"):
+                ring.shift(chunks[(i - step) % N], incoming, f"reduce-scatter step {step + 1}/{N - 1}")
+            with timer.phase("decode"):
+                chunks[(i - step - 1) % N] += incoming
+        for step in range(N - 1):  # all-gather: pass the complete chunks round
+            with timer.phase("comm"):
+                ring.shift(chunks[(i + 1 - step) % N], chunks[(i - step) % N], f"all-gather step {step + 1}/{N - 1}")
+        with timer.phase("decode"):
+            if op == "avg":
+                flat.div_(N)
+            if not in_place:
+                tensor.copy_(flat[:d].view(tensor.shape))
+
+    seconds = timer.totals()
+    stats.bytes_sent = stats.bytes_received = 2 * (N - 1) * chunk * tensor.element_size()
+    stats.seconds_comm = seconds.get("comm", 0.0)
+    stats.seconds_decode = seconds.get("decode", 0.0)
+    stats.peak_extra_bytes = _bytes(incoming) + (0 if in_place else _bytes(flat))
+    return stats

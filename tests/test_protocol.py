@@ -1,0 +1,253 @@
+"""CERAR and the exact ring between real processes (gloo), against the single-process oracle."""
+
+import os
+import resource
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cerar
+from tests.distributed import WorkerError, run_workers
+
+
+def gradients(N: int, d: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    """Every worker's gradient, identical in every process: row i belongs to rank i."""
+    return torch.randn(N, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+def code_for(N: int, c: int) -> cerar.Code:
+    return cerar.make_code(N, c, "exact") if c <= N else cerar.make_code(N, c, "perturbation", eps=0.05)
+
+
+CASES_D = (1001, 3)  # odd d, and d < c for the larger c
+
+
+def cases(N):
+    return [(c, d) for c in (1, N, 2 * N + 1) for d in CASES_D]
+
+
+# --- results equal the oracle ---------------------------------------------------------------------
+
+
+def _all_cases_worker(rank, N):
+    out = []
+    for k, (c, d) in enumerate(cases(N)):
+        G = gradients(N, d, seed=k)
+        mine = G[rank].clone()
+        stats = cerar.all_reduce(mine, code_for(N, c))
+        reference = G[rank].clone()
+        dist.all_reduce(reference)
+        ring = G[rank].clone()
+        ring_stats = cerar.ring_all_reduce(ring)
+        out.append((mine, stats, reference, ring, ring_stats))
+    return out
+
+
+@pytest.mark.parametrize("N", [2, 3, 4, 5])
+def test_every_rank_gets_what_the_oracle_computes_and_exact_codes_match_dist_all_reduce(N):
+    results = run_workers(_all_cases_worker, N)
+    for k, (c, d) in enumerate(cases(N)):
+        code = code_for(N, c)
+        expected = cerar.simulate(gradients(N, d, seed=k), code)
+        for rank in range(N):
+            mine, stats, reference, ring, ring_stats = results[rank][k]
+            scale = expected[rank].norm()
+            assert (mine - expected[rank]).norm() <= 1e-6 * scale, (c, d, rank)
+            if code.is_exact:
+                assert (mine - reference).norm() <= 1e-6 * reference.norm(), (c, d, rank)
+            assert (ring - reference).norm() <= 1e-6 * reference.norm(), (d, rank)
+            # the byte counts of the rate table, exactly
+            assert stats.rounds == c + N - 2
+            assert stats.bytes_sent == stats.bytes_received == (c + N - 2) * -(-d // c) * 4
+            assert ring_stats.rounds == 2 * (N - 1)
+            assert ring_stats.bytes_sent == 2 * (N - 1) * -(-d // N) * 4
+
+
+def _shapes_worker(rank, N):
+    code = cerar.make_code(N, 8, "perturbation", eps=0.05)
+    G = gradients(N, 6 * 7, seed=1, dtype=torch.float64)
+    matrix = G[rank].clone().view(6, 7).t()  # non-contiguous, two-dimensional
+    cerar.all_reduce(matrix, code, op="avg")
+    ring = G[rank].clone().view(6, 7).t()
+    cerar.ring_all_reduce(ring, op="avg")
+    return matrix.clone(), ring, matrix.is_contiguous()
+
+
+def test_any_shape_and_contiguity_in_place_with_averaging_in_float64():
+    N = 3
+    results = run_workers(_shapes_worker, N)
+    G = gradients(N, 42, seed=1, dtype=torch.float64)
+    logical = torch.stack([g.view(6, 7).t().reshape(-1) for g in G])  # elements in the tensor's own order
+    expected = cerar.simulate(logical, cerar.make_code(N, 8, "perturbation", eps=0.05)) / N
+    for rank, (matrix, ring, contiguous) in enumerate(results):
+        assert not contiguous and matrix.shape == (7, 6)
+        assert torch.allclose(matrix.reshape(-1), expected[rank], rtol=1e-10, atol=1e-12)
+        assert torch.allclose(ring.reshape(-1), logical.mean(0), rtol=1e-10, atol=1e-12)
+
+
+# --- memory ---------------------------------------------------------------------------------------
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _memory_worker(rank, N, c, d):
+    code = cerar.make_code(N, c, "perturbation", eps=0.2)
+    warmup = torch.ones(4 * c)
+    cerar.all_reduce(warmup, code)  # connections and caches, before measuring
+    tensor = torch.randn(d, generator=torch.Generator().manual_seed(rank))
+    before = max(_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    stats = cerar.all_reduce(tensor, code)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak - before, stats.peak_extra_bytes
+
+
+def test_working_memory_is_within_one_plus_N_over_c_times_d_plus_one_block():
+    N, c, d = 4, 16, 16 * 2**20  # 64 MiB of float32 per rank
+    m = d // c
+    bound = ((1 + N / c) * d + m) * 4
+    for measured, accounted in run_workers(_memory_worker, N, args=(c, d), timeout_s=300):
+        assert accounted <= bound
+        assert accounted == (c + 2) * m * 4  # accumulator and two message blocks
+        assert measured <= bound + 8 * 2**20  # what the process really grew by (RSS), with 8 MiB slack
+
+
+# --- DDP communication hook -----------------------------------------------------------------------
+
+
+def _tiny_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+
+
+HOOKS = {
+    "exact code": dict(c=3, construction="exact"),
+    "exact ring": dict(exact_ring=True),
+    "c > N": dict(c=8, construction="perturbation", eps=0.05),
+}
+
+
+def _ddp_worker(rank, N, steps):
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+    from cerar.ddp import CerarHookState, cerar_hook
+
+    torch.set_num_threads(1)
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(100 + rank))
+    y = x[:, :1].sin() + 0.1 * x[:, 1:2]
+    runs = {}
+    for name in ("default", *HOOKS):
+        model = DDP(_tiny_model())
+        if name != "default":
+            state = CerarHookState(**HOOKS[name])
+            model.register_comm_hook(state, cerar_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        runs[name] = (params, losses, len(state.last_stats) if name != "default" else 0)
+    return runs
+
+
+def test_ddp_communication_hook():
+    """Exact codes and the exact ring end where DDP's own all-reduce does; c > N trains too."""
+    N, steps = 3, 30
+    for runs in run_workers(_ddp_worker, N, args=(steps,)):
+        default = runs["default"][0]
+        assert (runs["exact code"][0] - default).abs().max() <= 1e-5
+        assert (runs["exact ring"][0] - default).abs().max() <= 1e-5
+        assert runs["exact code"][2] >= steps  # the hook reduced every step
+        losses = runs["c > N"][1]
+        assert losses[-1] < 0.5 * losses[0]
+
+
+# --- failures: no hang, a clear error -------------------------------------------------------------
+
+
+def _failing_peer_worker(rank, N, victim, how, timeout_s):
+    code = cerar.make_code(N, 2 * N, "perturbation", eps=0.05)
+    tensor = torch.ones(4096)
+    cerar.all_reduce(tensor, code, timeout=timeout_s)  # everyone is connected and agreed
+    if rank == victim:
+        if how == "dies":
+            os._exit(17)
+        os.kill(os.getpid(), signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        cerar.all_reduce(tensor, code, timeout=timeout_s)
+    except cerar.CollectiveError as error:
+        return str(error), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("how", ["dies", "stops"])
+def test_a_peer_that_dies_or_stops_mid_collective_makes_every_other_rank_raise_within_the_timeout(how):
+    N, victim, timeout_s = 3, 1, 3.0
+    survivors = [r for r in range(N) if r != victim]
+    results = run_workers(_failing_peer_worker, N, args=(victim, how, timeout_s), expect=survivors, timeout_s=90)
+    for rank in survivors:
+        message, seconds = results[rank]
+        assert "cerar.all_reduce" in message and "round" in message, message
+        assert "rank" in message
+        assert seconds <= 10 * timeout_s  # it returned: nothing hung
+    # the rank that waits on the victim directly names it
+    assert f"rank {victim}" in results[(victim + 1) % N][0]
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+
+def _bad_input_worker(rank, N):
+    messages = {}
+    code = cerar.make_code(N, 8, "perturbation", eps=0.05)
+    for name, call in {
+        "integer tensor": lambda: cerar.all_reduce(torch.ones(10, dtype=torch.int32), code),
+        "code for another N": lambda: cerar.all_reduce(torch.ones(10), cerar.make_code(N + 1, 8)),
+        "bad op": lambda: cerar.all_reduce(torch.ones(10), code, op="max"),
+        "ring integer tensor": lambda: cerar.ring_all_reduce(torch.ones(10, dtype=torch.int64)),
+    }.items():
+        try:
+            call()
+            messages[name] = "no error"
+        except ValueError as error:
+            messages[name] = str(error)
+    try:  # ranks disagree on the length: every rank must refuse, none may hang
+        cerar.all_reduce(torch.ones(100 + rank), code, timeout=20)
+        messages["mismatched shapes"] = "no error"
+    except cerar.CollectiveError as error:
+        messages["mismatched shapes"] = str(error)
+    return messages
+
+
+def test_bad_input_gets_a_clear_error_on_every_rank():
+    N = 3
+    for messages in run_workers(_bad_input_worker, N):
+        assert "floating point" in messages["integer tensor"]
+        assert f"N={N + 1}" in messages["code for another N"] and f"{N} ranks" in messages["code for another N"]
+        assert "op must be one of" in messages["bad op"]
+        assert "floating point" in messages["ring integer tensor"]
+        assert "disagree on tensor length d" in messages["mismatched shapes"]
+
+
+def test_calls_without_a_process_group_are_refused():
+    with pytest.raises(cerar.CollectiveError, match="not initialised"):
+        cerar.all_reduce(torch.ones(8), cerar.make_code(2, 2))
+
+
+def test_worker_errors_are_reported_with_their_traceback():
+    with pytest.raises(WorkerError, match="ZeroDivisionError"):
+        run_workers(_raising_worker, 2)
+
+
+def _raising_worker(rank, N):
+    return 1 / 0
