@@ -1,0 +1,151 @@
+"""Real multi-process CPU training runs (torchrun + gloo) of model=tiny with every aggregator, and
+exact resumption. Several runs share one launch (train/sweep.py) to pay process start-up once."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+STEP_KEYS = {"step", "train_loss", "time/forward", "time/backward", "time/aggregate", "time/optimizer", "bytes_sent"}
+SUMMARY_KEYS = {"final_step", "final_val_loss", "wall_seconds", "tokens", "param_sha256"}
+SMALL = [
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "trainer.micro_batch_size=4",
+    "trainer.eval_batches=2",
+    "data.seq_len=32",
+    "trainer.progress_bar=false",
+    "wandb.mode=disabled",
+]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("token-cache")
+
+
+def torchrun(nproc: int, script: str, args: list[str], cache: Path, timeout: int) -> subprocess.CompletedProcess:
+    """Launch `script` under torchrun on a free rendezvous port (--standalone picks one)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    proc = subprocess.run(
+        [*cmd, str(ROOT / "train" / script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def read_run(run_dir: Path) -> tuple[list[dict], dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records, json.loads((run_dir / "summary.json").read_text())
+
+
+def check_run(run_dir: Path, exact: bool, replicas_agree: bool, flat: bool) -> dict:
+    records, summary = read_run(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 7))
+    for r in records:
+        assert set(r) >= STEP_KEYS, set(r)
+        assert r["bytes_sent"] > 0
+    assert records[-1]["train_loss"] < records[0]["train_loss"] - 0.1, [r["train_loss"] for r in records]
+    val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert set(val) == {3, 6} and val[6] < val[3]
+    assert set(summary) >= SUMMARY_KEYS and summary["final_step"] == 6
+    assert summary["final_val_loss"] == pytest.approx(val[6])
+    assert len(summary["param_sha256"]) == 64
+    drift = [r["drift/max_abs"] for r in records if "drift/max_abs" in r]
+    assert drift and (max(drift) == 0.0 if replicas_agree else max(drift) > 0.0)
+    if flat:
+        assert records[-1]["time/aggregate"] > 0
+        errors = [r["agg/rel_error_max"] for r in records if "agg/rel_error_max" in r]
+        assert errors and (max(errors) < 1e-6 if exact else 0 < max(errors) < 0.5)
+    return summary
+
+
+def aggregator_runs(c: int, c_vandermonde: int) -> list[tuple[str, str, bool, bool, bool]]:
+    """(label, overrides, exact, replicas_agree, flat) for every aggregator; three run as DDP hooks.
+
+    exact: equals the exact average; replicas_agree: every rank gets the same aggregate (no drift);
+    CERAR is neither: each rank but N-1 receives a slightly different approximation."""
+    return [
+        ("nccl", "aggregator=nccl", True, True, True),
+        ("ring", "aggregator=ring", True, True, True),
+        ("cerar", f"aggregator=cerar c={c}", False, False, True),
+        ("cerar_vandermonde", f"aggregator=cerar_vandermonde c={c_vandermonde}", False, False, True),
+        ("cerar_perturbation", f"aggregator=cerar_perturbation c={c}", False, False, True),
+        ("cerar_optimized", f"aggregator=cerar_optimized c={c}", False, False, True),
+        ("fp16", "aggregator=fp16", False, True, True),
+        ("bf16", "aggregator=bf16", False, True, True),
+        ("powersgd", "aggregator=powersgd", False, True, False),
+        ("nccl_overlap", "aggregator=nccl trainer.overlap=true", True, True, False),
+        ("cerar_overlap", f"aggregator=cerar c={c} trainer.overlap=true", False, False, False),
+    ]
+
+
+@pytest.mark.parametrize(("nproc", "c", "c_vandermonde"), [(2, 4, 4), (4, 8, 3)])
+@pytest.mark.timeout(900)
+def test_every_aggregator_trains(tmp_path, cache_dir, nproc, c, c_vandermonde):
+    runs = aggregator_runs(c, c_vandermonde)
+    common = [*SMALL, "trainer.drift_every=3", "trainer.measure_error_every=3", "checkpoint.every=0"]
+    torchrun(
+        nproc,
+        "sweep.py",
+        [str(tmp_path), *(f"{label}: {o}" for label, o, *_ in runs), "--", *common],
+        cache_dir,
+        timeout=850,
+    )
+    summaries = {}
+    for label, _, exact, replicas_agree, flat in runs:
+        summaries[label] = check_run(tmp_path / label, exact=exact, replicas_agree=replicas_agree, flat=flat)
+        assert summaries[label]["world_size"] == nproc
+    # The exact aggregators agree up to float summation order: same loss trajectory to a few digits.
+    assert summaries["ring"]["final_val_loss"] == pytest.approx(summaries["nccl"]["final_val_loss"], abs=1e-3)
+    cerar_bytes = read_run(tmp_path / "cerar")[0][0]["bytes_sent"]
+    ring_bytes = read_run(tmp_path / "ring")[0][0]["bytes_sent"]
+    assert cerar_bytes <= ring_bytes if c > nproc else cerar_bytes > 0
+
+
+@pytest.mark.timeout(600)
+def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
+    common = [*SMALL, "checkpoint.every=3", "checkpoint.keep=2"]
+    # One launch: the full runs and an interrupted ring run resumed in the same folder.
+    torchrun(
+        2,
+        "sweep.py",
+        [
+            str(tmp_path),
+            "full_nccl: aggregator=nccl wandb.mode=offline",
+            "full_ring: aggregator=ring",
+            "part_ring: aggregator=ring trainer.stop_after_step=3",
+            "part_ring: aggregator=ring resume=true",
+            "--",
+            *common,
+        ],
+        cache_dir,
+        timeout=500,
+    )
+    _, full_ring = read_run(tmp_path / "full_ring")
+    records, part_ring = read_run(tmp_path / "part_ring")
+    assert part_ring["resumed_from_step"] == 3
+    assert part_ring["param_sha256"] == full_ring["param_sha256"]
+    assert [r["step"] for r in records] == list(range(1, 7))
+    _, full_nccl = read_run(tmp_path / "full_nccl")
+    assert list((tmp_path / "full_nccl" / "wandb").glob("offline-run-*")), "W&B offline run files missing"
+
+    # The Hydra entry point: hydra.run.dir places everything; a stopped run resumes (resume=auto).
+    run_dir = tmp_path / "hydra_nccl"
+    for extra in (["trainer.stop_after_step=3"], []):
+        torchrun(2, "main.py", [*common, f"hydra.run.dir={run_dir}", *extra], cache_dir, timeout=300)
+        assert not (run_dir / "summary.json").exists() or not extra
+    _, resumed = read_run(run_dir)
+    assert resumed["resumed_from_step"] == 3
+    assert resumed["param_sha256"] == full_nccl["param_sha256"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-00000003.pt", "step-00000006.pt"]
