@@ -98,13 +98,22 @@ def optimized_code(N: int, c: int, eps: float | None = None, kappa_max: float | 
 
 def _search(N: int, c: int, kappa_max: float):
     """(points, A, D) of the best candidate."""
-    start = make_code(N, c, "perturbation", kappa_max=kappa_max)
-    candidates = [
-        (start.predicted_error(), start.points, start.A, start.D),
-        _with_least_squares_decoders(start.points, start.A, N),
-    ]
+    candidates = []
+    try:
+        start = make_code(N, c, "perturbation", kappa_max=kappa_max)
+        candidates += [
+            (start.predicted_error(), start.points, start.A, start.D),
+            _with_least_squares_decoders(start.points, start.A, N),
+        ]
+    except ValueError:
+        pass  # the closed form cannot meet this budget; the pattern search may
     if c % N == 0:
         candidates += _pattern_search(N, c, kappa_max)
+    if not candidates:
+        raise ValueError(
+            f"kappa_max={kappa_max:g} is unreachable for construction 'optimized' at N={N}, c={c}; "
+            "raise kappa_max or lower c"
+        )
     _, points, A, D = min(candidates, key=lambda cand: cand[0])
     return points, A, D
 

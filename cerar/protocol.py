@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from cerar.codes import Code
 from cerar.rounds import CodedRingWorker, PhaseTimer
-from cerar.simulate import check_transport_dtype, code_matrices
+from cerar.simulate import check_transport_dtype, device_matrices
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long one round may wait for its peers before the call fails."""
@@ -113,18 +113,25 @@ class _Ring:
                 f"(timeout {self.timeout.total_seconds():g}s): {error}"
             ) from error
 
-    def shift(self, send: torch.Tensor, recv: torch.Tensor, what: str) -> None:
-        """Send to the next rank and receive from the previous one, concurrently."""
+    def post(self, send: torch.Tensor, recv: torch.Tensor) -> list:
+        """Start sending to the next rank and receiving from the previous one."""
         ops = [
             dist.P2POp(dist.isend, send, self.next_rank, self.group),
             dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
         ]
         try:
-            works = dist.batch_isend_irecv(ops)
+            return dist.batch_isend_irecv(ops)
         except Exception as error:
-            raise CollectiveError(f"{self.operation}: {what}: could not post messages: {error}") from error
+            raise CollectiveError(f"{self.operation}: could not post messages: {error}") from error
+
+    def complete(self, works: list, what: str) -> None:
+        """Wait for a ``post``'s messages."""
         self.wait(works[1], f"{what}: receive", self.prev_rank)
         self.wait(works[0], f"{what}: send", self.next_rank)
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor, what: str) -> None:
+        """Send to the next rank and receive from the previous one, concurrently, and wait."""
+        self.complete(self.post(send, recv), what)
 
 
 def _as_timedelta(timeout) -> timedelta:
@@ -215,15 +222,14 @@ def _group_device(group) -> torch.device:
 # CERAR
 # ------------------------------------------------------------------------------------------------
 
-_device_codes: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_device_codes: dict[tuple, dict[str, torch.Tensor]] = {}
 
 
-def _worker_matrices(code: Code, i: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A_i [1, c, c] and D_i [1, c, L] on the device, cached per (code, worker, dtype, device)."""
+def _cached_device_matrices(code: Code, i: int, dtype, device) -> dict[str, torch.Tensor]:
+    """Worker i's matrices on the device, cached per (code, worker, dtype, device)."""
     key = (id(code), i, dtype, str(device))
     if key not in _device_codes:
-        A, D = code_matrices(code, dtype, device)
-        _device_codes[key] = (A[i : i + 1].contiguous(), D[i : i + 1].contiguous())
+        _device_codes[key] = device_matrices(code, i, dtype, device)
     return _device_codes[key]
 
 
@@ -272,20 +278,22 @@ def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", ti
     c, m, N = code.c, code.m_for(d), code.N
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     k = d // m  # rows of G that lie wholly inside the tensor: used in place
-    head = flat[: k * m].view(1, k, m)
-    tail = flat.new_zeros(1, c - k, m)
+    head = flat[: k * m].view(k, m)
+    tail = flat.new_zeros(c - k, m)
     tail.view(-1)[: d - k * m] = flat[k * m :]
-    A, D = _worker_matrices(code, ring.rank, tensor.dtype, tensor.device)
-    messages = flat.new_zeros(2, 1, 1, m)  # x(t) goes out of one while y(t) arrives in the other
-
-    worker = CodedRingWorker(head, tail, A, D, N, messages[0], timer)
+    messages = flat.new_empty(2, m)  # x(t) goes out of one while y(t) arrives in the other
     with torch.no_grad():
+        worker = CodedRingWorker(
+            _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device), head, tail, messages, timer
+        )
         for t in range(1, code.L + 1):
-            x = worker.outgoing(t)
-            y = messages[t % 2]
+            y = worker.spare()
             with timer.phase("comm"):
-                ring.shift(x.view(-1), y.view(-1), f"round {t}/{code.L}")
-            worker.incoming(t, y)
+                works = ring.post(worker.message(), y)
+            worker.while_in_flight(t)
+            with timer.phase("comm"):
+                ring.complete(works, f"round {t}/{code.L}")
+            worker.receive(t, y)
         result = worker.result().view(-1)[:d]
         if op == "avg":
             result.div_(N)
@@ -301,7 +309,7 @@ def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", ti
     stats.seconds_decode = seconds.get("decode", 0.0)
     accumulator = c * m * tensor.element_size()
     copy = _bytes(flat) if flat.data_ptr() != tensor.data_ptr() else 0
-    stats.peak_extra_bytes = accumulator + _bytes(tail, messages) + copy
+    stats.peak_extra_bytes = accumulator + _bytes(tail, messages, worker.injection) + copy
     return stats
 
 

@@ -2,19 +2,25 @@
 
 Both the distributed ``cerar.all_reduce`` and the single-process oracle ``cerar.simulate`` drive
 ``CodedRingWorker`` objects; they differ only in how x_i(t) reaches worker i+1 (point-to-point
-messages, or a hand-over between objects in one process).
+messages, or a hand-over between objects in one process), so they do the same arithmetic.
 
-Per round t = 1..L at worker i (spec, "The protocol at worker i"):
-    x_i(t)    = yhat_i(t-1) + u_i(t)          u_i(t) = row t of A_i G_i, zero for t > c
-    y_i(t)    = what worker i-1 sent
-    yhat_i(t) = y_i(t) - u_i(t - N + 1)       its own injection, back after going round once
-    acc_i    += D_i[:, t] yhat_i(t)           decoding as blocks arrive
-and finally S_hat_i = G_i + acc_i.
+The messages are the specification's (section "The protocol at worker i"):
 
-Storage beyond the input is the accumulator (c blocks) and the two blocks in flight, (1 + 2/c) d:
-instead of keeping the last N-1 injections (the spec's (1 + N/c) d), each injection is recomputed
-from G_i when it comes back round, so encoding costs 2 c d multiply-adds instead of c d. Every
-step is an in-place batched matrix product on G's device.
+    x_i(t) = yhat_i(t-1) + u_i(t),   yhat_i(t) = y_i(t) - u_i(t-N+1),   u_i(t) = row t of A_i G_i
+
+rearranged so that only one addition of m values lies between receiving y(t) and sending x(t+1):
+
+    x(t+1) = y(t) + Delta_t G,        Delta_t = row t+1 of A_i - row t-N+1 of A_i (rows outside 1..c are 0)
+
+Delta_t G is computed while round t's blocks are in flight. Decoding uses the messages themselves:
+since yhat(t) = x(t+1) - u(t+1),
+
+    S_hat = G + sum_t D_i[:, t] yhat(t) = B_i G + sum_t D_i[:, t] x(t+1),   B_i = I - sum_t D_i[:, t] A_i[t+1, :]
+
+and the term for x(t+1) is added while x(t+1) itself is on the wire. Per round: one row-times-G
+product (d multiply-adds) and one rank-1 update of the accumulator (d); B_i G once at the end.
+Storage beyond the input: the accumulator (c blocks), two message blocks and Delta_t G: (1 + 3/c) d,
+within the spec's (1 + N/c) d plus one block for every N >= 2.
 
 G_i arrives as rows of length m in two parts, ``head`` (the rows that are a view of the caller's
 tensor) and ``tail`` (the last, zero-padded rows), so the input is never copied whole.
@@ -25,6 +31,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 
@@ -63,52 +70,77 @@ class PhaseTimer:
         return dict(self.seconds)
 
 
-class CodedRingWorker:
-    """One worker's state through the L rounds: ``outgoing(t)`` forms x(t), ``incoming(t, y)``
-    takes y(t), and ``result()`` is S_hat once all L rounds have run.
+def worker_matrices(code, i: int) -> dict[str, np.ndarray]:
+    """Worker i's float64 matrices for the rearranged rounds: the first encoder row, Delta (L x c),
+    D_i (c x L) and B_i (c x c)."""
+    N, c, L = code.N, code.c, code.L
+    A, D = code.A[i], code.D[i]
 
-    head: [1, k, m] and tail: [1, c-k, m], the rows of the worker's G (k may be 0 or c).
-    A: [1, c, c] and D: [1, c, L] are A_i and D_i in G's dtype on G's device. first_message is a
-    zeroed [1, 1, m] buffer that becomes x(1); each received block becomes the next message, in
-    place, so the caller must receive each round into a buffer other than the one it sent.
-    The distributed protocol and the oracle drive the same objects, so they do the same arithmetic.
+    def row(j):  # row j (1-based) of A_i, zero outside 1..c
+        return A[j - 1] if 1 <= j <= c else np.zeros(c)
+
+    delta = np.stack([row(t + 1) - row(t - N + 1) for t in range(1, L + 1)]) if L else np.zeros((0, c))
+    B = np.eye(c) - (D[:, : c - 1] @ A[1:] if L else 0)
+    return {"first": row(1)[None, :], "delta": delta, "D": D, "B": B}
+
+
+class CodedRingWorker:
+    """One worker's state through the L rounds.
+
+    Per round t: ``message()`` is x(t) (send it); ``while_in_flight(t)`` does the round's
+    arithmetic while the blocks travel; ``receive(t, y)`` turns the received y(t) into x(t+1), in
+    y's own buffer. ``result()`` is S_hat after the last round.
+
+    matrices: ``worker_matrices`` as tensors of G's dtype on G's device. head: [k, m] and
+    tail: [c-k, m], the rows of G_i. messages: two [m] buffers; the caller receives each round into
+    the one that is not being sent (``spare(t)``).
     """
 
-    def __init__(self, head, tail, A, D, N: int, first_message: torch.Tensor, timer: PhaseTimer | None = None):
-        self.head, self.tail, self.A, self.D, self.N = head, tail, A, D, N
-        self.c = A.shape[-1]
+    def __init__(self, matrices: dict[str, torch.Tensor], head, tail, messages, timer: PhaseTimer | None = None):
+        self.first, self.delta, self.D, self.B = (matrices[k] for k in ("first", "delta", "D", "B"))
+        self.head, self.tail, self.messages = head, tail, messages
+        self.k = head.shape[0]
         self.timer = timer or PhaseTimer(head.device, enabled=False)
-        self.acc = head.new_zeros(1, self.c, head.shape[-1])
-        self.yhat = first_message
+        self.acc = head.new_zeros(self.B.shape[0], head.shape[-1])
+        self.injection = torch.empty_like(messages[0])
+        with self.timer.phase("encode"):
+            self._times_G(self.first, out=messages[0])  # x(1) = u(1)
+        self.x = messages[0]
 
-    def _add_injection(self, block: torch.Tensor, t: int, sign: int) -> None:
-        """block += sign * u(t), u(t) = row t of A_i G_i, with G_i = [head; tail]."""
-        k = self.head.shape[1]
-        if k:
-            block.baddbmm_(self.A[:, t - 1 : t, :k], self.head, alpha=sign)
-        if self.tail.shape[1]:
-            block.baddbmm_(self.A[:, t - 1 : t, k:], self.tail, alpha=sign)
+    def _times_G(self, rows: torch.Tensor, out: torch.Tensor) -> None:
+        """out = rows @ G for rows [1, c] (or [c', c] into [c', m]), with G = [head; tail]."""
+        out = out.view(rows.shape[0], -1)
+        torch.mm(rows[:, : self.k], self.head, out=out)
+        if self.tail.shape[0]:
+            out.addmm_(rows[:, self.k :], self.tail)
 
-    def outgoing(self, t: int) -> torch.Tensor:
-        """x(t) = yhat(t-1) + u(t), formed in place in yhat's buffer."""
-        if t <= self.c:
-            with self.timer.phase("encode"):
-                self._add_injection(self.yhat, t, +1)
-        return self.yhat
+    def message(self) -> torch.Tensor:
+        return self.x
 
-    def incoming(self, t: int, y: torch.Tensor) -> None:
-        """yhat(t) = y(t) - u(t - N + 1), in place in y's buffer; acc += D_i[:, t] yhat(t)."""
+    def spare(self) -> torch.Tensor:
+        """The message buffer that is not x(t): where y(t) may be received."""
+        return self.messages[1] if self.x.data_ptr() == self.messages[0].data_ptr() else self.messages[0]
+
+    def while_in_flight(self, t: int) -> None:
+        """Add x(t)'s decoding term (x(t) is only read) and compute Delta_t G."""
         with self.timer.phase("decode"):
-            s = t - self.N + 1
-            if 1 <= s <= self.c:
-                self._add_injection(y, s, -1)
-            self.yhat = y
-            self.acc.baddbmm_(self.D[:, :, t - 1 : t], y)
+            if t >= 2:
+                self.acc.addr_(self.D[:, t - 2], self.x)
+        with self.timer.phase("encode"):
+            self._times_G(self.delta[t - 1 : t], out=self.injection)
+
+    def receive(self, t: int, y: torch.Tensor) -> None:
+        """x(t+1) = y(t) + Delta_t G, in y's buffer."""
+        with self.timer.phase("encode"):
+            self.x = y.add_(self.injection)
 
     def result(self) -> torch.Tensor:
-        """S_hat = G + acc, as [1, c, m] (in the accumulator's buffer)."""
+        """S_hat = B_i G + sum_t D_i[:, t] x(t+1), as [c, m] in the accumulator's buffer."""
         with self.timer.phase("decode"):
-            k = self.head.shape[1]
-            self.acc[:, :k] += self.head
-            self.acc[:, k:] += self.tail
+            L = self.D.shape[1]
+            if L:
+                self.acc.addr_(self.D[:, L - 1], self.x)
+            self.acc.addmm_(self.B[:, : self.k], self.head)
+            if self.tail.shape[0]:
+                self.acc.addmm_(self.B[:, self.k :], self.tail)
         return self.acc

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cerar.codes import Code
-from cerar.rounds import CodedRingWorker
+from cerar.rounds import CodedRingWorker, worker_matrices
 
 TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -25,11 +25,12 @@ def check_transport_dtype(dtype: torch.dtype, code: Code, name: str = "tensor") 
         )
 
 
-def code_matrices(code: Code, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A (N x c x c) and D (N x c x L) as tensors of the transport dtype on the device."""
-    A = torch.tensor(code.A, dtype=torch.float64).to(device=device, dtype=dtype)
-    D = torch.tensor(code.D, dtype=torch.float64).to(device=device, dtype=dtype)
-    return A, D
+def device_matrices(code: Code, i: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """Worker i's matrices (``worker_matrices``) in the transport dtype on the device."""
+    return {
+        name: torch.tensor(value, dtype=torch.float64).to(device=device, dtype=dtype)
+        for name, value in worker_matrices(code, i).items()
+    }
 
 
 def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False):
@@ -51,17 +52,18 @@ def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False):
     rows[:, :d] = G
     rows = rows.view(N, c, m)
     k = d // m  # split G's rows as the distributed version does: those inside the tensor, the rest
-    A, D = code_matrices(code, G.dtype, G.device)
     with torch.no_grad():
         workers = [
-            CodedRingWorker(
-                rows[i : i + 1, :k], rows[i : i + 1, k:], A[i : i + 1], D[i : i + 1], N, G.new_zeros(1, 1, m)
-            )
+            CodedRingWorker(device_matrices(code, i, G.dtype, G.device), rows[i, :k], rows[i, k:], G.new_zeros(2, m))
             for i in range(N)
         ]
         for t in range(1, code.L + 1):
-            sent = [worker.outgoing(t).clone() for worker in workers]
+            sent = [worker.message().clone() for worker in workers]
+            for worker in workers:
+                worker.while_in_flight(t)
             for i, worker in enumerate(workers):
-                worker.incoming(t, sent[i - 1])  # worker i receives what worker i-1 sent
-        result = torch.cat([worker.result() for worker in workers]).view(N, c * m)[:, :d]
+                y = worker.spare()
+                y.copy_(sent[i - 1])  # worker i receives what worker i-1 sent
+                worker.receive(t, y)
+        result = torch.stack([worker.result() for worker in workers]).view(N, c * m)[:, :d]
     return (result, code.L * m) if return_values_sent else result

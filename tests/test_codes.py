@@ -185,9 +185,7 @@ def test_codes_are_bit_identical_in_another_process():
     import hashlib
 
     expected = hashlib.sha256(here.A.tobytes() + here.D.tobytes()).hexdigest()
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120
-    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == expected
 
 
