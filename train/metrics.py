@@ -1,8 +1,8 @@
 """Run outputs: metrics.jsonl, summary.json and Weights & Biases, written by rank 0 only.
 
 W&B runs offline by default (files under <run_dir>/wandb, sync later with `wandb sync`); `disabled`
-turns it off; `online` needs a logged-in user. The W&B run id is derived from the run directory so a
-resumed run continues the same W&B run.
+turns it off; `online` needs a logged-in user. The W&B run id is kept in the run directory so a resumed
+run continues the same W&B run.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ class RunLogger:
             os.environ["WANDB_DIR"] = str(self.run_dir)
             os.environ.setdefault("WANDB_SILENT", "true")
             name, group, tags = run_identity(cfg, world_size)
-            run_id = hashlib.sha256(str(self.run_dir.resolve()).encode()).hexdigest()[:16]
+            run_id = self._wandb_run_id(resumed_step)
             self.wandb_run = wandb.init(
                 project=cfg.wandb.project,
                 entity=cfg.wandb.entity,
@@ -58,6 +59,16 @@ class RunLogger:
                 id=run_id,
                 resume="allow",
             )
+
+    def _wandb_run_id(self, resumed_step: int) -> str:
+        """A resumed run continues its W&B run (id kept in the run dir); a fresh one starts a new id."""
+        id_file = self.run_dir / "wandb_id.txt"
+        if resumed_step > 0 and id_file.exists():
+            return id_file.read_text().strip()
+        seed = f"{self.run_dir.resolve()}:{time.time_ns()}:{os.getpid()}"
+        run_id = hashlib.sha256(seed.encode()).hexdigest()[:16]
+        id_file.write_text(run_id + "\n")
+        return run_id
 
     def _truncate_after(self, step: int) -> None:
         """On resume keep the records up to the checkpoint's step; a fresh run (step 0) starts empty."""
