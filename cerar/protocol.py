@@ -12,7 +12,7 @@ Costs per call, for a tensor of d values (m = ceil(d/c)):
 =================  =========================  ==============================
 rounds             L = c + N - 2              2 (N - 1)
 values sent        L m ~ (1 + (N-2)/c) d      2 (N - 1) ceil(d/N)
-extra storage      (c + 2) m ~ (1 + 2/c) d    2 ceil(d/N), plus a padded copy
+extra storage      (c+N+1) m ~ (1 + N/c) d   2 ceil(d/N), plus a padded copy
                                               when N does not divide d
 arithmetic         2 c d encode + L c m       (N - 1) ceil(d/N) additions
                    decode multiply-adds
@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from cerar.codes import Code
-from cerar.rounds import CodedRingWorker, PhaseTimer
+from cerar.rounds import CodedRingWorker, PhaseTimer, message_rows
 from cerar.simulate import check_transport_dtype, device_matrices
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -281,13 +281,13 @@ def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", ti
     head = flat[: k * m].view(k, m)
     tail = flat.new_zeros(c - k, m)
     tail.view(-1)[: d - k * m] = flat[k * m :]
-    messages = flat.new_empty(2, m)  # x(t) goes out of one while y(t) arrives in the other
+    messages = flat.new_empty(message_rows(N), m)  # x(t) goes out of one while y(t) arrives in another
     with torch.no_grad():
         worker = CodedRingWorker(
             _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device), head, tail, messages, timer
         )
         for t in range(1, code.L + 1):
-            y = worker.spare()
+            y = worker.receive_buffer(t)
             with timer.phase("comm"):
                 works = ring.post(worker.message(), y)
             worker.while_in_flight(t)

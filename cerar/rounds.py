@@ -17,10 +17,11 @@ since yhat(t) = x(t+1) - u(t+1),
 
     S_hat = G + sum_t D_i[:, t] yhat(t) = B_i G + sum_t D_i[:, t] x(t+1),   B_i = I - sum_t D_i[:, t] A_i[t+1, :]
 
-and the term for x(t+1) is added while x(t+1) itself is on the wire. Per round: one row-times-G
-product (d multiply-adds) and one rank-1 update of the accumulator (d); B_i G once at the end.
-Storage beyond the input: the accumulator (c blocks), two message blocks and Delta_t G: (1 + 3/c) d,
-within the spec's (1 + N/c) d plus one block for every N >= 2.
+where the terms are added in batches of N-1 messages, while the newest of them is on the wire.
+Per round: one row-times-G product (d multiply-adds); every N-1 rounds one product of D_i's
+columns with the waiting messages (one pass over the accumulator); B_i G once at the end.
+Storage beyond the input: the accumulator (c blocks), N message blocks and Delta_t G:
+(1 + (N+1)/c) d, the spec's (1 + N/c) d plus one block.
 
 G_i arrives as rows of length m in two parts, ``head`` (the rows that are a view of the caller's
 tensor) and ``tail`` (the last, zero-padded rows), so the input is never copied whole.
@@ -84,28 +85,37 @@ def worker_matrices(code, i: int) -> dict[str, np.ndarray]:
     return {"first": row(1)[None, :], "delta": delta, "D": D, "B": B}
 
 
+def message_rows(N: int) -> int:
+    """How many message blocks a worker keeps: N. Received messages wait in them until N-1 have
+    gathered and are decoded by one matrix product (one pass over the accumulator for every N-1
+    rounds instead of every round), which keeps storage at the spec's (1 + N/c) d plus one block."""
+    return max(N, 2)
+
+
 class CodedRingWorker:
     """One worker's state through the L rounds.
 
-    Per round t: ``message()`` is x(t) (send it); ``while_in_flight(t)`` does the round's
-    arithmetic while the blocks travel; ``receive(t, y)`` turns the received y(t) into x(t+1), in
-    y's own buffer. ``result()`` is S_hat after the last round.
+    Per round t: ``message()`` is x(t) (send it) and ``receive_buffer(t)`` is where y(t) must
+    arrive; ``while_in_flight(t)`` does the round's arithmetic while the blocks travel;
+    ``receive(t, y)`` turns y(t) into x(t+1) in its own buffer. ``result()`` is S_hat at the end.
 
     matrices: ``worker_matrices`` as tensors of G's dtype on G's device. head: [k, m] and
-    tail: [c-k, m], the rows of G_i. messages: two [m] buffers; the caller receives each round into
-    the one that is not being sent (``spare(t)``).
+    tail: [c-k, m], the rows of G_i. messages: [R, m] buffers (R = ``message_rows(N)``); x(t) lives
+    in row (t-1) mod R. Messages are decoded in batches of R-1 while the last of them is on the wire.
     """
 
     def __init__(self, matrices: dict[str, torch.Tensor], head, tail, messages, timer: PhaseTimer | None = None):
         self.first, self.delta, self.D, self.B = (matrices[k] for k in ("first", "delta", "D", "B"))
         self.head, self.tail, self.messages = head, tail, messages
         self.k = head.shape[0]
+        self.rows = messages.shape[0]
         self.timer = timer or PhaseTimer(head.device, enabled=False)
         self.acc = head.new_zeros(self.B.shape[0], head.shape[-1])
         self.injection = torch.empty_like(messages[0])
+        self.decoded_up_to = 1  # x(1) carries no decoding term
+        self.t = 1
         with self.timer.phase("encode"):
             self._times_G(self.first, out=messages[0])  # x(1) = u(1)
-        self.x = messages[0]
 
     def _times_G(self, rows: torch.Tensor, out: torch.Tensor) -> None:
         """out = rows @ G for rows [1, c] (or [c', c] into [c', m]), with G = [head; tail]."""
@@ -115,31 +125,41 @@ class CodedRingWorker:
             out.addmm_(rows[:, self.k :], self.tail)
 
     def message(self) -> torch.Tensor:
-        return self.x
+        """x(t), the block to send this round."""
+        return self.messages[(self.t - 1) % self.rows]
 
-    def spare(self) -> torch.Tensor:
-        """The message buffer that is not x(t): where y(t) may be received."""
-        return self.messages[1] if self.x.data_ptr() == self.messages[0].data_ptr() else self.messages[0]
+    def receive_buffer(self, t: int) -> torch.Tensor:
+        return self.messages[t % self.rows]
+
+    def _decode_through(self, s: int) -> None:
+        """acc += D_i[:, j-1] x(j) for the waiting messages x(decoded_up_to + 1 .. s)."""
+        first = self.decoded_up_to + 1
+        while first <= s:
+            row = (first - 1) % self.rows
+            last = min(s, first + self.rows - 1 - row)  # stop where the rows wrap round
+            self.acc.addmm_(self.D[:, first - 2 : last - 1], self.messages[row : row + last - first + 1])
+            first = last + 1
+        self.decoded_up_to = s
 
     def while_in_flight(self, t: int) -> None:
-        """Add x(t)'s decoding term (x(t) is only read) and compute Delta_t G."""
+        """Decode the waiting messages once R-1 have gathered (x(t) is only read), and compute
+        Delta_t G for x(t+1)."""
         with self.timer.phase("decode"):
-            if t >= 2:
-                self.acc.addr_(self.D[:, t - 2], self.x)
+            if t - self.decoded_up_to >= self.rows - 1:
+                self._decode_through(t)
         with self.timer.phase("encode"):
             self._times_G(self.delta[t - 1 : t], out=self.injection)
 
     def receive(self, t: int, y: torch.Tensor) -> None:
         """x(t+1) = y(t) + Delta_t G, in y's buffer."""
         with self.timer.phase("encode"):
-            self.x = y.add_(self.injection)
+            y.add_(self.injection)
+        self.t = t + 1
 
     def result(self) -> torch.Tensor:
         """S_hat = B_i G + sum_t D_i[:, t] x(t+1), as [c, m] in the accumulator's buffer."""
         with self.timer.phase("decode"):
-            L = self.D.shape[1]
-            if L:
-                self.acc.addr_(self.D[:, L - 1], self.x)
+            self._decode_through(self.D.shape[1] + 1)
             self.acc.addmm_(self.B[:, : self.k], self.head)
             if self.tail.shape[0]:
                 self.acc.addmm_(self.B[:, self.k :], self.tail)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cerar.codes import Code
-from cerar.rounds import CodedRingWorker, worker_matrices
+from cerar.rounds import CodedRingWorker, message_rows, worker_matrices
 
 TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -54,7 +54,9 @@ def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False):
     k = d // m  # split G's rows as the distributed version does: those inside the tensor, the rest
     with torch.no_grad():
         workers = [
-            CodedRingWorker(device_matrices(code, i, G.dtype, G.device), rows[i, :k], rows[i, k:], G.new_zeros(2, m))
+            CodedRingWorker(
+                device_matrices(code, i, G.dtype, G.device), rows[i, :k], rows[i, k:], G.new_zeros(message_rows(N), m)
+            )
             for i in range(N)
         ]
         for t in range(1, code.L + 1):
@@ -62,7 +64,7 @@ def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False):
             for worker in workers:
                 worker.while_in_flight(t)
             for i, worker in enumerate(workers):
-                y = worker.spare()
+                y = worker.receive_buffer(t)
                 y.copy_(sent[i - 1])  # worker i receives what worker i-1 sent
                 worker.receive(t, y)
         result = torch.stack([worker.result() for worker in workers]).view(N, c * m)[:, :d]

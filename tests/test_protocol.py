@@ -113,7 +113,7 @@ def test_working_memory_is_within_one_plus_N_over_c_times_d_plus_one_block():
     bound = ((1 + N / c) * d + m) * 4
     for measured, accounted in run_workers(_memory_worker, N, args=(c, d), timeout_s=300):
         assert accounted <= bound
-        assert accounted == (c + 3) * m * 4  # accumulator, two message blocks and Delta_t G
+        assert accounted == (c + N + 1) * m * 4  # accumulator, N message blocks and Delta_t G
         assert measured <= bound + 8 * 2**20  # what the process really grew by (RSS), with 8 MiB slack
 
 
