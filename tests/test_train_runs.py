@@ -94,11 +94,12 @@ def aggregator_runs(c: int, c_vandermonde: int) -> list[tuple[str, str, bool, bo
 @pytest.mark.timeout(900)
 def test_every_aggregator_trains(tmp_path, cache_dir, nproc, c, c_vandermonde):
     runs = aggregator_runs(c, c_vandermonde)
+    resync = ("cerar_resync", f"aggregator=cerar c={c} trainer.resync_every=3")
     common = [*SMALL, "trainer.drift_every=3", "trainer.measure_error_every=3", "checkpoint.every=0"]
     torchrun(
         nproc,
         "sweep.py",
-        [str(tmp_path), *(f"{label}: {o}" for label, o, *_ in runs), "--", *common],
+        [str(tmp_path), *(f"{label}: {o}" for label, o, *_ in [*runs, resync]), "--", *common],
         cache_dir,
         timeout=850,
     )
@@ -106,6 +107,9 @@ def test_every_aggregator_trains(tmp_path, cache_dir, nproc, c, c_vandermonde):
     for label, _, exact, replicas_agree, flat in runs:
         summaries[label] = check_run(tmp_path / label, exact=exact, replicas_agree=replicas_agree, flat=flat)
         assert summaries[label]["world_size"] == nproc
+    # Resynchronising from rank N-1 right before the drift is measured leaves no drift.
+    resynced = [r for r in read_run(tmp_path / "cerar_resync")[0] if "drift/max_abs" in r]
+    assert [r["step"] for r in resynced] == [3, 6] and all(r["drift/max_abs"] == 0.0 for r in resynced)
     # The exact aggregators agree up to float summation order: same loss trajectory to a few digits.
     assert summaries["ring"]["final_val_loss"] == pytest.approx(summaries["nccl"]["final_val_loss"], abs=1e-3)
     cerar_bytes = read_run(tmp_path / "cerar")[0][0]["bytes_sent"]
