@@ -122,16 +122,21 @@ def _cfg(**data):
         return compose(config_name="config", overrides=overrides)
 
 
-def test_embedded_corpus_is_real_english_with_a_fixed_split(tmp_path):
+@pytest.fixture(scope="module")
+def embedded_cache(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("embedded-cache")
+
+
+def test_embedded_corpus_is_real_english_with_a_fixed_split(embedded_cache):
     train, val = embedded_documents()
     assert len(train) > 300 and 5 <= len(val) < len(train) // 10
     text = " ".join(train)
     assert "alphabet" in text and " the " in text and "[[" not in text
-    cfg = _cfg(kind="embedded", cache_dir=str(tmp_path), seq_len=32)
+    cfg = _cfg(kind="embedded", cache_dir=str(embedded_cache), seq_len=32)
     bundle = build_data(cfg, rank=0, world_size=2)
     assert bundle.vocab_size <= 8192 and bundle.train.num_windows > 10_000
     assert bundle.train.next_batch(2).shape == (2, 33)
-    cached = sorted(p.name for p in next(p for p in tmp_path.glob("embedded-*") if p.is_dir()).iterdir())
+    cached = sorted(p.name for p in next(p for p in embedded_cache.glob("embedded-*") if p.is_dir()).iterdir())
     assert cached == ["tokenizer.json", "train.npy", "val.npy"]
 
 
@@ -203,3 +208,49 @@ def test_bpe_cache_is_built_once(tmp_path):
     first = bpe_token_arrays(tmp_path, "unit", 300, docs)
     second = bpe_token_arrays(tmp_path, "unit", 300, docs)
     assert len(calls) == 1 and np.array_equal(first[0], second[0]) and first[2] == second[2]
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def test_non_finite_gradients_skip_the_step(tmp_path, embedded_cache):
+    """A NaN gradient is caught before aggregation; the step is skipped and counted, the next one runs."""
+    import torch.distributed as dist
+
+    from train.aggregation import build_aggregator
+    from train.loop import Trainer
+    from train.model import build_model
+    from train.schedule import build_scheduler
+
+    cfg = _cfg(kind="embedded", cache_dir=str(embedded_cache), seq_len=16)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = build_model(cfg.model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        trainer = Trainer(
+            cfg,
+            ddp=torch.nn.parallel.DistributedDataParallel(model),
+            optimizer=optimizer,
+            scheduler=build_scheduler(optimizer, cfg.model, 10),
+            data=build_data(cfg, 0, 1),
+            aggregator=build_aggregator(cfg, 1),
+            logger=None,
+            device=torch.device("cpu"),
+            rank=0,
+            world_size=1,
+            run_dir=tmp_path,
+            overlap=False,
+        )
+        before = [p.detach().clone() for p in model.parameters()]
+        handle = next(model.parameters()).register_hook(lambda g: g * float("nan"))
+        record = trainer.train_step()
+        handle.remove()
+        assert record["skipped_steps"] == 1 and trainer.state.step == 1
+        assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+        assert trainer.scheduler.last_epoch == 0  # the schedule did not advance either
+        record = trainer.train_step()
+        assert record["skipped_steps"] == 1 and trainer.scheduler.last_epoch == 1
+        assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    finally:
+        dist.destroy_process_group()
