@@ -32,7 +32,9 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("token-cache")
 
 
-def torchrun(nproc: int, script: str, args: list[str], cache: Path, timeout: int) -> subprocess.CompletedProcess:
+def torchrun(
+    nproc: int, script: str, args: list[str], cache: Path, timeout: int, expect_ok: bool = True
+) -> subprocess.CompletedProcess:
     """Launch `script` under torchrun on a free rendezvous port (--standalone picks one)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
@@ -40,7 +42,8 @@ def torchrun(nproc: int, script: str, args: list[str], cache: Path, timeout: int
     proc = subprocess.run(
         [*cmd, str(ROOT / "train" / script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
 
@@ -153,3 +156,19 @@ def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
     assert resumed["resumed_from_step"] == 3
     assert resumed["param_sha256"] == full_nccl["param_sha256"]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-00000003.pt", "step-00000006.pt"]
+
+
+@pytest.mark.timeout(300)
+def test_ranks_with_different_configs_stop_with_one_message(tmp_path, cache_dir):
+    # The seed resolves to each rank's own RANK: the ranks' config hashes differ.
+    proc = torchrun(
+        2,
+        "main.py",
+        [*SMALL, "seed=${oc.env:RANK}", f"hydra.run.dir={tmp_path}"],
+        cache_dir,
+        timeout=250,
+        expect_ok=False,
+    )
+    assert proc.returncode != 0
+    assert "error: ranks [1] were launched with a config different from rank 0's" in proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
