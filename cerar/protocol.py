@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from cerar.codes import Code
-from cerar.rounds import CodedRingWorker, PhaseTimer, message_rows
+from cerar.rounds import CodedRingRank, PhaseTimer
 from cerar.simulate import check_transport_dtype, device_matrices
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -277,39 +277,34 @@ def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", ti
     timer = PhaseTimer(tensor.device)
     c, m, N = code.c, code.m_for(d), code.N
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    k = d // m  # rows of G that lie wholly inside the tensor: used in place
-    head = flat[: k * m].view(k, m)
-    tail = flat.new_zeros(c - k, m)
-    tail.view(-1)[: d - k * m] = flat[k * m :]
-    messages = flat.new_empty(message_rows(N), m)  # x(t) goes out of one while y(t) arrives in another
+    matrices = _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device)
     with torch.no_grad():
-        worker = CodedRingWorker(
-            _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device), head, tail, messages, timer
-        )
+        me = CodedRingRank(matrices, flat, c, m, N, timer)
+        works = []
+        for worker in me.workers:  # round 1 of every chunk
+            with timer.phase("comm"):
+                works.append(ring.post(worker.message(), worker.receive_buffer(1)))
+            worker.while_in_flight(1)
         for t in range(1, code.L + 1):
-            y = worker.receive_buffer(t)
-            with timer.phase("comm"):
-                works = ring.post(worker.message(), y)
-            worker.while_in_flight(t)
-            with timer.phase("comm"):
-                ring.complete(works, f"round {t}/{code.L}")
-            worker.receive(t, y)
-        result = worker.result().view(-1)[:d]
-        if op == "avg":
-            result.div_(N)
+            for p, worker in enumerate(me.workers):
+                with timer.phase("comm"):
+                    ring.complete(works[p], f"round {t}/{code.L}")
+                worker.receive(t, worker.receive_buffer(t))
+                if t < code.L:  # chunk p's next round goes out behind the rest of this one
+                    with timer.phase("comm"):
+                        works[p] = ring.post(worker.message(), worker.receive_buffer(t + 1))
+                    worker.while_in_flight(t + 1)
+        me.write_result(flat, 1.0 / N if op == "avg" else None)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-            tensor.copy_(result.view(tensor.shape))
-        else:
-            flat.copy_(result)
+            tensor.copy_(flat.view(tensor.shape))
 
     seconds = timer.totals()
     stats.bytes_sent = stats.bytes_received = code.L * m * tensor.element_size()
     stats.seconds_encode = seconds.get("encode", 0.0)
     stats.seconds_comm = seconds.get("comm", 0.0)
     stats.seconds_decode = seconds.get("decode", 0.0)
-    accumulator = c * m * tensor.element_size()
     copy = _bytes(flat) if flat.data_ptr() != tensor.data_ptr() else 0
-    stats.peak_extra_bytes = accumulator + _bytes(tail, messages, worker.injection) + copy
+    stats.peak_extra_bytes = me.extra_bytes() + copy
     return stats
 
 

@@ -19,7 +19,7 @@ since yhat(t) = x(t+1) - u(t+1),
 
 where the terms are added in batches of N-1 messages, while the newest of them is on the wire.
 Per round: one row-times-G product (d multiply-adds); every N-1 rounds one product of D_i's
-columns with the waiting messages (one pass over the accumulator); B_i G once at the end.
+columns with the waiting messages (one pass over the accumulator); B_i G once, during the first round.
 Storage beyond the input: the accumulator (c blocks), N message blocks and Delta_t G:
 (1 + (N+1)/c) d, the spec's (1 + N/c) d plus one block.
 
@@ -105,12 +105,13 @@ class CodedRingWorker:
     """
 
     def __init__(self, matrices: dict[str, torch.Tensor], head, tail, messages, timer: PhaseTimer | None = None):
+        # x(1) is formed here; acc = B_i G during round 1's flight (``while_in_flight(1)``).
         self.first, self.delta, self.D, self.B = (matrices[k] for k in ("first", "delta", "D", "B"))
         self.head, self.tail, self.messages = head, tail, messages
         self.k = head.shape[0]
         self.rows = messages.shape[0]
         self.timer = timer or PhaseTimer(head.device, enabled=False)
-        self.acc = head.new_zeros(self.B.shape[0], head.shape[-1])
+        self.acc = head.new_empty(self.B.shape[0], head.shape[-1])
         self.injection = torch.empty_like(messages[0])
         self.decoded_up_to = 1  # x(1) carries no decoding term
         self.t = 1
@@ -145,7 +146,9 @@ class CodedRingWorker:
         """Decode the waiting messages once R-1 have gathered (x(t) is only read), and compute
         Delta_t G for x(t+1)."""
         with self.timer.phase("decode"):
-            if t - self.decoded_up_to >= self.rows - 1:
+            if t == 1:
+                self._times_G(self.B, out=self.acc)  # acc starts as B_i G, off the critical path
+            elif t - self.decoded_up_to >= self.rows - 1:
                 self._decode_through(t)
         with self.timer.phase("encode"):
             self._times_G(self.delta[t - 1 : t], out=self.injection)
@@ -159,8 +162,62 @@ class CodedRingWorker:
     def result(self) -> torch.Tensor:
         """S_hat = B_i G + sum_t D_i[:, t] x(t+1), as [c, m] in the accumulator's buffer."""
         with self.timer.phase("decode"):
+            if self.D.shape[1] == 0:
+                self._times_G(self.B, out=self.acc)  # no rounds (N = 1): S_hat = G
             self._decode_through(self.D.shape[1] + 1)
-            self.acc.addmm_(self.B[:, : self.k], self.head)
-            if self.tail.shape[0]:
-                self.acc.addmm_(self.B[:, self.k :], self.tail)
         return self.acc
+
+
+PIPELINE_MIN_CHUNK = 2**16
+"""Fewest values per message: smaller blocks go whole, where another message costs more than it hides."""
+PIPELINE_MAX_CHUNKS = 2
+
+
+def pipeline_chunks(m: int) -> list[tuple[int, int]]:
+    """Column ranges of the blocks that travel as separate messages. Chunks let a rank send chunk 1
+    of round t+1 while the later chunks of round t are still arriving, so the link does not idle
+    between rounds."""
+    parts = max(1, min(PIPELINE_MAX_CHUNKS, m // PIPELINE_MIN_CHUNK))
+    edges = [p * m // parts for p in range(parts + 1)]
+    return list(zip(edges[:-1], edges[1:], strict=True))
+
+
+class CodedRingRank:
+    """One rank's side of the protocol: its gradient (the first d values of ``flat``) as c rows of
+    m, cut into column chunks (``pipeline_chunks``) that run as independent CodedRingWorkers.
+
+    The rows wholly inside ``flat`` are used in place; the last, partial row is copied into a
+    zero-padded tail. ``write_result(out)`` writes S_hat's first d values into ``out``.
+    """
+
+    def __init__(self, matrices: dict[str, torch.Tensor], flat: torch.Tensor, c: int, m: int, N: int, timer=None):
+        d = flat.numel()
+        self.d, self.c, self.m = d, c, m
+        self.k = d // m  # rows wholly inside the tensor
+        self.head = flat[: self.k * m].view(self.k, m)
+        self.tail = flat.new_zeros(c - self.k, m)
+        self.tail.view(-1)[: d - self.k * m] = flat[self.k * m :]
+        self.chunks = pipeline_chunks(m)
+        rows = message_rows(N)
+        self.workers = [
+            CodedRingWorker(matrices, self.head[:, a:b], self.tail[:, a:b], flat.new_empty(rows, b - a), timer)
+            for a, b in self.chunks
+        ]
+
+    def extra_bytes(self) -> int:
+        """Bytes this rank allocated beyond its input: accumulators, messages, injections, tail."""
+        tensors = [self.tail] + [t for w in self.workers for t in (w.acc, w.messages, w.injection)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def write_result(self, out: torch.Tensor, scale: float | None = None) -> None:
+        """out[:d] = S_hat (times ``scale``), chunk by chunk."""
+        k, m = self.k, self.m
+        rest = self.d - k * m  # values of row k that lie inside the tensor
+        head_out = out[: k * m].view(k, m)
+        for (a, b), worker in zip(self.chunks, self.workers, strict=True):
+            result = worker.result()
+            if scale is not None:
+                result.mul_(scale)
+            head_out[:, a:b].copy_(result[:k])
+            if a < rest:
+                out[k * m + a : k * m + min(b, rest)].copy_(result[k, : min(b, rest) - a])

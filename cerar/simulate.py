@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cerar.codes import Code
-from cerar.rounds import CodedRingWorker, message_rows, worker_matrices
+from cerar.rounds import CodedRingRank, worker_matrices
 
 TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -48,24 +48,19 @@ def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False):
         raise ValueError(f"G must have shape [N, d] with N={code.N} (the code's N), got {tuple(G.shape)}")
     N, d = G.shape
     c, m = code.c, code.m_for(d)
-    rows = G.new_zeros(N, c * m)
-    rows[:, :d] = G
-    rows = rows.view(N, c, m)
-    k = d // m  # split G's rows as the distributed version does: those inside the tensor, the rest
+    result = G.clone()
     with torch.no_grad():
-        workers = [
-            CodedRingWorker(
-                device_matrices(code, i, G.dtype, G.device), rows[i, :k], rows[i, k:], G.new_zeros(message_rows(N), m)
-            )
-            for i in range(N)
-        ]
+        ranks = [CodedRingRank(device_matrices(code, i, G.dtype, G.device), G[i].clone(), c, m, N) for i in range(N)]
         for t in range(1, code.L + 1):
-            sent = [worker.message().clone() for worker in workers]
-            for worker in workers:
-                worker.while_in_flight(t)
-            for i, worker in enumerate(workers):
-                y = worker.receive_buffer(t)
-                y.copy_(sent[i - 1])  # worker i receives what worker i-1 sent
-                worker.receive(t, y)
-        result = torch.stack([worker.result() for worker in workers]).view(N, c * m)[:, :d]
+            sent = [[worker.message().clone() for worker in rank.workers] for rank in ranks]
+            for rank in ranks:
+                for worker in rank.workers:
+                    worker.while_in_flight(t)
+            for i, rank in enumerate(ranks):
+                for p, worker in enumerate(rank.workers):
+                    y = worker.receive_buffer(t)
+                    y.copy_(sent[i - 1][p])  # worker i receives what worker i-1 sent
+                    worker.receive(t, y)
+        for i, rank in enumerate(ranks):
+            rank.write_result(result[i])
     return (result, code.L * m) if return_values_sent else result

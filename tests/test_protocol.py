@@ -66,6 +66,24 @@ def test_every_rank_gets_what_the_oracle_computes_and_exact_codes_match_dist_all
             assert ring_stats.bytes_sent == 2 * (N - 1) * -(-d // N) * 4
 
 
+def _pipelined_worker(rank, N, c, d):
+    G = gradients(N, d, seed=7)
+    mine = G[rank].clone()
+    cerar.all_reduce(mine, cerar.make_code(N, c, "perturbation", eps=0.05))
+    return mine
+
+
+def test_large_blocks_travel_in_pipelined_chunks_with_the_same_result():
+    from cerar.rounds import pipeline_chunks
+
+    N, c = 3, 7
+    d = c * 2 * 2**16 + 5  # m just over two chunks' worth, and d not a multiple of c
+    assert len(pipeline_chunks(-(-d // c))) == 2
+    expected = cerar.simulate(gradients(N, d, seed=7), cerar.make_code(N, c, "perturbation", eps=0.05))
+    for rank, mine in enumerate(run_workers(_pipelined_worker, N, args=(c, d))):
+        assert (mine - expected[rank]).norm() <= 1e-6 * expected[rank].norm()
+
+
 def _shapes_worker(rank, N):
     code = cerar.make_code(N, 8, "perturbation", eps=0.05)
     G = gradients(N, 6 * 7, seed=1, dtype=torch.float64)
