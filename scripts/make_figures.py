@@ -1,0 +1,313 @@
+#!/usr/bin/env python3
+"""Rebuild every figure in reports/ from run data.
+
+Sources
+-------
+* training runs: the local run folders (default ``reports/runs/training/<setting>_s<seed>/`` with
+  ``metrics.jsonl`` + ``summary.json``, as written by ``scripts/compare_training.py``), or W&B runs
+  with ``--wandb ENTITY/PROJECT`` (public API, needs network and, for private projects, a login);
+* ``reports/data/allreduce.csv`` (``scripts/bench_allreduce.py``);
+* ``reports/data/code_design.csv`` (``python -m cerar.design``).
+
+Figures (into ``reports/figures/``)
+-----------------------------------
+* ``val_loss_vs_step.png``, ``val_loss_vs_wall.png``: validation loss per aggregator (one line per
+  seed); wall time = cumulative ``time/step`` (evaluations excluded);
+* ``phase_bars.png``: mean forward/backward/aggregate/optimizer seconds per step per aggregator;
+* ``time_vs_size_<where>[_<rate>].png``, ``saving_vs_c.png``, ``achieved_vs_byte_bound.png``: from
+  the all-reduce CSV (``bench_allreduce.make_figures``);
+* ``error_vs_kappa.png``: worst-worker error against kappa (``cerar.design.plot_error_vs_kappa``);
+* ``saving_vs_N.png``: 1 - t_cerar / t_ref against N at c = 4N: measured (lab rows of the CSV, against
+  the ring and against the backend all_reduce) and modelled (``cerar.costmodel`` fitted to the same
+  setting's rows), with the byte-count bound.
+
+A missing source skips its figures with a message; ``--strict`` makes that an error.
+
+    .venv/bin/python scripts/make_figures.py
+    .venv/bin/python scripts/make_figures.py --wandb my-entity/cerar-pythia
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import re
+import statistics
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
+
+PHASES = ("forward", "backward", "aggregate", "optimizer")
+_RUN_RE = re.compile(r"^(.*)_s(\d+)$")
+
+
+# --------------------------------------------------------------------------- loading runs
+
+
+def _run(setting: str, seed: int | None, metrics: list[dict], summary: dict) -> dict:
+    return {"setting": setting, "seed": seed, "metrics": sorted(metrics, key=lambda r: r.get("step", 0)),
+            "summary": summary}  # fmt: skip
+
+
+def setting_name(aggregator: str, c) -> str:
+    """The compare_training name of a run: cerar settings carry c."""
+    return f"{aggregator}_c{c}" if aggregator.startswith("cerar") and c not in (None, "") else aggregator
+
+
+def load_local_runs(runs_dir: Path) -> list[dict]:
+    """Every folder under runs_dir holding a metrics.jsonl (setting and seed from '<setting>_s<seed>')."""
+    runs = []
+    for mp in sorted(Path(runs_dir).rglob("metrics.jsonl")):
+        d = mp.parent
+        metrics = []
+        for line in mp.read_text().splitlines():
+            try:
+                metrics.append(json.loads(line))
+            except ValueError:
+                continue
+        summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
+        m = _RUN_RE.match(d.name)
+        if m:
+            setting, seed = m.group(1), int(m.group(2))
+        else:
+            setting, seed = setting_name(summary.get("aggregator", d.name), summary.get("c")), None
+        runs.append(_run(setting, seed, metrics, summary))
+    return runs
+
+
+def runs_from_wandb(api_runs: Iterable) -> list[dict]:
+    """Shape W&B runs (objects with .config, .summary, .scan_history()) like local run folders."""
+    runs = []
+    for r in api_runs:
+        cfg = dict(r.config)
+        agg = cfg.get("aggregator", {})
+        agg_name = agg.get("name") if isinstance(agg, dict) else cfg.get("aggregator/name", agg)
+        summary = {k: v for k, v in dict(r.summary).items() if not str(k).startswith("_")}
+        metrics = []
+        for row in r.scan_history():
+            row = {k: v for k, v in dict(row).items() if v is not None}
+            if "_step" in row and "step" not in row:
+                row["step"] = row["_step"]
+            metrics.append({k: v for k, v in row.items() if not str(k).startswith("_")})
+        runs.append(_run(setting_name(str(agg_name), cfg.get("c")), cfg.get("seed"), metrics, summary))
+    return runs
+
+
+def load_wandb_runs(path: str) -> list[dict]:  # pragma: no cover - needs network
+    import wandb
+
+    return runs_from_wandb(wandb.Api().runs(path))
+
+
+# --------------------------------------------------------------------------- training figures
+
+
+def _colors(settings: list[str]) -> dict[str, str]:
+    import matplotlib.pyplot as plt
+
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return {s: cycle[i % len(cycle)] for i, s in enumerate(settings)}
+
+
+def _settings(runs: list[dict]) -> list[str]:
+    order = ["nccl", "ring", "cerar_c4", "cerar_c8", "cerar_c16", "powersgd", "fp16", "bf16"]
+    found = sorted({r["setting"] for r in runs}, key=lambda s: (order.index(s) if s in order else 99, s))
+    return found
+
+
+def training_figures(runs: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = _settings(runs)
+    color = _colors(settings)
+    paths = []
+    for xkey, fname, xlabel in (("step", "val_loss_vs_step.png", "step"),
+                                ("wall", "val_loss_vs_wall.png", "training wall time (s, sum of time/step)")):  # fmt: skip
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for s in settings:
+            for i, r in enumerate(x for x in runs if x["setting"] == s):
+                wall, xs, ys = 0.0, [], []
+                for m in r["metrics"]:
+                    wall += float(m.get("time/step", 0.0))
+                    if m.get("val_loss") is not None:
+                        xs.append(m["step"] if xkey == "step" else wall)
+                        ys.append(float(m["val_loss"]))
+                if xs:
+                    ax.plot(xs, ys, color=color[s], marker=".", linewidth=1, alpha=0.8,
+                            label=s if i == 0 else None)  # fmt: skip
+        ax.set(xlabel=xlabel, ylabel="validation loss", title=f"validation loss vs {xkey}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out / fname
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    # per-phase bars: mean seconds per step (steps > 1), averaged over seeds
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    bottoms = [0.0] * len(settings)
+    for ph in PHASES:
+        vals = []
+        for s in settings:
+            per_run = []
+            for r in (x for x in runs if x["setting"] == s):
+                steady = [float(m.get(f"time/{ph}", 0.0)) for m in r["metrics"] if m.get("step", 0) > 1]
+                if steady:
+                    per_run.append(statistics.mean(steady))
+            vals.append(statistics.mean(per_run) if per_run else 0.0)
+        ax.bar(settings, vals, bottom=bottoms, label=ph)
+        bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
+    ax.set(ylabel="seconds per step (mean, steps 2..)", title="per-phase time per step")
+    ax.tick_params(axis="x", rotation=30)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    p = out / "phase_bars.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+# --------------------------------------------------------------------------- other figures
+
+
+def error_vs_kappa(design_csv: Path, out: Path) -> list[Path]:
+    import dataclasses
+
+    from cerar import design
+
+    fields = {f.name: f.type for f in dataclasses.fields(design.DesignRow)}
+    rows = []
+    with open(design_csv, newline="") as f:
+        for raw in csv.DictReader(f):
+            if raw.get("sweep") not in ("kappa_max", "eps", "exact", "cli"):
+                continue  # as cerar.design: the bar and reference rows are not in the sweep figure
+            kw = {}
+            for k, typ in fields.items():
+                v = raw.get(k, "")
+                if k in ("N", "c", "worst_worker", "best_worker", "d", "seed"):
+                    kw[k] = int(v) if v not in ("", None) else -1
+                elif k in ("construction", "sweep", "dtype", "status"):
+                    kw[k] = v
+                elif k in ("kappa_max", "requested_eps", "eps"):
+                    kw[k] = float(v) if v not in ("", None) else None
+                else:
+                    kw[k] = float(v) if v not in ("", None) else math.nan
+            rows.append(design.DesignRow(**kw))
+    if not rows:
+        raise ValueError(f"{design_csv}: no sweep rows")
+    p = out / "error_vs_kappa.png"
+    design.plot_error_vs_kappa(rows, p)
+    return [p]
+
+
+def saving_vs_n(allreduce_csv: Path, out: Path, size_mb: float = 64.0, c_mult: int = 4) -> list[Path]:
+    """Measured and modelled 1 - t_cerar/t_ref against N at c = c_mult*N, one line per lab rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from cerar import costmodel
+
+    with open(allreduce_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    nbytes = int(round(size_mb * 2**20))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    Ns_all = list(range(2, 17))
+    ax.plot(Ns_all, [1 - costmodel.byte_ratio_limit(N, c_mult * N) for N in Ns_all], color="black",
+            linestyle=":", label=f"byte-count bound (c={c_mult}N)")  # fmt: skip
+    fits = costmodel.fit_groups(rows)
+    settings = sorted({(r["where"], r["rate_mbit"]) for r in rows}, key=lambda k: (k[0], float(k[1] or 0)))
+    for where, rate in settings:
+        sub = [r for r in rows if (r["where"], r["rate_mbit"]) == (where, rate) and int(r["bytes"]) == nbytes]
+        tag = f"{where} {rate + ' Mbit/s' if rate else ''}".strip()
+        meas = {}
+        for N in sorted({int(r["N"]) for r in sub}):
+            t = {}
+            for r in sub:
+                if int(r["N"]) != N:
+                    continue
+                if r["aggregator"] in ("ring", "nccl"):
+                    t.setdefault(r["aggregator"], []).append(float(r["seconds_median"]))
+                elif r["aggregator"] == "cerar" and r["c"] and int(r["c"]) == c_mult * N and r["construction"] == "perturbation":
+                    t.setdefault("cerar", []).append(float(r["seconds_median"]))
+            if "cerar" in t:
+                for ref in ("nccl", "ring"):
+                    if ref in t:
+                        meas.setdefault(ref, []).append((N, 1 - min(t["cerar"]) / min(t[ref])))
+        line = None
+        for ref, marker in (("nccl", "o"), ("ring", "s")):
+            if ref in meas:
+                xs, ys = zip(*meas[ref], strict=True)
+                (line,) = ax.plot(xs, ys, marker=marker, linestyle="-" if ref == "nccl" else "--",
+                                  color=None if line is None else line.get_color(),
+                                  label=f"measured vs {ref}: {tag}")  # fmt: skip
+        f_ = fits.get((where, rate))
+        if meas and isinstance(f_, costmodel.Fit):
+            d = nbytes // 4
+            model = [1 - f_.predict("cerar", d, N, c_mult * N) / f_.predict("ring", d, N, None) for N in Ns_all]
+            ax.plot(Ns_all, model, linestyle="-.", linewidth=1, color=None if line is None else line.get_color(),
+                    label=f"model (fit to {tag}) vs ring")  # fmt: skip
+    ax.axhline(0, color="gray", linewidth=0.8)
+    ax.set(xlabel="N (workers)", ylabel="saving 1 - t_cerar / t_ref",
+           title=f"CERAR saving vs N ({size_mb:g} MiB, c = {c_mult}N)")  # fmt: skip
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    p = out / "saving_vs_N.png"
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return [p]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs-dir", type=Path, default=ROOT / "reports" / "runs" / "training")
+    ap.add_argument("--wandb", metavar="ENTITY/PROJECT", default=None, help="read training runs from W&B")
+    ap.add_argument("--allreduce-csv", type=Path, default=ROOT / "reports" / "data" / "allreduce.csv")
+    ap.add_argument("--design-csv", type=Path, default=ROOT / "reports" / "data" / "code_design.csv")
+    ap.add_argument("--out", type=Path, default=ROOT / "reports" / "figures")
+    ap.add_argument("--strict", action="store_true", help="fail when a source is missing")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    written, missing = [], []
+
+    runs = load_wandb_runs(args.wandb) if args.wandb else load_local_runs(args.runs_dir)
+    if runs:
+        written += training_figures(runs, args.out)
+    else:
+        missing.append(f"training runs ({args.wandb or args.runs_dir})")
+    if args.allreduce_csv.exists():
+        import bench_allreduce
+
+        written += bench_allreduce.make_figures(args.allreduce_csv, args.out)
+        written += saving_vs_n(args.allreduce_csv, args.out)
+    else:
+        missing.append(str(args.allreduce_csv))
+    if args.design_csv.exists():
+        written += error_vs_kappa(args.design_csv, args.out)
+    else:
+        missing.append(str(args.design_csv))
+    for p in written:
+        print(f"make_figures: wrote {p}")
+    for m in missing:
+        print(f"make_figures: no data, skipped: {m}", file=sys.stderr)
+    return 1 if (missing and args.strict) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# The all-reduce measurements behind reports/README.md, in the order they were run.
+# Usage (root, from the repo root): scripts/run_allreduce_sweeps.sh PHASE...   PHASE: targets lab loopback
+# Each bench command and the load average before/after it are logged to reports/logs/allreduce_runs.log.
+set -u
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+LOG=reports/logs/allreduce_runs.log
+CSV=reports/data/allreduce.csv
+run() {
+  echo "=== $(date -Is) load before: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
+  echo "\$ $PY scripts/bench_allreduce.py $* --csv $CSV --quiet" >>"$LOG"
+  local t0=$SECONDS
+  $PY scripts/bench_allreduce.py "$@" --csv "$CSV" --quiet >>"$LOG" 2>&1
+  echo "=== rc=$? in $((SECONDS - t0)) s; load after: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
+}
+for phase in "$@"; do
+  case "$phase" in
+  targets)  # the issue's two targets, side by side, >= 5 interleaved repeats
+    run --lab --rate-mbit 200 --n 4 --sizes-mb 64 --c-mult 4 --constructions perturbation,optimized --repeats 5 --warmup 1
+    run --lab --rate-mbit 200 --n 8 --sizes-mb 64 --c-mult 4 --constructions perturbation,optimized --repeats 5 --warmup 1
+    ;;
+  lab)  # low and high rates, N=4; 256 MB at one rate; N=8 at 200 Mbit/s, c in {8,16,32}
+    run --lab --rate-mbit 100,400,5000 --n 4 --sizes-mb 1,16,64 --c-mult 1,2,4 --constructions perturbation,optimized --repeats 3 --warmup 1
+    run --lab --rate-mbit 400 --n 4 --sizes-mb 256 --c-mult 4 --constructions perturbation --repeats 2 --warmup 1
+    run --lab --rate-mbit 200 --n 8 --sizes-mb 64 --c-mult 1,2,4 --constructions perturbation --repeats 3 --warmup 1
+    run --lab --rate-mbit 400 --n 2 --sizes-mb 64 --c-mult 1,2,4 --constructions vandermonde,perturbation,optimized --repeats 3 --warmup 1
+    ;;
+  loopback)
+    run --n 2,4,8 --sizes-mb 1,16,64 --c-mult 1,2,4 --constructions vandermonde,perturbation,optimized --repeats 3 --warmup 1
+    run --n 4 --sizes-mb 256 --c-mult 4 --constructions perturbation --repeats 2 --warmup 1
+    ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+  esac
+done
