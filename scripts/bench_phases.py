@@ -75,7 +75,10 @@ def launch(args: argparse.Namespace) -> list[tuple[str, str]]:
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     print(" ".join(cmd[2:]), flush=True)
+    before = os.getloadavg()[0]
     subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    load = {"load_before": before, "load_after": os.getloadavg()[0]}
+    (Path(args.work_dir) / "load.json").write_text(json.dumps(load))
     return runs
 
 
@@ -106,6 +109,10 @@ def write(args: argparse.Namespace, rows: list[dict]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
+    load_file = Path(args.work_dir) / "load.json"
+    if load_file.exists():
+        load = json.loads(load_file.read_text())
+        machine += f"; 1-minute load average {load['load_before']:.1f} before, {load['load_after']:.1f} after"
     lines = [
         "# Per-phase step times on CPU: nccl (gloo) vs ring vs CERAR c=16",
         "",
