@@ -171,9 +171,7 @@ class CerarAggregator(Aggregator):
             exact_ring=self.exact_ring,
             timeout=self.timeout,
         )
-        # Passed through an unannotated adapter: DDP rejects a hook whose annotations are strings
-        # (cerar.ddp uses `from __future__ import annotations`).
-        ddp.register_comm_hook(self.hook_state, lambda state, bucket: cerar_hook(state, bucket))
+        ddp.register_comm_hook(self.hook_state, cerar_hook)
 
     def bytes_sent_by_hook(self, numel: int) -> int:
         if self.hook_state is None:
