@@ -119,3 +119,29 @@ def test_training_summary_and_report(tmp_path):
     assert abs(summ["cerar_c16"]["wall_ratio"] - (0.35 + 0.7) / (0.35 + 1.0)) < 1e-9
     assert abs(summ["cerar_c16"]["agg_mean"] - 0.7) < 1e-12 and summ["nccl"]["runs"] == 2
     assert "| cerar_c16 |" in text and (tmp_path / "training.md").exists()
+
+
+def test_report_tables_targets(tmp_path):
+    import report_tables
+
+    ar = tmp_path / "allreduce.csv"
+    _write_allreduce(ar)
+    rows = list(csv.DictReader(open(ar)))
+    for r in rows:
+        r.update(run_id="20261130T051902-1", seconds_encode=0.1, seconds_comm=0.2, seconds_decode=0.3,
+                 rel_error=0.01, bytes_sent=r["bytes"], achieved_mbit=1)  # fmt: skip
+        if r["aggregator"] == "cerar" and r["rate_mbit"]:
+            r["byte_bound_seconds"] = float(r["seconds_median"]) / 2
+    with open(ar, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS + EXTRA_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    log = tmp_path / "runs.log"
+    log.write_text("=== 2026-11-30T05:19:02+00:00 load before: 1.00 2.00 3.00\n$ x\n=== rc=0 in 5 s; load after: 4.00 5.00 6.00\n")
+    out = tmp_path / "tables.md"
+    assert report_tables.main(["--csv", str(ar), "--log", str(log), "--out", str(out)]) == 0
+    text = out.read_text()
+    # N=4, c=16, 64 MiB, lab 200: synthetic cerar = 0.8 x nccl (see _write_allreduce)
+    line = next(x for x in text.splitlines() if "| 4 | 16 | 200 |" in x)
+    assert "**0.800**" in line and "missed by +0.010" in line and "1.00 2.00 3.00 -> 4.00 5.00 6.00" in line
+    assert "## Every setting" in text
