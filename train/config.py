@@ -9,6 +9,7 @@ a local data folder that exists, ...) and raises `ConfigError` with one message 
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -104,7 +105,7 @@ class TrainerConfig:
     grad_accum: int = 1
     overlap: bool | None = None  # None: false (the paper's measurement) unless the aggregator is hook-only
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (autocast + GradScaler)
     eval_every: int = 50
     eval_batches: int = 4  # micro-batches per rank in one evaluation
     log_every: int = 1
@@ -115,6 +116,10 @@ class TrainerConfig:
     progress_bar: bool = True
     bucket_cap_mb: float = 25.0  # DDP bucket size (overlap=true); torch's default 25
     stop_after_step: int = 0  # >0: end this launch after that step, unfinished (simulates a preemption)
+    # Fault injection, a testing/chaos tool only: at step k (>0) rank `inject_nonfinite_rank` turns one of its
+    # gradients into inf before the non-finite check (tests/test_reliability.py, scripts/chaos.py).
+    inject_nonfinite_at_step: int = 0
+    inject_nonfinite_rank: int = 0
 
 
 @dataclass
@@ -203,6 +208,11 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             any(p.suffix in (".txt", ".jsonl") for p in folder.rglob("*")),
             f"data.path={d.path} holds no .txt or .jsonl files",
         )
+    if d.kind == "pile" and d.dataset in ("json", "text", "csv", "parquet"):  # HF's loaders of local files
+        for key in ("data_files", "val_data_files"):
+            files = d[key]
+            if files and "://" not in str(files):  # a local file or glob must match something
+                _require(bool(glob.glob(os.path.expanduser(str(files)))), f"data.{key}={files} matches no file")
     # aggregator
     _one_of(a.kind, AGGREGATOR_KINDS, "aggregator.kind")
     if a.kind == "cerar":
@@ -211,7 +221,7 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             a.kappa_max is None or a.kappa_max >= 1,
             f"aggregator.kappa_max={a.kappa_max} must be >= 1 (a condition number) or null",
         )
-        _require(a.eps is None or a.eps > 0, f"aggregator.eps={a.eps} must be > 0 or null")
+        _require(a.eps is None or 0 < a.eps < 1, f"aggregator.eps={a.eps} must lie in (0, 1) or be null")
     if a.kind == "powersgd":
         _require(a.powersgd_rank >= 1, f"aggregator.powersgd_rank={a.powersgd_rank} must be >= 1")
     if a.kind in HOOK_ONLY_AGGREGATORS:
@@ -222,10 +232,22 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
     # trainer
     for key in ("max_steps", "micro_batch_size", "grad_accum", "eval_batches", "log_every"):
         _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
-    for key in ("eval_every", "drift_every", "measure_error_every", "resync_every", "stop_after_step"):
+    for key in (
+        "eval_every",
+        "drift_every",
+        "measure_error_every",
+        "resync_every",
+        "stop_after_step",
+        "inject_nonfinite_at_step",
+    ):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0 (0 disables it)")
     _one_of(t.device, ("auto", "cpu", "cuda"), "trainer.device")
-    _one_of(t.precision, ("auto", "fp32", "bf16"), "trainer.precision")
+    _one_of(t.precision, ("auto", "fp32", "bf16", "fp16"), "trainer.precision")
+    if t.inject_nonfinite_at_step and world_size is not None:
+        _require(
+            0 <= t.inject_nonfinite_rank < world_size,
+            f"trainer.inject_nonfinite_rank={t.inject_nonfinite_rank} must be a rank in [0, {world_size})",
+        )
     _require(t.collective_timeout_s > 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0")
     _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0")
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
@@ -263,6 +285,32 @@ def config_fingerprint(cfg: DictConfig) -> str:
     """SHA-256 of the resolved config: ranks exchange it at start to catch mismatched launches."""
     text = OmegaConf.to_yaml(cfg, resolve=True, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+CODE_TAG_ENV = "CERAR_PYTHIA_CODE_TAG"
+"""An extra string mixed into the code fingerprint: tag a deployment, or (tests) make one rank differ."""
+
+
+def code_fingerprint() -> str:
+    """SHA-256 of the code a rank runs: cerar's protocol version, the package version and the sources of
+    `cerar/` and `train/` (plus $CERAR_PYTHIA_CODE_TAG). Ranks compare it at start with the config hash."""
+    import importlib.metadata
+
+    import cerar.protocol
+
+    digest = hashlib.sha256()
+    try:
+        version = importlib.metadata.version("cerar-pythia")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    digest.update(f"protocol={cerar.protocol.PROTOCOL_VERSION};version={version};".encode())
+    digest.update(f"tag={os.environ.get(CODE_TAG_ENV, '')};".encode())
+    root = Path(__file__).resolve().parents[1]
+    for package in ("cerar", "train"):
+        for source in sorted((root / package).glob("*.py")):
+            digest.update(f"{package}/{source.name}:".encode())
+            digest.update(source.read_bytes())
+    return digest.hexdigest()
 
 
 def run_identity(cfg, world_size: int) -> tuple[str, str, list[str]]:

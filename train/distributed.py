@@ -2,11 +2,18 @@
 
 Backend: NCCL when the job runs on GPUs, gloo on CPU. Every collective inherits the process group's
 timeout (`trainer.collective_timeout_s`). A plain `python train/main.py` runs as a group of one.
+
+The loop runs each collective inside `guarded(operation)`: before entering it a rank records in the
+rendezvous store how many collectives it has entered; when one fails (a peer died, or stalled past the
+timeout) the error becomes a `TrainCollectiveError` naming the operation, the step, and the ranks that never
+reached it (gloo's own timeout message does not say which peer is missing).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -46,8 +53,17 @@ def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -
     backend = "nccl" if device.type == "cuda" else "gloo"
     timeout = timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
+        store = None
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is not None:
+            # torchrun shares its rendezvous TCPStore with the workers without a per-attempt prefix, so after a
+            # restart gloo can read a dead peer's address left by the previous attempt ("connectFullMesh failed:
+            # Connection refused"). Keys of this attempt go under their own prefix.
+            base, _, _ = next(dist.rendezvous("env://", launch.rank, launch.world_size, timeout=timeout))
+            store = dist.PrefixStore(f"cerar_pythia/attempt_{restart}/", base)
         dist.init_process_group(
             backend,
+            store=store,
             rank=launch.rank,
             world_size=launch.world_size,
             timeout=timeout,
@@ -57,32 +73,110 @@ def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def check_same_config(fingerprint: str, device: torch.device) -> None:
-    """Every rank must run the same resolved config; otherwise stop all ranks with one clear error."""
-    mine = torch.tensor(list(bytes.fromhex(fingerprint)), dtype=torch.int64, device=device)
+def check_same_config(config_hash: str, code_hash: str, device: torch.device) -> None:
+    """Every rank must run the same resolved config and the same code (cerar protocol, package version,
+    sources): one all-gather of both hashes; a mismatch stops all ranks with one clear error."""
+    mine = torch.tensor(list(bytes.fromhex(config_hash + code_hash)), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, mine)
-    differing = [r for r, g in enumerate(gathered) if not torch.equal(g, gathered[0])]
-    if differing:
+    with guarded("start-up config/code hash exchange"):
+        dist.all_gather(gathered, mine)
+    half = len(mine) // 2
+    config_differs = [r for r, g in enumerate(gathered) if not torch.equal(g[:half], gathered[0][:half])]
+    code_differs = [r for r, g in enumerate(gathered) if not torch.equal(g[half:], gathered[0][half:])]
+    if config_differs:
         raise ConfigError(
-            f"ranks {differing} were launched with a config different from rank 0's "
+            f"ranks {config_differs} were launched with a config different from rank 0's "
             "(compare the overrides given to each node)"
+        )
+    if code_differs:
+        raise ConfigError(
+            f"ranks {code_differs} run code different from rank 0's (cerar protocol or package version, or the "
+            "sources of cerar/ and train/); install the same version on every node"
         )
 
 
-def all_reduce_max(value: float, device: torch.device) -> float:
+class TrainCollectiveError(RuntimeError):
+    """A collective of the loop failed or timed out; the message names the operation, step and missing ranks."""
+
+
+_progress = {"entered": 0, "step": 0}
+_HEARTBEAT = "cerar_pythia/entered/"
+
+
+def set_step(step: int) -> None:
+    """The step the loop is working on, for error messages and the heartbeat."""
+    _progress["step"] = step
+
+
+def _store():
+    try:
+        return dist.distributed_c10d._get_default_store()  # the rendezvous store (torchrun's agent hosts it)
+    except Exception:
+        return None
+
+
+def _beat(operation: str) -> None:
+    _progress["entered"] += 1
+    if dist.get_world_size() < 2 or (store := _store()) is None:
+        return
+    with contextlib.suppress(Exception):
+        store.set(f"{_HEARTBEAT}{dist.get_rank()}", f"{_progress['entered']} {_progress['step']} {operation}")
+
+
+def _missing_ranks() -> str:
+    """Which ranks have not entered the collective this rank is stuck in, read from the heartbeat keys."""
+    store, me, n = _store(), dist.get_rank(), dist.get_world_size()
+    if store is None:
+        return "ranks involved: all"
+    behind = []
+    with contextlib.suppress(Exception):
+        store.set_timeout(timedelta(seconds=5))
+        for r in range(n):
+            if r != me and store.check([f"{_HEARTBEAT}{r}"]):
+                entered, step, op = store.get(f"{_HEARTBEAT}{r}").decode().split(" ", 2)
+                if int(entered) < _progress["entered"]:
+                    behind.append(f"rank {r} (last entered {op!r} at step {step})")
+    if behind:
+        return "peer(s) that never joined: " + ", ".join(behind)
+    return f"every peer of ranks 0..{n - 1} had entered it (one died or stalled inside it)"
+
+
+@contextlib.contextmanager
+def guarded(operation: str):
+    """Run one collective; turn any failure into a TrainCollectiveError that names operation, step and peers."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        yield
+        return
+    _beat(operation)
+    start = time.monotonic()
+    try:
+        yield
+    except TrainCollectiveError:
+        raise
+    except Exception as err:
+        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        raise TrainCollectiveError(
+            f"collective {operation!r} at step {_progress['step']} failed on rank {dist.get_rank()} after "
+            f"{time.monotonic() - start:.1f}s: {_missing_ranks()}; {type(err).__name__}: {first_line}"
+        ) from err
+
+
+def all_reduce_max(value: float, device: torch.device, operation: str = "all_reduce max") -> float:
     t = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    with guarded(operation):
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
 
-def all_reduce_mean(values: list[float], device: torch.device) -> list[float]:
+def all_reduce_mean(values: list[float], device: torch.device, operation: str = "all_reduce mean") -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    with guarded(operation):
+        dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
 
 
-def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+def all_reduce_sum(values: list[float], device: torch.device, operation: str = "all_reduce sum") -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    with guarded(operation):
+        dist.all_reduce(t)
     return t.tolist()

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
 from train import checkpoint as ckpt
-from train.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum
+from train.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum, guarded, set_step
 
 log = logging.getLogger(__name__)
 
@@ -118,10 +118,13 @@ class Trainer:
         self.numel = sum(p.numel() for p in self.params)
         self.state = TrainState()
         self.timer = PhaseTimer(device)
-        use_bf16 = cfg.trainer.precision == "bf16" or (cfg.trainer.precision == "auto" and device.type == "cuda")
-        self.autocast = (
-            (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else contextlib.nullcontext
-        )
+        precision = cfg.trainer.precision
+        use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+        low = torch.bfloat16 if use_bf16 else torch.float16 if precision == "fp16" else None
+        self.autocast = (lambda: torch.autocast(device.type, dtype=low)) if low is not None else contextlib.nullcontext
+        # fp16: the loss is scaled; a step whose (scaled) gradients hold inf/nan anywhere is skipped on every
+        # rank and the scale backs off on every rank alike (see _skip_in_scaler).
+        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.tokens_per_step = self.t.micro_batch_size * self.t.grad_accum * cfg.data.seq_len * world_size
 
     # ------------------------------------------------------------------ checkpoints
@@ -130,7 +133,8 @@ class Trainer:
         """Model/optimizer/scheduler of this rank plus every rank's data position and RNG (gathered)."""
         mine = {"data": self.data.train.state_dict(), "rng": ckpt.rng_states()}
         per_rank = [None] * self.world_size
-        dist.all_gather_object(per_rank, mine)
+        with guarded("checkpoint all_gather_object"):
+            dist.all_gather_object(per_rank, mine)
         return {
             "step": self.state.step,
             "skipped_steps": self.state.skipped_steps,
@@ -140,6 +144,7 @@ class Trainer:
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "ranks": per_rank,
         }
 
@@ -148,7 +153,8 @@ class Trainer:
         if self.rank == self.world_size - 1:  # the rank that always holds the exact aggregate
             path = ckpt.save_checkpoint(self.run_dir, self.state.step, state, self.cfg.checkpoint.keep)
             log.info("checkpoint %s", path)
-        dist.barrier()
+        with guarded("checkpoint barrier"):
+            dist.barrier()
 
     def restore(self, state: dict) -> None:
         if state["world_size"] != self.world_size:
@@ -159,6 +165,8 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
         mine = state["ranks"][self.rank]
         self.data.train.load_state_dict(mine["data"])
         ckpt.set_rng_states(mine["rng"])
@@ -181,8 +189,12 @@ class Trainer:
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 with self.timer.phase("forward"), self.autocast():
                     loss = lm_loss(self.ddp, batch) / self.t.grad_accum
-                with self.timer.phase("backward"):
-                    loss.backward()
+                scaled = self.scaler.scale(loss) if self.scaler is not None else loss
+                with (
+                    self.timer.phase("backward"),
+                    guarded(f"backward with {self.aggregator.name} hook") if sync else (contextlib.nullcontext()),
+                ):
+                    scaled.backward()
             total += float(loss.detach())
         return total
 
@@ -193,12 +205,31 @@ class Trainer:
             if flat is not None
             else any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.params)
         )
-        return all_reduce_max(float(local_bad), self.device) == 0.0
+        return all_reduce_max(float(local_bad), self.device, "non-finite flag all_reduce") == 0.0
+
+    def _maybe_inject_nonfinite(self, step: int) -> None:
+        """trainer.inject_nonfinite_at_step (testing/chaos only): at that step one gradient of one rank is inf."""
+        t = self.t
+        if t.inject_nonfinite_at_step == step and self.rank == t.inject_nonfinite_rank:
+            grad = self.params[0].grad
+            if grad is not None:
+                grad.view(-1)[0] = float("inf")
+                log.warning("step %d: injected an inf gradient on rank %d (testing option)", step, self.rank)
+
+    def _skip_in_scaler(self) -> None:
+        """fp16, a step skipped because some rank saw inf/nan: make every rank's scaler see an inf so that
+        all back off alike (GradScaler reads only its own rank's gradients), then let it skip and update."""
+        self.params[0].grad = torch.full_like(self.params[0], float("nan"))
+        self.scaler.unscale_(self.optimizer)
+        self.scaler.step(self.optimizer)  # sees the inf: does not step
+        self.scaler.update()
 
     def train_step(self) -> dict:
         self.timer.reset()
-        loss = self._forward_backward()
         step = self.state.step + 1
+        set_step(step)
+        loss = self._forward_backward()
+        self._maybe_inject_nonfinite(step)
         record: dict = {}
         measure = (
             not self.overlap
@@ -214,13 +245,18 @@ class Trainer:
             finite = self._grads_finite_everywhere(flat)  # before aggregation
             bytes_sent = 0
             if finite:
+                if self.scaler is not None:  # aggregate true gradients, not scaled ones
+                    self.scaler.unscale_(self.optimizer)
+                    flat = flat_grads(self.params)
                 exact = None
                 if measure:
                     exact = flat.clone()
-                    dist.all_reduce(exact)
+                    with guarded("exact all_reduce (agg/rel_error)"):
+                        dist.all_reduce(exact)
                     exact.div_(self.world_size)
-                with self.timer.phase("aggregate"):
+                with self.timer.phase("aggregate"), guarded(f"aggregate ({self.aggregator.name})"):
                     bytes_sent = self.aggregator.aggregate(flat)
+                with self.timer.phase("aggregate"):
                     write_flat_grads(self.params, flat)
                 if exact is not None:
                     rel = float((flat - exact).norm() / exact.norm().clamp_min(1e-30))
@@ -228,13 +264,23 @@ class Trainer:
                     record["agg/rel_error_rank0"] = rel if self.rank == 0 else None
         with self.timer.phase("optimizer"):
             if finite:
+                if self.scaler is not None and self.overlap:
+                    self.scaler.unscale_(self.optimizer)
                 if self.cfg.model.grad_clip > 0:
                     record["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.model.grad_clip))
-                self.optimizer.step()
+                if self.scaler is not None:
+                    self.scaler.step(self.optimizer)  # the gradients are finite everywhere: it steps
+                    self.scaler.update()
+                else:
+                    self.optimizer.step()
                 self.scheduler.step()
             else:
                 self.state.skipped_steps += 1
+                if self.scaler is not None:
+                    self._skip_in_scaler()
                 log.warning("step %d: non-finite gradients on some rank; step skipped on every rank", step)
+            if self.scaler is not None:
+                record["amp/scale"] = float(self.scaler.get_scale())
             self.optimizer.zero_grad(set_to_none=True)
         self.state.step = step
         self.state.tokens += self.tokens_per_step
@@ -255,7 +301,7 @@ class Trainer:
             n = batch[:, 1:].numel()
             loss_sum, count = loss_sum + float(loss) * n, count + n
         self.model.train()
-        total, tokens = all_reduce_sum([loss_sum, float(count)], self.device)
+        total, tokens = all_reduce_sum([loss_sum, float(count)], self.device, "evaluation all_reduce")
         return total / tokens
 
     @torch.no_grad()
@@ -263,14 +309,16 @@ class Trainer:
         """max over ranks of max |theta_rank - theta_0|: how far approximate aggregation let replicas part."""
         theta = flat_params(self.params).float()
         theta0 = theta.clone()
-        dist.broadcast(theta0, src=0)
-        return all_reduce_max(float((theta - theta0).abs().max()), self.device)
+        with guarded("drift broadcast from rank 0"):
+            dist.broadcast(theta0, src=0)
+        return all_reduce_max(float((theta - theta0).abs().max()), self.device, "drift all_reduce")
 
     @torch.no_grad()
     def resync_from_exact_rank(self) -> None:
         """Broadcast the parameters of rank N-1 (exact under CERAR) to every replica."""
         theta = flat_params(self.params)
-        dist.broadcast(theta, src=self.world_size - 1)
+        with guarded(f"resync broadcast from rank {self.world_size - 1}"):
+            dist.broadcast(theta, src=self.world_size - 1)
         write_flat_params(self.params, theta)
 
     # ------------------------------------------------------------------ the loop
@@ -295,7 +343,7 @@ class Trainer:
                 self.resync_from_exact_rank()
             last = step == t.max_steps
             if self._due(t.log_every, step) or last or self._due(t.eval_every, step):
-                (train_loss,) = all_reduce_mean([record.pop("train_loss_local")], self.device)
+                (train_loss,) = all_reduce_mean([record.pop("train_loss_local")], self.device, "train-loss all_reduce")
                 out = {"step": step, "train_loss": train_loss, "lr": self.scheduler.get_last_lr()[0]}
                 out.update({f"time/{k}": v for k, v in self.timer.seconds.items()})
                 out["time/step"] = step_seconds

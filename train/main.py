@@ -5,6 +5,11 @@
 Hydra composes configs/config.yaml with the overrides against the typed schema (train/config.py):
 an unknown option, a typo or a wrong type stops here. Then `validate` checks the values, still
 before torch or any process group is touched, and `train.run.run` does the run (train/run.py).
+
+`preflight` does all of that once more before Hydra starts the job, so that every refusal (Hydra's
+composition errors included, and an output directory that cannot be written) is one line on stderr
+and exit status 2, before any run directory, data cache or process group exists. A collective that
+fails during the run (a peer died or stalled) exits with status 3 and one line naming it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from train.config import UserError, register_configs, validate
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 register_configs()
 
@@ -43,8 +50,53 @@ def main(cfg: DictConfig) -> None:
             finish()
     except UserError as err:
         fail(str(err))
+    except RuntimeError as err:
+        from train.distributed import TrainCollectiveError
+
+        if isinstance(err, TrainCollectiveError):
+            fail(str(err), code=3)
+        raise
+
+
+def one_line(message: str) -> str:
+    """Hydra's multi-line composition errors as one line (the field, the problem, the options)."""
+    lines = []
+    for raw in str(message).splitlines():
+        line = raw.strip()
+        if line.startswith(("Config search path", "provider=")):
+            break
+        if line and not line.startswith(("full_key:", "reference_type=", "object_type=", "To append")):
+            lines.append(line)
+    return " ".join(lines).replace(" Available options in", "; options in")
+
+
+def preflight(argv: list[str]) -> None:
+    """Compose and validate the config, and check the run directory can be written, before Hydra runs."""
+    if any(a.startswith("-") for a in argv):  # Hydra's own flags (--cfg, --help, -m): leave them to Hydra
+        return
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose("config", overrides=argv, return_hydra_config=True)
+    except Exception as err:  # Hydra's and OmegaConf's composition errors: unknown names, wrong types
+        fail(one_line(f"{err}\n{err.__cause__}" if err.__cause__ is not None else str(err)))
+    try:
+        validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    except UserError as err:
+        fail(str(err))
+    run_dir = Path(OmegaConf.select(cfg, "hydra.run.dir"))
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+    except OSError as err:
+        fail(f"hydra.run.dir={run_dir} is not a writable directory ({err.strerror or err})")
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    preflight(sys.argv[1:])
     main()

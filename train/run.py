@@ -6,6 +6,7 @@ train/sweep.py (several runs in one launch).
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import torch
@@ -14,9 +15,16 @@ from omegaconf import DictConfig
 
 from train import checkpoint as ckpt
 from train.aggregation import build_aggregator
-from train.config import ConfigError, config_fingerprint, effective_overlap, normalise_resume, validate
+from train.config import (
+    ConfigError,
+    code_fingerprint,
+    config_fingerprint,
+    effective_overlap,
+    normalise_resume,
+    validate,
+)
 from train.data import build_data
-from train.distributed import check_same_config, init_process_group, launch_from_env, pick_device
+from train.distributed import check_same_config, guarded, init_process_group, launch_from_env, pick_device
 from train.loop import Trainer
 from train.metrics import RunLogger, parameter_sha256
 from train.model import build_model, count_parameters, optimizer_param_groups
@@ -34,9 +42,10 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         logging.getLogger().setLevel(logging.WARNING)
 
     device = pick_device(cfg, launch)
+    write_pid_file(run_dir, launch.rank)
     if not dist.is_initialized():  # train/sweep.py starts the group once for several runs
         init_process_group(launch, device, cfg.trainer.collective_timeout_s)
-    check_same_config(config_fingerprint(cfg), device)
+    check_same_config(config_fingerprint(cfg), code_fingerprint(), device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
 
     data = build_data(cfg, launch.rank, launch.world_size)
@@ -95,7 +104,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     if trainer.state.step < cfg.trainer.max_steps:  # trainer.stop_after_step: a simulated preemption
         log.warning("stopped after step %d of %d (trainer.stop_after_step)", trainer.state.step, cfg.trainer.max_steps)
         trainer.logger.close()
-        dist.barrier()
+        with guarded("final barrier"):
+            dist.barrier()
         return None
     summary = {
         "final_step": trainer.state.step,
@@ -103,6 +113,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         "wall_seconds": result["wall_seconds"],
         "tokens": trainer.state.tokens,
         "param_sha256": parameter_sha256(model),
+        "param_sha256_per_rank": gather_param_sha256(model),
+        "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),  # torchrun's restarts of this job
         "skipped_steps": trainer.state.skipped_steps,
         "resumed_from_step": resumed_from,
         "world_size": launch.world_size,
@@ -113,8 +125,26 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     }
     trainer.logger.summary(summary)
     trainer.logger.close()
-    dist.barrier()
+    with guarded("final barrier"):
+        dist.barrier()
     return summary
+
+
+def write_pid_file(run_dir: Path, rank: int) -> None:
+    """<run dir>/pids/rank<r>.pid: which process is which rank (tests and scripts/chaos.py signal them)."""
+    folder = run_dir / "pids"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".rank{rank}.pid.tmp"
+    tmp.write_text(f"{os.getpid()}\n")
+    os.replace(tmp, folder / f"rank{rank}.pid")
+
+
+def gather_param_sha256(model: torch.nn.Module) -> list[str]:
+    """Every rank's parameter fingerprint, in rank order (equal under exact aggregators or after a resync)."""
+    shas = [None] * dist.get_world_size()
+    with guarded("all_gather_object of parameter fingerprints"):
+        dist.all_gather_object(shas, parameter_sha256(model))
+    return shas
 
 
 def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: bool) -> float:
@@ -130,10 +160,12 @@ def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: 
 def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: int, device) -> int | None:
     """resume=auto: continue from the newest valid checkpoint if any; true: require one; false: fresh."""
     if resume == "false":
-        dist.barrier()
+        with guarded("barrier before removing checkpoints"):
+            dist.barrier()
         if rank == 0 and (removed := ckpt.discard_checkpoints(run_dir)):
             log.warning("resume=false: removed %d old checkpoint(s) in %s", removed, run_dir)
-        dist.barrier()
+        with guarded("barrier after removing checkpoints"):
+            dist.barrier()
         return None
     loaded = ckpt.load_latest_checkpoint(run_dir, map_location=device)
     if loaded is None:
