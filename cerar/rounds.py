@@ -10,18 +10,23 @@ The messages are the specification's (section "The protocol at worker i"):
 
 rearranged so that only one addition of m values lies between receiving y(t) and sending x(t+1):
 
-    x(t+1) = y(t) + Delta_t G,        Delta_t = row t+1 of A_i - row t-N+1 of A_i (rows outside 1..c are 0)
+    x(t+1) = y(t) + (u(t+1) - u(t-N+1))       (u(j) = 0 outside 1..c)
 
-Delta_t G is computed while round t's blocks are in flight. Decoding uses the messages themselves:
-since yhat(t) = x(t+1) - u(t+1),
+The bracket is formed while round t's blocks are in flight. During round 1 the worker turns G_i
+into U_i = A_i G_i in place (one matrix product, a few columns at a time through the
+injection buffer), so each later injection is
+a difference of two stored rows. Decoding uses the messages themselves: since yhat(t) = x(t+1) - u(t+1),
 
     S_hat = G + sum_t D_i[:, t] yhat(t) = B_i G + sum_t D_i[:, t] x(t+1),   B_i = I - sum_t D_i[:, t] A_i[t+1, :]
 
-where the terms are added in batches of N-1 messages, while the newest of them is on the wire.
-Per round: one row-times-G product (d multiply-adds); every N-1 rounds one product of D_i's
-columns with the waiting messages (one pass over the accumulator); B_i G once, during the first round.
-Storage beyond the input: the accumulator (c blocks), N message blocks and Delta_t G:
-(1 + (N+1)/c) d, the spec's (1 + N/c) d plus one block.
+with acc = B_i G formed during round 1 before G is overwritten, and the other terms added in batches
+of N-1 messages while the newest of them is on the wire.
+
+Work per call: c d multiply-adds to encode and c d for B_i G (once each), one subtraction of m
+values per round, and L c m multiply-adds to decode in L/(N-1) passes over the accumulator.
+Storage beyond the input: the accumulator (c blocks), N message blocks and the injection:
+(1 + (N+1)/c) d, the spec's (1 + N/c) d plus one block. The caller's tensor holds U_i during the
+call, and the result after it.
 
 G_i arrives as rows of length m in two parts, ``head`` (the rows that are a view of the caller's
 tensor) and ``tail`` (the last, zero-padded rows), so the input is never copied whole.
@@ -72,17 +77,12 @@ class PhaseTimer:
 
 
 def worker_matrices(code, i: int) -> dict[str, np.ndarray]:
-    """Worker i's float64 matrices for the rearranged rounds: the first encoder row, Delta (L x c),
-    D_i (c x L) and B_i (c x c)."""
-    N, c, L = code.N, code.c, code.L
+    """Worker i's float64 matrices for the rearranged rounds: A_i (c x c), its first row, D_i (c x L)
+    and B_i (c x c)."""
+    c, L = code.c, code.L
     A, D = code.A[i], code.D[i]
-
-    def row(j):  # row j (1-based) of A_i, zero outside 1..c
-        return A[j - 1] if 1 <= j <= c else np.zeros(c)
-
-    delta = np.stack([row(t + 1) - row(t - N + 1) for t in range(1, L + 1)]) if L else np.zeros((0, c))
     B = np.eye(c) - (D[:, : c - 1] @ A[1:] if L else 0)
-    return {"first": row(1)[None, :], "delta": delta, "D": D, "B": B}
+    return {"A": A, "first": A[:1], "D": D, "B": B}
 
 
 def message_rows(N: int) -> int:
@@ -100,30 +100,50 @@ class CodedRingWorker:
     ``receive(t, y)`` turns y(t) into x(t+1) in its own buffer. ``result()`` is S_hat at the end.
 
     matrices: ``worker_matrices`` as tensors of G's dtype on G's device. head: [k, m] and
-    tail: [c-k, m], the rows of G_i. messages: [R, m] buffers (R = ``message_rows(N)``); x(t) lives
-    in row (t-1) mod R. Messages are decoded in batches of R-1 while the last of them is on the wire.
+    tail: [c-k, m], the rows of G_i; during round 1 they are overwritten with U_i = A_i G_i (after
+    acc = B_i G_i), so each later injection is a difference of two rows. messages: [R, m] buffers
+    (R = ``message_rows(N)``); x(t) lives in row (t-1) mod R. Messages are decoded in batches of
+    R-1 while the last of them is on the wire.
     """
 
-    def __init__(self, matrices: dict[str, torch.Tensor], head, tail, messages, timer: PhaseTimer | None = None):
-        # x(1) is formed here; acc = B_i G during round 1's flight (``while_in_flight(1)``).
-        self.first, self.delta, self.D, self.B = (matrices[k] for k in ("first", "delta", "D", "B"))
-        self.head, self.tail, self.messages = head, tail, messages
-        self.k = head.shape[0]
+    def __init__(self, matrices: dict[str, torch.Tensor], head, tail, messages, N: int, timer=None):
+        self.A, self.D, self.B = matrices["A"], matrices["D"], matrices["B"]
+        self.head, self.tail, self.messages, self.N = head, tail, messages, N
+        self.c, self.k = self.A.shape[0], head.shape[0]
         self.rows = messages.shape[0]
         self.timer = timer or PhaseTimer(head.device, enabled=False)
-        self.acc = head.new_empty(self.B.shape[0], head.shape[-1])
+        self.acc = head.new_empty(self.c, head.shape[-1])
         self.injection = torch.empty_like(messages[0])
         self.decoded_up_to = 1  # x(1) carries no decoding term
         self.t = 1
         with self.timer.phase("encode"):
-            self._times_G(self.first, out=messages[0])  # x(1) = u(1)
+            self._times_G(matrices["first"], out=messages[0].view(1, -1))  # x(1) = u(1)
 
-    def _times_G(self, rows: torch.Tensor, out: torch.Tensor) -> None:
-        """out = rows @ G for rows [1, c] (or [c', c] into [c', m]), with G = [head; tail]."""
-        out = out.view(rows.shape[0], -1)
-        torch.mm(rows[:, : self.k], self.head, out=out)
+    def _times_G(self, rows: torch.Tensor, out: torch.Tensor, columns=slice(None)) -> None:
+        """out = rows @ G[:, columns], with G = [head; tail]."""
+        torch.mm(rows[:, : self.k], self.head[:, columns], out=out)
         if self.tail.shape[0]:
-            out.addmm_(rows[:, self.k :], self.tail)
+            out.addmm_(rows[:, self.k :], self.tail[:, columns])
+
+    def _encode_in_place(self) -> None:
+        """[head; tail] <- A_i [head; tail], a few columns at a time (U_i replaces G_i), through the
+        injection buffer, which is free until the first injection is formed."""
+        m = self.head.shape[-1]
+        width = max(1, m // self.c)
+        if self.c * width <= m:
+            block = self.injection[: self.c * width].view(self.c, width)
+        else:  # m < c: a block of a few values
+            block = self.head.new_empty(self.c, width)
+        for a in range(0, m, width):
+            b = min(m, a + width)
+            encoded = block[:, : b - a]
+            self._times_G(self.A, out=encoded, columns=slice(a, b))
+            self.head[:, a:b].copy_(encoded[: self.k])
+            self.tail[:, a:b].copy_(encoded[self.k :])
+
+    def _u(self, j: int) -> torch.Tensor:
+        """u(j) = row j (1-based) of U_i."""
+        return self.head[j - 1] if j <= self.k else self.tail[j - 1 - self.k]
 
     def message(self) -> torch.Tensor:
         """x(t), the block to send this round."""
@@ -143,18 +163,29 @@ class CodedRingWorker:
         self.decoded_up_to = s
 
     def while_in_flight(self, t: int) -> None:
-        """Decode the waiting messages once R-1 have gathered (x(t) is only read), and compute
-        Delta_t G for x(t+1)."""
-        with self.timer.phase("decode"):
-            if t == 1:
-                self._times_G(self.B, out=self.acc)  # acc starts as B_i G, off the critical path
-            elif t - self.decoded_up_to >= self.rows - 1:
+        """Round 1: acc = B_i G, then G -> U in place. Later rounds: decode the waiting messages once
+        R-1 have gathered (x(t) is only read). Every round: the injection u(t+1) - u(t-N+1)."""
+        if t == 1:
+            with self.timer.phase("decode"):
+                self._times_G(self.B, out=self.acc)
+            with self.timer.phase("encode"):
+                self._encode_in_place()
+        elif t - self.decoded_up_to >= self.rows - 1:
+            with self.timer.phase("decode"):
                 self._decode_through(t)
         with self.timer.phase("encode"):
-            self._times_G(self.delta[t - 1 : t], out=self.injection)
+            new, old = t + 1, t - self.N + 1  # rows outside 1..c are zero
+            if new <= self.c and old >= 1:
+                torch.sub(self._u(new), self._u(old), out=self.injection)
+            elif new <= self.c:
+                self.injection.copy_(self._u(new))
+            elif old >= 1:
+                torch.neg(self._u(old), out=self.injection)
+            else:
+                self.injection.zero_()
 
     def receive(self, t: int, y: torch.Tensor) -> None:
-        """x(t+1) = y(t) + Delta_t G, in y's buffer."""
+        """x(t+1) = y(t) + u(t+1) - u(t-N+1), in y's buffer."""
         with self.timer.phase("encode"):
             y.add_(self.injection)
         self.t = t + 1
@@ -200,7 +231,7 @@ class CodedRingRank:
         self.chunks = pipeline_chunks(m)
         rows = message_rows(N)
         self.workers = [
-            CodedRingWorker(matrices, self.head[:, a:b], self.tail[:, a:b], flat.new_empty(rows, b - a), timer)
+            CodedRingWorker(matrices, self.head[:, a:b], self.tail[:, a:b], flat.new_empty(rows, b - a), N, timer)
             for a, b in self.chunks
         ]
 
