@@ -13,9 +13,9 @@ rearranged so that only one addition of m values lies between receiving y(t) and
     x(t+1) = y(t) + (u(t+1) - u(t-N+1))       (u(j) = 0 outside 1..c)
 
 The bracket is formed while round t's blocks are in flight. During round 1 the worker turns G_i
-into U_i = A_i G_i in place (one matrix product, a few columns at a time through the
-injection buffer), so each later injection is
-a difference of two stored rows. Decoding uses the messages themselves: since yhat(t) = x(t+1) - u(t+1),
+into U_i = A_i G_i in place (one matrix product, a few columns at a time through the injection
+buffer), so each later injection is a difference of two stored rows. Decoding uses the messages
+themselves: since yhat(t) = x(t+1) - u(t+1),
 
     S_hat = G + sum_t D_i[:, t] yhat(t) = B_i G + sum_t D_i[:, t] x(t+1),   B_i = I - sum_t D_i[:, t] A_i[t+1, :]
 
