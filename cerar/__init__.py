@@ -9,7 +9,14 @@ Public API:
 """
 
 from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, LOW_PRECISION_KAPPA_LIMIT, Code, make_code
-from cerar.protocol import DEFAULT_TIMEOUT, AllReduceStats, CollectiveError, all_reduce, ring_all_reduce
+from cerar.protocol import (
+    DEFAULT_TIMEOUT,
+    PROTOCOL_VERSION,
+    AllReduceStats,
+    CollectiveError,
+    all_reduce,
+    ring_all_reduce,
+)
 from cerar.simulate import simulate
 
 __all__ = [
@@ -17,6 +24,7 @@ __all__ = [
     "DEFAULT_KAPPA_MAX",
     "DEFAULT_TIMEOUT",
     "LOW_PRECISION_KAPPA_LIMIT",
+    "PROTOCOL_VERSION",
     "AllReduceStats",
     "Code",
     "CollectiveError",

@@ -296,14 +296,14 @@ def code_fingerprint() -> str:
     `cerar/` and `train/` (plus $CERAR_PYTHIA_CODE_TAG). Ranks compare it at start with the config hash."""
     import importlib.metadata
 
-    import cerar.protocol
+    import cerar
 
     digest = hashlib.sha256()
     try:
         version = importlib.metadata.version("cerar-pythia")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    digest.update(f"protocol={cerar.protocol.PROTOCOL_VERSION};version={version};".encode())
+    digest.update(f"protocol={cerar.PROTOCOL_VERSION};version={version};".encode())
     digest.update(f"tag={os.environ.get(CODE_TAG_ENV, '')};".encode())
     root = Path(__file__).resolve().parents[1]
     for package in ("cerar", "train"):
