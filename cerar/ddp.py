@@ -16,6 +16,7 @@ so communication overlaps the rest of the backward pass as DDP's own all-reduce 
 future completes with the averaged bucket.
 """
 
+import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -71,7 +72,8 @@ class CerarHookState:
 
         def run():
             try:
-                stats = self._reduce(tensor)
+                with torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext():
+                    stats = self._reduce(tensor)  # the thread's current GPU must be the bucket's (NCCL)
                 with self._lock:
                     self.last_stats.append(stats)
                 future.set_result(tensor)
