@@ -138,7 +138,9 @@ def _missing_ranks() -> str:
                     behind.append(f"rank {r} (last entered {op!r} at step {step})")
     if behind:
         return "peer(s) that never joined: " + ", ".join(behind)
-    return f"every peer of ranks 0..{n - 1} had entered it (one died or stalled inside it)"
+    others = [r for r in range(n) if r != me]
+    names = f"rank {others[0]}" if len(others) == 1 else "ranks " + ", ".join(map(str, others))
+    return f"no peer was behind; one died or stalled inside it: {names}"
 
 
 @contextlib.contextmanager

@@ -1,0 +1,246 @@
+"""Reliability with real processes (torchrun, gloo, CPU): SIGKILL and SIGSTOP of a rank under
+`torchrun --max-restarts`, non-finite gradients (exact, CERAR, fp16 with GradScaler), bad configurations
+refused at start, ranks running different code, replica drift and resync. See reports/reliability.md.
+
+The faulted jobs are driven by scripts/chaos.py (its functions), which signals a rank once a step is logged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "chaos.py")
+chaos = sys.modules.setdefault("chaos", importlib.util.module_from_spec(_spec))
+_spec.loader.exec_module(chaos)
+
+TIMEOUT_S = 5.0  # trainer.collective_timeout_s of the faulted jobs
+STEPS = 16
+JOB = [
+    *chaos.JOB,
+    f"trainer.max_steps={STEPS}",
+    "checkpoint.every=4",
+    f"trainer.collective_timeout_s={TIMEOUT_S}",
+]
+INJECT = "trainer.inject_nonfinite_at_step=5 trainer.inject_nonfinite_rank=1"
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("token-cache")
+
+
+def records_of(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def summary_of(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+# ------------------------------------------------------------------ 5. bad configurations
+
+
+def _bad_configs(tmp: Path) -> list[tuple[list[str], str]]:
+    (tmp / "afile").write_text("not a folder")
+    return [
+        (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
+        (["aggregator=foo"], "Could not find 'aggregator/foo'"),
+        (["model=pythia-13b"], "Could not find 'model/pythia-13b'"),
+        (["c=abc"], "could not be converted to Integer"),
+        (["c=0"], "c=0 must be >= 1"),
+        (["aggregator=cerar", "aggregator.kappa_max=0.5"], "aggregator.kappa_max=0.5 must be >= 1"),
+        (["aggregator=cerar", "aggregator.eps=1.5"], "aggregator.eps=1.5 must lie in (0, 1)"),
+        (["aggregator=cerar", "aggregator.eps=0"], "aggregator.eps=0.0 must lie in (0, 1)"),
+        (["aggregator=cerar_vandermonde", "c=16"], "aggregator=cerar_vandermonde with N=4, c=16"),
+        (["trainer.inject_nonfinite_at_step=3", "trainer.inject_nonfinite_rank=7"], "must be a rank in [0, 4)"),
+        (["data=local"], "data.path is required for data=local"),
+        (["data=local", f"data.path={tmp / 'missing'}"], "is not an existing folder"),
+        (["data=pile", "data.dataset=json", f"data.data_files={tmp}/none-*.jsonl"], "matches no file"),
+        ([f"hydra.run.dir={tmp / 'afile' / 'run'}"], "is not a writable directory"),
+        (["hydra.run.dir=/proc/cerar-forbidden"], "is not a writable directory"),
+    ]
+
+
+def test_bad_configurations_are_refused_at_start_with_one_line(tmp_path):
+    """Each: exit 2, one line on stderr naming the problem, and nothing created (no run dir, no pid file, no
+    data cache): refused before any process group or data work. WORLD_SIZE=4 as torchrun would set it."""
+    cache = tmp_path / "cache"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(WORLD_SIZE="4", RANK="0", CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1")
+    for overrides, expected in _bad_configs(tmp_path):
+        run_dir = tmp_path / "run"
+        extra = [] if any(o.startswith("hydra.run.dir") for o in overrides) else [f"hydra.run.dir={run_dir}"]
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "train" / "main.py"), *overrides, *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=ROOT,
+        )
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, (overrides, proc.stderr[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], (overrides, lines)
+        assert not run_dir.exists() and not cache.exists(), overrides
+
+
+# ------------------------------------------------------------------ 4, 6, 7 and the clean reference run
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory, cache_dir) -> Path:
+    """One launch (train/sweep.py, N=2): the clean reference of the chaos job, non-finite injections with
+    an exact aggregator, CERAR and fp16, and CERAR (c=4 > N) with and without resync."""
+    out = tmp_path_factory.mktemp("sweep")
+    runs = [
+        "clean_ring: aggregator=ring",
+        f"ring_inf: aggregator=ring {INJECT}",
+        f"cerar_inf: aggregator=cerar c=4 {INJECT}",
+        f"fp16_inf: aggregator=nccl trainer.precision=fp16 {INJECT}",
+        f"fp16_cerar_inf: aggregator=cerar c=4 trainer.precision=fp16 {INJECT}",
+        "cerar_drift: aggregator=cerar c=4 trainer.drift_every=4",
+        "cerar_resync: aggregator=cerar c=4 trainer.drift_every=4 trainer.resync_every=4",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = subprocess.run(
+        [*cmd, str(ROOT / "train" / "sweep.py"), str(out), *runs, "--", *JOB],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=chaos._env(cache_dir),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("label", ["ring_inf", "cerar_inf", "fp16_inf", "fp16_cerar_inf"])
+def test_non_finite_gradient_skips_the_step_on_every_rank(sweep, label):
+    records, summary = records_of(sweep / label), summary_of(sweep / label)
+    skipped = {r["step"]: r["skipped_steps"] for r in records}
+    assert skipped[4] == 0 and all(skipped[s] == 1 for s in range(5, STEPS + 1))  # counted once, logged
+    assert summary["final_step"] == STEPS and summary["skipped_steps"] == 1  # training went on
+    assert all(isinstance(r["train_loss"], float) and r["train_loss"] < 20 for r in records)
+    assert records[-1]["train_loss"] < records[0]["train_loss"] - 0.1
+    assert summary["final_val_loss"] < 9.0
+    assert "grad_norm" not in records[4] and "grad_norm" in records[5]  # step 5: no optimizer step
+    if label == "ring_inf":  # exact: the replicas still agree bit for bit
+        assert len(set(summary["param_sha256_per_rank"])) == 1
+    if label.startswith("fp16"):  # the GradScaler backed off on every rank, and keeps going
+        scale = {r["step"]: r["amp/scale"] for r in records}
+        assert scale[5] == scale[4] / 2 and scale[STEPS] == scale[5]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_cerar_drift_is_bounded_by_resync(sweep):
+    """c > N: replicas drift apart; resync every 4 steps, measured right after, leaves none, and at the end
+    every rank's parameters are bit-identical."""
+    drift = [r["drift/max_abs"] for r in records_of(sweep / "cerar_drift") if "drift/max_abs" in r]
+    resync = [r["drift/max_abs"] for r in records_of(sweep / "cerar_resync") if "drift/max_abs" in r]
+    assert len(drift) == len(resync) == STEPS // 4
+    assert max(drift) > 0 and drift[-1] > 0
+    assert resync == [0.0] * len(resync)
+    assert len(set(summary_of(sweep / "cerar_resync")["param_sha256_per_rank"])) == 1
+    assert len(set(summary_of(sweep / "cerar_drift")["param_sha256_per_rank"])) == 2
+
+
+# ------------------------------------------------------------------ 1, 2: SIGKILL and SIGSTOP under torchrun
+
+
+@pytest.fixture(scope="module")
+def ring_chaos(tmp_path_factory, cache_dir, sweep) -> chaos.ChaosResult:
+    """aggregator=ring, N=2, max_restarts=2: SIGKILL rank 1 once step 6 is logged, then SIGSTOP rank 0
+    once step 11 is logged (after the first restart)."""
+    work = tmp_path_factory.mktemp("chaos")
+    faults = [chaos.Fault("kill", 6, 1), chaos.Fault("stop", 11, 0)]
+    clean_sha = summary_of(sweep / "clean_ring")["param_sha256"]
+    return chaos.chaos_run(work, 2, [*JOB, "aggregator=ring"], faults, cache_dir, clean_sha, timeout_s=500)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_sigkilled_rank_restarts_from_checkpoint_and_matches_a_clean_run(ring_chaos):
+    result = ring_chaos
+    assert result.returncode == 0 and result.final_step == STEPS
+    assert result.restarts == 2  # torchrun restarted the worker group once per fault; resume=auto did the rest
+    kill = result.faults[0]
+    assert kill.resumed_from == 4 * (kill.hit_step // 4) or kill.resumed_from == 4 * ((kill.hit_step - 1) // 4)
+    assert 0 <= kill.steps_lost < 4 + 2
+    assert result.sha_equal, (result.sha, result.clean_sha)  # nothing lost but the steps since the checkpoint
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(700)
+def test_stopped_rank_makes_the_others_fail_within_the_timeout_naming_op_and_peer(ring_chaos):
+    stop = ring_chaos.faults[1]
+    assert stop.detect_s is not None and stop.detect_s < 5 * TIMEOUT_S + 10
+    named = [e for e in ring_chaos.collective_errors if "at step" in e and "rank 0" in e]
+    assert named, ring_chaos.collective_errors  # e.g. "collective 'non-finite flag all_reduce' ... rank 0 (...)"
+    assert all(e.startswith("error: collective '") for e in ring_chaos.collective_errors)
+    assert ring_chaos.returncode == 0 and ring_chaos.sha_equal  # torchrun's restart resumed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_stopped_rank_under_gloo_all_reduce_is_bounded_by_the_timeout(tmp_path, cache_dir):
+    """aggregator=nccl (dist.all_reduce on gloo): the stall is bounded by the process-group timeout too."""
+    faults = [chaos.Fault("stop", 6, 1)]
+    result = chaos.chaos_run(tmp_path, 2, [*JOB, "aggregator=nccl"], faults, cache_dir, None, timeout_s=300)
+    assert faults[0].detect_s < 5 * TIMEOUT_S + 10
+    assert any("rank 1" in e for e in result.collective_errors), result.collective_errors
+    assert result.returncode == 0 and result.restarts == 1 and result.final_step == STEPS
+
+
+# ------------------------------------------------------------------ 6. different code on different nodes
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ranks_running_different_code_stop_at_start(tmp_path, cache_dir):
+    """Two 'nodes' (torchrun agents) whose code differs ($CERAR_PYTHIA_CODE_TAG stands for another version)."""
+    port = _free_port()
+    procs = []
+    for node in range(2):
+        env = chaos._env(cache_dir)
+        env["CERAR_PYTHIA_CODE_TAG"] = f"build-{node}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            "--rdzv-id=code-mismatch",
+            str(ROOT / "train" / "main.py"),
+            *JOB,
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        outputs = [p.communicate(timeout=250) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode != 0 for p in procs)
+    stderr = "".join(err for _, err in outputs)
+    assert "run code different from rank 0's" in stderr, stderr[-4000:]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
