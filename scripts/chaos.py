@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MARKER = "<!-- end of scripts/chaos.py output; what follows is kept when the report is rebuilt -->"
 
 JOB = [
     "model=tiny",
@@ -361,8 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     drift = drift_table(work, args.nproc, args.drift_c, args.drift_steps, args.cache) if args.drift else None
     text = render(args, result, drift)
     print(text)
-    if args.report is not None:
-        args.report.write_text(text)
+    if args.report is not None:  # keep the hand-written part of an existing report (after the marker)
+        old = args.report.read_text() if args.report.exists() else ""
+        kept = old[old.index(MARKER) :] if MARKER in old else MARKER + "\n"
+        args.report.write_text(text + "\n" + kept)
     return 0 if result.sha_equal and result.returncode == 0 else 1
 
 

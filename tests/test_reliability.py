@@ -244,3 +244,19 @@ def test_ranks_running_different_code_stop_at_start(tmp_path, cache_dir):
     stderr = "".join(err for _, err in outputs)
     assert "run code different from rank 0's" in stderr, stderr[-4000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------ 3. checkpoints (the rest: test_train_units.py)
+
+
+def test_a_killed_writers_temporary_files_are_removed_by_the_next_save(tmp_path):
+    from train import checkpoint as ckpt
+
+    folder = ckpt.checkpoint_dir(tmp_path)
+    folder.mkdir(parents=True)
+    stale = folder / ".step-00000004.pt.tmp999999"  # what a writer killed between write and rename leaves
+    stale.write_bytes(b"partial")
+    ckpt.save_checkpoint(tmp_path, 8, {"step": 8}, keep=2)
+    assert not stale.exists()
+    state, path = ckpt.load_latest_checkpoint(tmp_path)
+    assert state["step"] == 8 and path.name == "step-00000008.pt"

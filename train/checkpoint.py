@@ -79,6 +79,9 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int) -> P
     for _, old in list_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)
         old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+    for stale in folder.glob(".step-*.tmp*"):  # temporary files of writers killed mid-write (earlier attempts)
+        if not stale.name.endswith(f".tmp{os.getpid()}"):
+            stale.unlink(missing_ok=True)
     return path
 
 

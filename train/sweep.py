@@ -25,7 +25,7 @@ import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 from train.config import ConfigError, UserError, register_configs, validate
-from train.distributed import init_process_group, launch_from_env, pick_device
+from train.distributed import TrainCollectiveError, init_process_group, launch_from_env, pick_device
 from train.main import fail
 from train.run import run
 
@@ -81,6 +81,8 @@ def main(argv: list[str]) -> None:
             print(json.dumps({"sweep": summaries}, indent=2))
     except UserError as err:
         fail(str(err))
+    except TrainCollectiveError as err:  # a peer died or stalled: one line naming the operation and peers
+        fail(str(err), code=3)
     except Exception as err:  # hydra composition errors (unknown option, bad type) and the like
         if type(err).__module__.startswith(("hydra", "omegaconf")):
             fail(f"{type(err).__name__}: {err}")
