@@ -289,7 +289,7 @@ def render(args, result: ChaosResult, drift: list[dict] | None) -> str:
         f"## Chaos: {len(result.faults)} faults, `aggregator=ring` (exact), N={args.nproc}, {args.steps} steps, "
         f"`checkpoint.every={args.checkpoint_every}`, `trainer.collective_timeout_s={args.timeout:g}`",
         "",
-        "| # | fault | rank | step when hit | resumed from checkpoint | steps lost | detected by the others after |",
+        "| # | fault | rank | step when hit | resumed from checkpoint | steps lost | another rank failed after |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for i, f in enumerate(result.faults, 1):

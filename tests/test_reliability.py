@@ -107,6 +107,7 @@ def sweep(tmp_path_factory, cache_dir) -> Path:
         f"cerar_inf: aggregator=cerar c=4 {INJECT}",
         f"fp16_inf: aggregator=nccl trainer.precision=fp16 {INJECT}",
         f"fp16_cerar_inf: aggregator=cerar c=4 trainer.precision=fp16 {INJECT}",
+        f"fp16_overlap_inf: aggregator=nccl trainer.precision=fp16 trainer.overlap=true {INJECT}",
         "cerar_drift: aggregator=cerar c=4 trainer.drift_every=4",
         "cerar_resync: aggregator=cerar c=4 trainer.drift_every=4 trainer.resync_every=4",
     ]
@@ -125,7 +126,7 @@ def sweep(tmp_path_factory, cache_dir) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(700)
-@pytest.mark.parametrize("label", ["ring_inf", "cerar_inf", "fp16_inf", "fp16_cerar_inf"])
+@pytest.mark.parametrize("label", ["ring_inf", "cerar_inf", "fp16_inf", "fp16_cerar_inf", "fp16_overlap_inf"])
 def test_non_finite_gradient_skips_the_step_on_every_rank(sweep, label):
     records, summary = records_of(sweep / label), summary_of(sweep / label)
     skipped = {r["step"]: r["skipped_steps"] for r in records}
