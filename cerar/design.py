@@ -707,34 +707,24 @@ def run_sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
+def _checked(convert, valid, requirement: str):
+    """An argparse type: ``convert`` the text, then require ``valid`` (the message names what)."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}") from None
+        if not valid(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {value}")
+        return value
+
+    return parse
 
 
-def _kappa(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number >= 1, got {text!r}") from None
-    if not (value >= 1 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}")
-    return value
-
-
-def _eps(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1), got {text!r}") from None
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"must lie in (0, 1), got {text!r}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
+_kappa = _checked(float, lambda v: v >= 1 and math.isfinite(v), "a finite number >= 1")
+_eps = _checked(float, lambda v: 0 < v < 1, "a number in (0, 1)")
 
 
 def _list_of(item):
