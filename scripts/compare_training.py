@@ -205,6 +205,11 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for setting, rs in by.items():
         walls = [_f(r["wall_seconds"]) for r in rs]
+        steps = []  # training steps only: sum of time/step (evaluations and logging excluded)
+        for r in rs:
+            m = read_metrics(ROOT / r["run_dir"]) if r.get("run_dir") else []
+            if m:
+                steps.append(sum(float(x.get("time/step", 0.0)) for x in m))
         vals = [_f(r["final_val_loss"]) for r in rs if _f(r.get("final_val_loss")) is not None]
         aggs = [_f(r["aggregate_seconds_mean"]) for r in rs if _f(r.get("aggregate_seconds_mean")) is not None]
         out.append({
@@ -213,10 +218,15 @@ def summarize(rows: list[dict]) -> list[dict]:
             "val_mean": statistics.mean(vals) if vals else None, "val_min": min(vals) if vals else None,
             "val_max": max(vals) if vals else None, "agg_mean": statistics.mean(aggs) if aggs else None,
             "overlap": rs[0].get("overlap"),
+            "steps_mean": statistics.mean(steps) if len(steps) == len(rs) else None,
+            "steps_min": min(steps) if len(steps) == len(rs) else None,
+            "steps_max": max(steps) if len(steps) == len(rs) else None,
         })  # fmt: skip
     base = next((s for s in out if s["setting"] == "nccl"), None)
     for s in out:
         s["wall_ratio"] = s["wall_mean"] / base["wall_mean"] if base else None
+        s["steps_ratio"] = (s["steps_mean"] / base["steps_mean"]
+                            if base and s["steps_mean"] and base["steps_mean"] else None)  # fmt: skip
         s["val_rel"] = (s["val_mean"] / base["val_mean"] - 1) if base and s["val_mean"] and base["val_mean"] else None
     order = list(SETTINGS)
     out.sort(key=lambda s: order.index(s["setting"]) if s["setting"] in order else len(order))
@@ -238,23 +248,27 @@ def write_report(csv_path: Path, path: Path) -> str:
         f"{first.get('micro_batch_size')} x {first.get('seq_len')} tokens per rank, data=embedded.",
         "Wall time: `summary.json` `wall_seconds` (the training loop, evaluations included; start-up excluded). "
         "time/aggregate: mean over steps 2.. of the aggregation phase (0 when the aggregator runs as a DDP hook "
-        "overlapping backward). Spread: min..max over seeds.",
+        "overlapping backward). Steps s: sum of `time/step` over the run's steps (the training steps alone: "
+        "evaluations, logging and start-up excluded). Spread: min..max over seeds.",
         "",
-        "| aggregator | runs | wall s (mean) | wall min..max | time/aggregate s | final val loss (mean) | val min..max | wall / nccl | val vs nccl |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| aggregator | runs | wall s (mean) | wall min..max | wall / nccl | steps s (mean) | steps min..max | steps / nccl "
+        "| time/aggregate s | final val loss (mean) | val min..max | val vs nccl |",
+        "|" + " --- |" * 12,
     ]
     for s in summ:
         lines.append(
             f"| {s['setting']}{' (hook, overlap)' if str(s['overlap']) == 'True' else ''} | {s['runs']} | "
-            f"{fmt(s['wall_mean'], 1)} | {fmt(s['wall_min'], 1)}..{fmt(s['wall_max'], 1)} | {fmt(s['agg_mean'], 2)} | "
-            f"{fmt(s['val_mean'], 4)} | {fmt(s['val_min'], 4)}..{fmt(s['val_max'], 4)} | {fmt(s['wall_ratio'], 3)} | "
-            f"{'-' if s['val_rel'] is None else format(100 * s['val_rel'], '+.2f') + ' %'} |"
+            f"{fmt(s['wall_mean'], 1)} | {fmt(s['wall_min'], 1)}..{fmt(s['wall_max'], 1)} | {fmt(s['wall_ratio'], 3)} | "
+            f"{fmt(s['steps_mean'], 1)} | {fmt(s['steps_min'], 1)}..{fmt(s['steps_max'], 1)} | {fmt(s['steps_ratio'], 3)} | "
+            f"{fmt(s['agg_mean'], 2)} | {fmt(s['val_mean'], 4)} | {fmt(s['val_min'], 4)}..{fmt(s['val_max'], 4)} | "
+            f"{'-' if s['val_rel'] is None else format(100 * s['val_rel'], '+.3f') + ' %'} |"
         )
     failed = [r for r in rows if str(r.get("ok")) not in ("True", "true", "1")]
     if failed:
         lines += ["", "Failed runs: " + ", ".join(f"{r['setting']} s{r['seed']}" for r in failed)]
-    lines += ["", "Load average (1/5/15 min) before each run: "
-              + "; ".join(f"{r['setting']} s{r['seed']}: {r['load_before']}" for r in rows), "",
+    loads = dict.fromkeys(f"seed {r['seed']}: {r['load_before']} -> {r.get('load_after', '')}" for r in rows)
+    lines += ["", "Load average (1/5/15 min) before -> after each launch (all settings of a seed run in one launch): "
+              + "; ".join(loads), "",
               "Launch commands (each run in a lab built by `scripts/compare_training.py`; netlab sets RANK, "
               "WORLD_SIZE, MASTER_ADDR, MASTER_PORT per host):", ""]  # fmt: skip
     for cmd in dict.fromkeys(r.get("command", "") for r in rows):
