@@ -122,7 +122,7 @@ def _settings(runs: list[dict]) -> list[str]:
     return found
 
 
-def training_figures(runs: list[dict], out: Path) -> list[Path]:
+def training_figures(runs: list[dict], out: Path, prefix: str = "", title: str = "") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -145,11 +145,11 @@ def training_figures(runs: list[dict], out: Path) -> list[Path]:
                 if xs:
                     ax.plot(xs, ys, color=color[s], marker=".", linewidth=1, alpha=0.8,
                             label=s if i == 0 else None)  # fmt: skip
-        ax.set(xlabel=xlabel, ylabel="validation loss", title=f"validation loss vs {xkey}")
+        ax.set(xlabel=xlabel, ylabel="validation loss", title=f"validation loss vs {xkey} {title}".strip())
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        p = out / fname
+        p = out / (prefix + fname)
         fig.savefig(p, dpi=120)
         plt.close(fig)
         paths.append(p)
@@ -167,11 +167,11 @@ def training_figures(runs: list[dict], out: Path) -> list[Path]:
             vals.append(statistics.mean(per_run) if per_run else 0.0)
         ax.bar(settings, vals, bottom=bottoms, label=ph)
         bottoms = [b + v for b, v in zip(bottoms, vals, strict=True)]
-    ax.set(ylabel="seconds per step (mean, steps 2..)", title="per-phase time per step")
+    ax.set(ylabel="seconds per step (mean, steps 2..)", title=f"per-phase time per step {title}".strip())
     ax.tick_params(axis="x", rotation=30)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    p = out / "phase_bars.png"
+    p = out / (prefix + "phase_bars.png")
     fig.savefig(p, dpi=120)
     plt.close(fig)
     paths.append(p)
@@ -282,23 +282,34 @@ def main(argv=None) -> int:
     ap.add_argument("--design-csv", type=Path, default=ROOT / "reports" / "data" / "code_design.csv")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "figures")
     ap.add_argument("--strict", action="store_true", help="fail when a source is missing")
+    ap.add_argument("--only", choices=["training", "allreduce", "design"], action="append", default=None,
+                    help="draw only these groups (repeatable); default all")
+    ap.add_argument("--prefix", default="", help="file-name prefix of the training figures")
+    ap.add_argument("--title", default="", help="appended to the training figures' titles")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     written, missing = [], []
 
-    runs = load_wandb_runs(args.wandb) if args.wandb else load_local_runs(args.runs_dir)
+    groups = set(args.only or ["training", "allreduce", "design"])
+    runs = []
+    if "training" in groups:
+        runs = load_wandb_runs(args.wandb) if args.wandb else load_local_runs(args.runs_dir)
     if runs:
-        written += training_figures(runs, args.out)
-    else:
+        written += training_figures(runs, args.out, args.prefix, args.title)
+    elif "training" in groups:
         missing.append(f"training runs ({args.wandb or args.runs_dir})")
-    if args.allreduce_csv.exists():
+    if "allreduce" not in groups:
+        pass
+    elif args.allreduce_csv.exists():
         import bench_allreduce
 
         written += bench_allreduce.make_figures(args.allreduce_csv, args.out)
         written += saving_vs_n(args.allreduce_csv, args.out)
     else:
         missing.append(str(args.allreduce_csv))
-    if args.design_csv.exists():
+    if "design" not in groups:
+        pass
+    elif args.design_csv.exists():
         written += error_vs_kappa(args.design_csv, args.out)
     else:
         missing.append(str(args.design_csv))
