@@ -76,7 +76,12 @@ def test_bad_configurations_are_refused_at_start_with_one_line(tmp_path):
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(WORLD_SIZE="4", RANK="0", CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1")
-    for overrides, expected in _bad_configs(tmp_path):
+    old_run = tmp_path / "old-run" / "checkpoints"  # a run dir whose checkpoints 2 ranks wrote
+    old_run.mkdir(parents=True)
+    (old_run / "step-00000004.pt").write_bytes(b"x")
+    (old_run / "world_size").write_text("2\n")
+    cases = [*_bad_configs(tmp_path), ([f"hydra.run.dir={old_run.parent}"], "written by 2 ranks; this launch has 4")]
+    for overrides, expected in cases:
         run_dir = tmp_path / "run"
         extra = [] if any(o.startswith("hydra.run.dir") for o in overrides) else [f"hydra.run.dir={run_dir}"]
         proc = subprocess.run(
@@ -261,3 +266,6 @@ def test_a_killed_writers_temporary_files_are_removed_by_the_next_save(tmp_path)
     assert not stale.exists()
     state, path = ckpt.load_latest_checkpoint(tmp_path)
     assert state["step"] == 8 and path.name == "step-00000008.pt"
+    assert ckpt.recorded_world_size(tmp_path) is None  # this state names no world size
+    ckpt.save_checkpoint(tmp_path, 12, {"step": 12, "world_size": 3}, keep=2)
+    assert ckpt.recorded_world_size(tmp_path) == 3

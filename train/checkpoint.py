@@ -79,6 +79,8 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int) -> P
     for _, old in list_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)
         old.with_name(old.name + ".sha256").unlink(missing_ok=True)
+    if "world_size" in state:  # read by the start-up checks (train/main.py) without loading a checkpoint
+        _atomic_write(folder / "world_size", f"{state['world_size']}\n".encode())
     for stale in folder.glob(".step-*.tmp*"):  # temporary files of writers killed mid-write (earlier attempts)
         if not stale.name.endswith(f".tmp{os.getpid()}"):
             stale.unlink(missing_ok=True)
@@ -109,6 +111,17 @@ def load_latest_checkpoint(run_dir: str | Path, map_location="cpu") -> tuple[dic
             continue
         return state, path
     return None
+
+
+def recorded_world_size(run_dir: str | Path) -> int | None:
+    """The number of ranks that wrote the run dir's checkpoints (None when there are none)."""
+    path = checkpoint_dir(run_dir) / "world_size"
+    if not list_checkpoints(run_dir) or not path.exists():
+        return None
+    try:
+        return int(path.read_text().strip())
+    except ValueError:
+        return None
 
 
 def discard_checkpoints(run_dir: str | Path) -> int:

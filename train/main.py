@@ -94,6 +94,15 @@ def preflight(argv: list[str]) -> None:
         probe.unlink()
     except OSError as err:
         fail(f"hydra.run.dir={run_dir} is not a writable directory ({err.strerror or err})")
+    from train.checkpoint import recorded_world_size
+    from train.config import normalise_resume
+
+    world_size, written_by = int(os.environ.get("WORLD_SIZE", 1)), recorded_world_size(run_dir)
+    if normalise_resume(cfg.resume) != "false" and written_by not in (None, world_size):
+        fail(
+            f"{run_dir} holds checkpoints written by {written_by} ranks; this launch has {world_size} "
+            "(resume=false starts afresh there, or pick another hydra.run.dir)"
+        )
 
 
 if __name__ == "__main__":
