@@ -1,4 +1,5 @@
 #!/usr/bin/env python3
+# ruff: noqa: E501
 """Training comparison in the network lab: the same job under each gradient aggregator.
 
 What
@@ -295,8 +296,12 @@ def main(argv=None) -> int:
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     ap.add_argument("--report", type=Path, default=ROOT / "reports" / "training.md")
     ap.add_argument("--report-only", action="store_true")
-    ap.add_argument("--one-launch", action=argparse.BooleanOptionalAction, default=True,
-                    help="all settings of a seed in one launch (train/sweep.py; default) or one launch per run")
+    ap.add_argument(
+        "--one-launch",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="all settings of a seed in one launch (train/sweep.py; default) or one launch per run",
+    )
     ap.add_argument("--skip-done", action="store_true", help="skip runs whose folder has a summary.json")
     ap.add_argument("extra", nargs="*", help="more train/main.py overrides")
     args = ap.parse_args(argv)

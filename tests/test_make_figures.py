@@ -1,3 +1,4 @@
+# ruff: noqa: E501
 """scripts/make_figures.py and compare_training's report on small synthetic data (no processes, no network).
 
 Checks that every figure file is produced from local run folders and CSVs, that W&B runs are shaped
@@ -114,7 +115,8 @@ def test_training_summary_and_report(tmp_path):
         row.update(compare_training.run_row(d))
         compare_training.append_row(csv_path, row)
     text = compare_training.write_report(csv_path, tmp_path / "training.md")
-    summ = {s["setting"]: s for s in compare_training.summarize(list(csv.DictReader(open(csv_path))))}
+    with open(csv_path, newline="") as f:
+        summ = {s["setting"]: s for s in compare_training.summarize(list(csv.DictReader(f)))}
     assert abs(summ["nccl"]["wall_ratio"] - 1) < 1e-12
     assert abs(summ["cerar_c16"]["wall_ratio"] - (0.35 + 0.7) / (0.35 + 1.0)) < 1e-9
     assert abs(summ["cerar_c16"]["agg_mean"] - 0.7) < 1e-12 and summ["nccl"]["runs"] == 2
@@ -126,7 +128,8 @@ def test_report_tables_targets(tmp_path):
 
     ar = tmp_path / "allreduce.csv"
     _write_allreduce(ar)
-    rows = list(csv.DictReader(open(ar)))
+    with open(ar, newline="") as f:
+        rows = list(csv.DictReader(f))
     for r in rows:
         r.update(run_id="20261130T051902-1", seconds_encode=0.1, seconds_comm=0.2, seconds_decode=0.3,
                  rel_error=0.01, bytes_sent=r["bytes"], achieved_mbit=1)  # fmt: skip
@@ -137,7 +140,9 @@ def test_report_tables_targets(tmp_path):
         w.writeheader()
         w.writerows(rows)
     log = tmp_path / "runs.log"
-    log.write_text("=== 2026-11-30T05:19:02+00:00 load before: 1.00 2.00 3.00\n$ x\n=== rc=0 in 5 s; load after: 4.00 5.00 6.00\n")
+    log.write_text(
+        "=== 2026-11-30T05:19:02+00:00 load before: 1.00 2.00 3.00\n$ x\n=== rc=0 in 5 s; load after: 4.00 5.00 6.00\n"
+    )
     out = tmp_path / "tables.md"
     assert report_tables.main(["--csv", str(ar), "--log", str(log), "--out", str(out)]) == 0
     text = out.read_text()
