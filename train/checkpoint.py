@@ -46,7 +46,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _atomic_write(path: Path, payload: bytes) -> None:
+def atomic_write(path: Path, payload: bytes) -> None:
+    """Write ``payload`` to ``path`` so that readers see the old file or the whole new one: a
+    temporary file in the same folder, fsync, rename."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(payload)
@@ -72,15 +74,15 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int) -> P
     torch.save(state, buffer)
     payload = buffer.getvalue()
     path = folder / f"step-{step:08d}.pt"
-    _atomic_write(path, payload)
+    atomic_write(path, payload)
     digest = hashlib.sha256(payload).hexdigest()
-    _atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
+    atomic_write(path.with_name(path.name + ".sha256"), f"{digest}  {path.name}\n".encode())
     _fsync_dir(folder)
     for _, old in list_checkpoints(run_dir)[keep:]:
         old.unlink(missing_ok=True)
         old.with_name(old.name + ".sha256").unlink(missing_ok=True)
     if "world_size" in state:  # read by the start-up checks (train/main.py) without loading a checkpoint
-        _atomic_write(folder / "world_size", f"{state['world_size']}\n".encode())
+        atomic_write(folder / "world_size", f"{state['world_size']}\n".encode())
     for stale in folder.glob(".step-*.tmp*"):  # temporary files of writers killed mid-write (earlier attempts)
         if not stale.name.endswith(f".tmp{os.getpid()}"):
             stale.unlink(missing_ok=True)

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from train.checkpoint import atomic_write
+
 log = logging.getLogger(__name__)
 
 EOS_TOKEN = "<|endoftext|>"
@@ -128,15 +130,6 @@ def _file_lock(path: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _atomic_write_bytes(path: Path, payload: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(payload)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _save_array(path: Path, array: np.ndarray) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}.npy")
     np.save(tmp, array)
@@ -174,7 +167,7 @@ def bpe_token_arrays(cache_dir: Path, key: str, vocab_size: int, load_docs) -> t
             eos_id = tokenizer.token_to_id(EOS_TOKEN)
             _save_array(files[1], _tokenize(tokenizer, train_docs, eos_id))
             _save_array(files[2], _tokenize(tokenizer, val_docs, eos_id))
-            _atomic_write_bytes(files[0], tokenizer.to_str().encode())  # written last: marks the entry complete
+            atomic_write(files[0], tokenizer.to_str().encode())  # written last: marks the entry complete
     tokenizer = Tokenizer.from_file(str(files[0]))
     return np.load(files[1]), np.load(files[2]), tokenizer.get_vocab_size()
 
