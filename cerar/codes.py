@@ -93,11 +93,6 @@ class Code:
         """Whether every worker obtains the exact sum (all points satisfy a^N = 1)."""
         return self.N == 1 or bool(np.all(np.abs(self.points**self.N - 1) < 1e-12))
 
-    @property
-    def fingerprint(self) -> tuple:
-        """What every rank must agree on before running the protocol together."""
-        return (self.N, self.c, self.construction, self.eps, self.kappa_max)
-
     def residuals(self) -> np.ndarray:
         """R[i, h-1] = D_i E_h(A_{i-h}) - I, for h = 1..N-1: worker i's error operator on G_{i-h}.
 

@@ -12,10 +12,10 @@ Costs per call, for a tensor of d values (m = ceil(d/c)):
 =================  =========================  ==============================
 rounds             L = c + N - 2              2 (N - 1)
 values sent        L m ~ (1 + (N-2)/c) d      2 (N - 1) ceil(d/N)
-extra storage      (c+N+1) m ~ (1 + N/c) d   2 ceil(d/N), plus a padded copy
+extra storage      (c+N+1) m ~ (1 + N/c) d   ceil(d/N), plus a padded copy
                                               when N does not divide d
-arithmetic         2 c d encode + L c m       (N - 1) ceil(d/N) additions
-                   decode multiply-adds
+arithmetic         c d encode, c d for B G,   (N - 1) ceil(d/N) additions
+                   L c m decode mult-adds
 error              the code's (0 for exact)   none
 =================  =========================  ==============================
 """
