@@ -45,6 +45,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 if str(ROOT) not in sys.path:
     sys.path.insert(1, str(ROOT))
 
+from compare_training import read_metrics  # noqa: E402  (scripts/ is on sys.path)
+
 PHASES = ("forward", "backward", "aggregate", "optimizer")
 _RUN_RE = re.compile(r"^(.*)_s(\d+)$")
 
@@ -67,12 +69,7 @@ def load_local_runs(runs_dir: Path) -> list[dict]:
     runs = []
     for mp in sorted(Path(runs_dir).rglob("metrics.jsonl")):
         d = mp.parent
-        metrics = []
-        for line in mp.read_text().splitlines():
-            try:
-                metrics.append(json.loads(line))
-            except ValueError:
-                continue
+        metrics = read_metrics(d)
         summary = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else {}
         m = _RUN_RE.match(d.name)
         if m:
