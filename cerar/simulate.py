@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cerar.codes import Code
+from cerar.codes import LOW_PRECISION_KAPPA_LIMIT, Code
 from cerar.rounds import CodedRingRank, worker_matrices
 
 TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -13,8 +13,6 @@ TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 def check_transport_dtype(dtype: torch.dtype, code: Code, name: str = "tensor") -> None:
     """Refuse dtypes the protocol cannot carry: integers always, 16-bit floats unless the code is
     well conditioned enough (kappa <= LOW_PRECISION_KAPPA_LIMIT) for their rounding."""
-    from cerar.codes import LOW_PRECISION_KAPPA_LIMIT
-
     if dtype not in TRANSPORT_DTYPES:
         raise ValueError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {dtype}")
     if dtype in (torch.float16, torch.bfloat16) and code.kappa > LOW_PRECISION_KAPPA_LIMIT:
