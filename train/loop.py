@@ -1,9 +1,21 @@
 """The training loop: micro-batches, gradient aggregation, optimizer step, evaluation, diagnostics.
 
 overlap=false (the paper's measurement): backward runs under DDP's `no_sync`, so DDP reduces nothing;
-then all gradients are flattened and aggregated once. Each phase (forward, backward, aggregate,
+the parameters' `.grad` are views of one persistent flat buffer (`FlatGradients`), which is aggregated
+in place once per step (no concatenation, no copy back). Each phase (forward, backward, aggregate,
 optimizer) is timed between device synchronisations. overlap=true: the aggregator is DDP's
 communication hook and runs inside backward; `time/aggregate` is then 0 (it is part of backward).
+
+Diagnostics of approximate aggregation, where replicas can differ (CERAR: only rank N-1, the
+*reference replica* that checkpoints keep and resync broadcasts, is exact):
+- `val_loss` is the reference replica's loss on the whole validation set; `val_loss_worst_replica`
+  the worst replica's (each rank then evaluates the whole set with its own parameters).
+- `drift/max_abs` and `drift/rel_l2` measure every replica against the reference replica:
+  max |theta_r - theta_ref| and ||theta_r - theta_ref|| / ||theta_ref||, worst rank.
+- every `trainer.measure_error_every` steps (overlap=false): `agg/rel_error_max`, the worst rank's
+  ||g_hat_r - g_bar|| / ||g_bar|| against an exact all-reduce, beside the SGD noise the step already
+  carries: `noise/rel_std_mean`, the estimated standard deviation of the averaged gradient g_bar
+  around its expectation, sqrt(sum_r ||g_r - g_bar||^2 / (N (N-1))) / ||g_bar||.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
 from train import checkpoint as ckpt
-from train.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum, guarded, set_step
+from train.distributed import all_reduce_mean, guarded, set_step
 
 log = logging.getLogger(__name__)
 
@@ -58,18 +70,67 @@ class TrainState:
     history: dict = field(default_factory=dict)
 
 
-def flat_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+class FlatGradients:
+    """One persistent flat gradient buffer whose slices are the parameters' `.grad`.
+
+    Backward accumulates straight into it and the aggregator averages it in place, so a step makes no
+    flat copy of the gradient and writes nothing back (two passes over d values and a second d-sized
+    buffer saved against concatenating the gradients each step). Zeroing keeps the views alive.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        self.params = params
+        self.flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self.views, offset = [], 0
+        for p in params:
+            self.views.append(self.flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.attach()
+
+    def attach(self) -> None:
+        """Make every parameter's `.grad` its slice of the buffer (again, if something replaced one)."""
+        for p, view in zip(self.params, self.views, strict=True):
+            if p.grad is not view:
+                p.grad = view
+
+    def zero_(self) -> None:
+        self.flat.zero_()
+        self.attach()
 
 
-def write_flat_grads(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
-    offset = 0
-    for p in params:
-        n = p.numel()
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        p.grad.copy_(flat[offset : offset + n].view_as(p))
-        offset += n
+def local_nonfinite(params: list[torch.nn.Parameter], flat: torch.Tensor | None) -> torch.Tensor:
+    """A device flag, true when any gradient holds inf or nan: one fused reduction, no host sync."""
+    if flat is not None:
+        return ~torch.isfinite(flat).all()
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros((), dtype=torch.bool, device=params[0].device)
+    largest = torch._foreach_norm(grads, float("inf"))  # max |g| per tensor: inf or nan exactly when one is
+    return ~torch.isfinite(torch.stack(largest)).all()
+
+
+def error_and_noise(local: torch.Tensor, aggregated: torch.Tensor, exact: torch.Tensor, rank: int) -> dict:
+    """This rank's aggregation error against the exact mean g_bar, beside the SGD noise of g_bar.
+
+    local: this rank's gradient g_r; aggregated: what the aggregator gave this rank; exact: g_bar, the
+    exact mean (equal on every rank). The noise is the standard deviation of g_bar around its
+    expectation, estimated from the spread of the N per-rank gradients: sqrt(sum_r ||g_r - g_bar||^2 /
+    (N (N-1))), relative to ||g_bar||. It shrinks as 1/sqrt(batch); the aggregation error does not.
+    """
+    N = dist.get_world_size()
+    g_bar_norm = exact.norm()
+    error = (aggregated - exact).norm() / g_bar_norm.clamp_min(1e-30)
+    spread = (local - exact).square().sum().double().reshape(1)
+    worst = error.double().reshape(1)
+    with guarded("error/noise all_reduce"):
+        dist.all_reduce(spread)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {
+        "agg/rel_error_max": float(worst),
+        "agg/rel_error_rank0": float(error) if rank == 0 else None,
+        "noise/rel_std_mean": math.sqrt(float(spread) / (N * (N - 1))) / max(float(g_bar_norm), 1e-30),
+        "noise/grad_norm": float(g_bar_norm),
+    }
 
 
 def flat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -126,6 +187,10 @@ class Trainer:
         # rank and the scale backs off on every rank alike (see _skip_in_scaler).
         self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
         self.tokens_per_step = self.t.micro_batch_size * self.t.grad_accum * cfg.data.seq_len * world_size
+        self.grads = None if overlap else FlatGradients(self.params)  # overlap: DDP's buckets own the reduction
+        self.reference_rank = world_size - 1  # exact under CERAR; checkpoints keep it, resync broadcasts it
+        self.replicas_differ = cfg.aggregator.kind == "cerar" and world_size > 1
+        self._val_all: list[torch.Tensor] | None = None
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -179,9 +244,9 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
 
-    def _forward_backward(self) -> float:
-        """All micro-batches of one step; returns this rank's mean loss."""
-        total = 0.0
+    def _forward_backward(self) -> torch.Tensor:
+        """All micro-batches of one step; returns this rank's mean loss as a device scalar (no host sync)."""
+        total = torch.zeros((), device=self.device)
         for micro in range(self.t.grad_accum):
             batch = self.data.train.next_batch(self.t.micro_batch_size).to(self.device, non_blocking=True)
             last = micro == self.t.grad_accum - 1
@@ -195,17 +260,15 @@ class Trainer:
                     guarded(f"backward with {self.aggregator.name} hook") if sync else (contextlib.nullcontext()),
                 ):
                     scaled.backward()
-            total += float(loss.detach())
+            total += loss.detach()
         return total
 
     def _grads_finite_everywhere(self, flat: torch.Tensor | None) -> bool:
         """One all-reduce of a flag: every rank skips a step alike if any rank saw inf/nan."""
-        local_bad = (
-            not bool(torch.isfinite(flat).all())
-            if flat is not None
-            else any(p.grad is not None and not bool(torch.isfinite(p.grad).all()) for p in self.params)
-        )
-        return all_reduce_max(float(local_bad), self.device, "non-finite flag all_reduce") == 0.0
+        flag = local_nonfinite(self.params, flat).to(torch.float64).reshape(1)
+        with guarded("non-finite flag all_reduce"):
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
 
     def _maybe_inject_nonfinite(self, step: int) -> None:
         """trainer.inject_nonfinite_at_step (testing/chaos only): at that step one gradient of one rank is inf."""
@@ -219,7 +282,9 @@ class Trainer:
     def _skip_in_scaler(self) -> None:
         """fp16, a step skipped because some rank saw inf/nan: make every rank's scaler see an inf so that
         all back off alike (GradScaler reads only its own rank's gradients), then let it skip and update."""
-        self.params[0].grad = torch.full_like(self.params[0], float("nan"))
+        if self.params[0].grad is None:
+            self.params[0].grad = torch.empty_like(self.params[0])
+        self.params[0].grad.fill_(float("nan"))
         self.scaler.unscale_(self.optimizer)
         self.scaler.step(self.optimizer)  # sees the inf: does not step
         self.scaler.update()
@@ -228,9 +293,11 @@ class Trainer:
         self.timer.reset()
         step = self.state.step + 1
         set_step(step)
+        if self.grads is not None:
+            self.grads.zero_()
         loss = self._forward_backward()
         self._maybe_inject_nonfinite(step)
-        record: dict = {}
+        record: dict = {"lr": self.scheduler.get_last_lr()[0]}  # the lr this step's update uses
         measure = (
             not self.overlap
             and self.t.measure_error_every > 0
@@ -241,33 +308,29 @@ class Trainer:
             bytes_sent = self.aggregator.bytes_sent_by_hook(self.numel)
             finite = self._grads_finite_everywhere(None)
         else:
-            flat = flat_grads(self.params)
+            flat = self.grads.flat
             finite = self._grads_finite_everywhere(flat)  # before aggregation
             bytes_sent = 0
             if finite:
-                if self.scaler is not None:  # aggregate true gradients, not scaled ones
+                if self.scaler is not None:  # aggregate true gradients, not scaled ones (in place, in flat)
                     self.scaler.unscale_(self.optimizer)
-                    flat = flat_grads(self.params)
-                exact = None
+                local = exact = None
                 if measure:
-                    exact = flat.clone()
+                    local, exact = flat.clone(), flat.clone()
                     with guarded("exact all_reduce (agg/rel_error)"):
                         dist.all_reduce(exact)
                     exact.div_(self.world_size)
                 with self.timer.phase("aggregate"), guarded(f"aggregate ({self.aggregator.name})"):
                     bytes_sent = self.aggregator.aggregate(flat)
-                with self.timer.phase("aggregate"):
-                    write_flat_grads(self.params, flat)
                 if exact is not None:
-                    rel = float((flat - exact).norm() / exact.norm().clamp_min(1e-30))
-                    record["agg/rel_error_max"] = all_reduce_max(rel, self.device)
-                    record["agg/rel_error_rank0"] = rel if self.rank == 0 else None
+                    record.update(error_and_noise(local, flat, exact, self.rank))
+                    record["noise/sequences_per_step"] = self.t.micro_batch_size * self.t.grad_accum * self.world_size
         with self.timer.phase("optimizer"):
             if finite:
                 if self.scaler is not None and self.overlap:
                     self.scaler.unscale_(self.optimizer)
                 if self.cfg.model.grad_clip > 0:
-                    record["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.params, self.cfg.model.grad_clip))
+                    record["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.model.grad_clip)
                 if self.scaler is not None:
                     self.scaler.step(self.optimizer)  # the gradients are finite everywhere: it steps
                     self.scaler.update()
@@ -280,8 +343,9 @@ class Trainer:
                     self._skip_in_scaler()
                 log.warning("step %d: non-finite gradients on some rank; step skipped on every rank", step)
             if self.scaler is not None:
-                record["amp/scale"] = float(self.scaler.get_scale())
-            self.optimizer.zero_grad(set_to_none=True)
+                record["amp/scale"] = self.scaler.get_scale()
+            if self.grads is None:
+                self.optimizer.zero_grad(set_to_none=True)
         self.state.step = step
         self.state.tokens += self.tokens_per_step
         record.update({"train_loss_local": loss, "bytes_sent": bytes_sent, "skipped_steps": self.state.skipped_steps})
@@ -290,35 +354,67 @@ class Trainer:
     # ------------------------------------------------------------------ diagnostics
 
     @torch.no_grad()
-    def evaluate(self) -> float:
-        """Mean token loss over the fixed validation set (each rank its share; summed across ranks)."""
+    def _loss_sum(self, batches: list[torch.Tensor]) -> torch.Tensor:
+        """[sum of token losses, tokens] over `batches` with this rank's parameters, as a float64 device pair."""
         self.model.eval()
-        loss_sum, count = 0.0, 0
-        for batch in self.data.val_batches:
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for batch in batches:
             batch = batch.to(self.device)
             with self.autocast():
                 loss = lm_loss(self.model, batch)
             n = batch[:, 1:].numel()
-            loss_sum, count = loss_sum + float(loss) * n, count + n
+            total += torch.stack([loss.double() * n, torch.tensor(float(n), dtype=torch.float64, device=self.device)])
         self.model.train()
-        total, tokens = all_reduce_sum([loss_sum, float(count)], self.device, "evaluation all_reduce")
-        return total / tokens
+        return total
+
+    def _whole_validation_set(self) -> list[torch.Tensor]:
+        """Every rank's share of the fixed validation set, gathered once (replicas that differ each need all)."""
+        if self._val_all is None:
+            shares = [None] * self.world_size
+            with guarded("all_gather_object of the validation shares"):
+                dist.all_gather_object(shares, [b.cpu() for b in self.data.val_batches])
+            self._val_all = [batch for share in shares for batch in share]
+        return self._val_all
 
     @torch.no_grad()
-    def replica_drift(self) -> float:
-        """max over ranks of max |theta_rank - theta_0|: how far approximate aggregation let replicas part."""
+    def evaluate(self) -> dict:
+        """Validation loss over the fixed validation set: the reference replica's (`val_loss`) and the
+        worst replica's. Replicas that agree split the set between them; replicas that may differ
+        (CERAR) each evaluate the whole set with their own parameters."""
+        if not self.replicas_differ:
+            total = self._loss_sum(self.data.val_batches)
+            with guarded("evaluation all_reduce"):
+                dist.all_reduce(total)
+            loss = float(total[0] / total[1])
+            return {"val_loss": loss, "val_loss_worst_replica": loss}
+        total = self._loss_sum(self._whole_validation_set())
+        losses = [torch.empty_like(total) for _ in range(self.world_size)]
+        with guarded("evaluation all_gather"):
+            dist.all_gather(losses, total)
+        per_rank = [float(t[0] / t[1]) for t in losses]
+        return {"val_loss": per_rank[self.reference_rank], "val_loss_worst_replica": max(per_rank)}
+
+    @torch.no_grad()
+    def replica_drift(self) -> dict:
+        """How far approximate aggregation let the replicas part from the reference replica (rank N-1):
+        max |theta_r - theta_ref| and ||theta_r - theta_ref|| / ||theta_ref||, each the worst rank's."""
         theta = flat_params(self.params).float()
-        theta0 = theta.clone()
-        with guarded("drift broadcast from rank 0"):
-            dist.broadcast(theta0, src=0)
-        return all_reduce_max(float((theta - theta0).abs().max()), self.device, "drift all_reduce")
+        reference = theta.clone()
+        with guarded(f"drift broadcast from rank {self.reference_rank}"):
+            dist.broadcast(reference, src=self.reference_rank)
+        difference = theta - reference
+        worst = torch.stack([difference.abs().max(), difference.norm() / reference.norm().clamp_min(1e-30)])
+        with guarded("drift all_reduce"):
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        max_abs, rel_l2 = worst.tolist()
+        return {"drift/max_abs": max_abs, "drift/rel_l2": rel_l2}
 
     @torch.no_grad()
     def resync_from_exact_rank(self) -> None:
-        """Broadcast the parameters of rank N-1 (exact under CERAR) to every replica."""
+        """Broadcast the parameters of the reference replica, rank N-1 (exact under CERAR), to every replica."""
         theta = flat_params(self.params)
-        with guarded(f"resync broadcast from rank {self.world_size - 1}"):
-            dist.broadcast(theta, src=self.world_size - 1)
+        with guarded(f"resync broadcast from rank {self.reference_rank}"):
+            dist.broadcast(theta, src=self.reference_rank)
         write_flat_params(self.params, theta)
 
     # ------------------------------------------------------------------ the loop
@@ -343,17 +439,19 @@ class Trainer:
                 self.resync_from_exact_rank()
             last = step == t.max_steps
             if self._due(t.log_every, step) or last or self._due(t.eval_every, step):
-                (train_loss,) = all_reduce_mean([record.pop("train_loss_local")], self.device, "train-loss all_reduce")
-                out = {"step": step, "train_loss": train_loss, "lr": self.scheduler.get_last_lr()[0]}
+                local_loss = float(record.pop("train_loss_local"))  # the step's one host sync for the loss
+                (train_loss,) = all_reduce_mean([local_loss], self.device, "train-loss all_reduce")
+                out = {"step": step, "train_loss": train_loss}
                 out.update({f"time/{k}": v for k, v in self.timer.seconds.items()})
                 out["time/step"] = step_seconds
                 out["tokens_per_s"] = self.tokens_per_step / step_seconds
-                out.update(record)
+                out.update({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()})
                 if self.world_size > 1 and self._due(t.drift_every, step):
-                    out["drift/max_abs"] = self.replica_drift()
+                    out.update(self.replica_drift())
                 if self._due(t.eval_every, step) or last:
-                    self.state.last_val_loss = self.evaluate()
-                    out["val_loss"] = self.state.last_val_loss
+                    evaluation = self.evaluate()
+                    self.state.last_val_loss = evaluation["val_loss"]
+                    out.update(evaluation)
                 if not math.isfinite(train_loss):
                     log.warning("step %d: train loss is %s", step, train_loss)
                 self.logger.log(out)
@@ -369,7 +467,7 @@ class Trainer:
             bar.close()
         finished = self.state.step == t.max_steps
         if finished and (self.state.last_val_loss is None or start_step == t.max_steps):
-            self.state.last_val_loss = self.evaluate()
+            self.state.last_val_loss = self.evaluate()["val_loss"]
         return {
             "wall_seconds": time.perf_counter() - start_wall,
             "steps_this_run": self.state.step - start_step,
