@@ -43,11 +43,13 @@ class ModelConfig:
     use_parallel_residual: bool = True
     tie_word_embeddings: bool = False
     layer_norm_eps: float = 1e-5
-    # optimiser (Pythia: Adam betas 0.9/0.95, eps 1e-8, wd 0.01, clip 1.0, 1% warmup, cosine to lr/10)
+    # optimiser, as in EleutherAI's released models/<size>/pythia-<size>.yml: Adam betas 0.9/0.95, eps 1e-8,
+    # weight decay 0.1 (the paper's table says 0.01, a typo: EleutherAI/pythia issue 132), clip 1.0,
+    # 1% warmup, cosine to lr/10 (min_lr)
     lr: float = MISSING
     min_lr_ratio: float = 0.1
     warmup_fraction: float = 0.01
-    weight_decay: float = 0.01
+    weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
