@@ -7,9 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from train.config import register_configs
+from train.model import build_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 register_configs()
@@ -50,3 +52,58 @@ def test_model_config_is_the_released_recipe(size):
     assert (m.weight_decay, m.grad_clip, m.warmup_fraction) == (0.1, 1.0, 0.01)
     assert m.rotary_pct == 0.25 and m.use_parallel_residual and not m.tie_word_embeddings
     assert micro_batch * gpus == RELEASED_GLOBAL_BATCH  # the table itself is consistent with Pythia's batch
+
+
+# Released init: "init_method": "small_init", "output_layer_init_method": "wang_init". GPT-NeoX's
+# megatron/model/init_functions.py: small_init std = sqrt(2 / (5 d)), wang_init std = 2 / L / sqrt(d).
+# (L, d) -> (small_init std, wang_init std), the numbers worked out by hand.
+EXPECTED_INIT_STD = {
+    "pythia-14m": (6, 128, 0.0559017, 0.0294628),  # sqrt(2/640), 2/6/11.3137
+    "tiny": (2, 64, 0.0790569, 0.125),  # sqrt(2/320), 2/2/8
+}
+
+
+def _pooled_std(tensors) -> float:
+    flat = torch.cat([t.detach().double().flatten() for t in tensors])
+    return flat.std().item()
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_INIT_STD))
+def test_built_model_has_pythia_init(name):
+    layers, hidden, small_std, wang_std = EXPECTED_INIT_STD[name]
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        m = compose(config_name="config", overrides=[f"model={name}"]).model
+    assert (m.num_layers, m.hidden_size, m.init_method, m.output_layer_init_method) == (
+        layers,
+        hidden,
+        "small_init",
+        "wang_init",
+    )
+    torch.manual_seed(0)
+    model = build_model(m)
+    params = dict(model.named_parameters())
+    unembedding = model.get_output_embeddings().weight  # embed_out (transformers 4) / lm_head (5)
+    output = [p for n, p in params.items() if n.endswith(("attention.dense.weight", "mlp.dense_4h_to_h.weight"))]
+    inner = [p for n, p in params.items() if n.endswith(("query_key_value.weight", "mlp.dense_h_to_4h.weight"))]
+    assert len(output) == len(inner) == 2 * layers
+    assert _pooled_std(output) == pytest.approx(wang_std, rel=0.03)
+    assert _pooled_std(inner) == pytest.approx(small_std, rel=0.03)
+    assert _pooled_std([params["gpt_neox.embed_in.weight"]]) == pytest.approx(small_std, rel=0.03)
+    assert _pooled_std([unembedding]) == pytest.approx(small_std, rel=0.03)
+    for n, p in params.items():
+        if n.endswith(".bias"):
+            assert torch.count_nonzero(p) == 0, n
+        if "layernorm" in n or "layer_norm" in n:
+            assert torch.all(p == (1.0 if n.endswith(".weight") else 0.0)), n
+
+
+def test_init_method_normal_restores_hf_default():
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        m = compose(
+            config_name="config",
+            overrides=["model=pythia-14m", "model.init_method=normal", "model.output_layer_init_method=normal"],
+        ).model
+    torch.manual_seed(0)
+    params = dict(build_model(m).named_parameters())
+    output = [p for n, p in params.items() if n.endswith("attention.dense.weight")]
+    assert _pooled_std(output) == pytest.approx(0.02, rel=0.03)
