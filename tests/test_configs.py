@@ -45,16 +45,6 @@ def test_pythia_parameter_counts_on_meta_device(name):
     assert hf.max_position_embeddings == 2048
 
 
-def test_pythia_optimizer_settings():
-    lrs = {"14m": 1e-3, "31m": 1e-3, "70m": 1e-3, "160m": 6e-4, "410m": 3e-4, "1b": 3e-4, "1.4b": 2e-4}
-    for size, lr in lrs.items():
-        m = composed(f"model=pythia-{size}").model
-        assert m.lr == pytest.approx(lr)
-        assert (m.adam_beta1, m.adam_beta2, m.adam_eps) == (0.9, 0.95, 1e-8)
-        assert (m.min_lr_ratio, m.warmup_fraction, m.weight_decay, m.grad_clip) == (0.1, 0.01, 0.01, 1.0)
-        assert m.rotary_pct == 0.25 and m.intermediate_size == 4 * m.hidden_size
-
-
 def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 

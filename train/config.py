@@ -43,11 +43,18 @@ class ModelConfig:
     use_parallel_residual: bool = True
     tie_word_embeddings: bool = False
     layer_norm_eps: float = 1e-5
-    # optimiser (Pythia: Adam betas 0.9/0.95, eps 1e-8, wd 0.01, clip 1.0, 1% warmup, cosine to lr/10)
+    # initialisation, GPT-NeoX's names as in the released configs: small_init = normal(0, sqrt(2/(5 d))) for
+    # embeddings and weight matrices; wang_init = normal(0, 2/(L sqrt(d))) for the residual-writing projections
+    # (attention.dense, mlp.dense_4h_to_h); normal = HF's normal(0, 0.02). Biases 0, LayerNorm weight 1.
+    init_method: str = "small_init"
+    output_layer_init_method: str = "wang_init"
+    # optimiser, as in EleutherAI's released models/<size>/pythia-<size>.yml: Adam betas 0.9/0.95, eps 1e-8,
+    # weight decay 0.1 (the paper's table says 0.01, a typo: EleutherAI/pythia issue 132), clip 1.0,
+    # 1% warmup, cosine to lr/10 (min_lr)
     lr: float = MISSING
     min_lr_ratio: float = 0.1
     warmup_fraction: float = 0.01
-    weight_decay: float = 0.01
+    weight_decay: float = 0.1
     adam_beta1: float = 0.9
     adam_beta2: float = 0.95
     adam_eps: float = 1e-8
@@ -157,6 +164,7 @@ AGGREGATOR_KINDS = ("nccl", "ring", "cerar", "powersgd", "fp16", "bf16")
 HOOK_ONLY_AGGREGATORS = ("powersgd",)
 CERAR_CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
 DATA_KINDS = ("embedded", "pile", "local")
+INIT_METHODS = ("small_init", "wang_init", "normal")  # GPT-NeoX's names (init_functions.py); train/model.py
 
 
 def register_configs() -> None:
@@ -184,6 +192,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
         m.hidden_size % m.num_heads == 0,
         f"model.hidden_size={m.hidden_size} must be divisible by model.num_heads={m.num_heads}",
     )
+    for key in ("init_method", "output_layer_init_method"):
+        _one_of(m[key], INIT_METHODS, f"model.{key}")
     _require(m.lr > 0, f"model.lr={m.lr} must be > 0")
     _require(0 <= m.warmup_fraction < 1, f"model.warmup_fraction={m.warmup_fraction} must be in [0, 1)")
     _require(0 <= m.min_lr_ratio <= 1, f"model.min_lr_ratio={m.min_lr_ratio} must be in [0, 1]")
