@@ -18,6 +18,8 @@ Figures (into ``reports/figures/``)
 * ``time_vs_size_<where>[_<rate>].png``, ``saving_vs_c.png``, ``achieved_vs_byte_bound.png``: from
   the all-reduce CSV (``bench_allreduce.make_figures``);
 * ``error_vs_kappa.png``: worst-worker error against kappa (``cerar.design.plot_error_vs_kappa``);
+* ``fidelity_{val_loss,drift,error}_vs_step.png``, ``fidelity_noise_vs_error.png``: the long-horizon
+  runs under ``reports/runs/fidelity/`` (``scripts/fidelity_report.figures``);
 * ``saving_vs_N.png``: 1 - t_cerar / t_ref against N at c = 4N: measured (lab rows of the CSV, against
   the ring and against the backend all_reduce) and modelled (``cerar.costmodel`` fitted to the same
   setting's rows), with the byte-count bound.
@@ -287,13 +289,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "reports" / "runs" / "training")
     ap.add_argument("--wandb", metavar="ENTITY/PROJECT", default=None, help="read training runs from W&B")
+    ap.add_argument("--fidelity-dir", type=Path, default=ROOT / "reports" / "runs" / "fidelity")
     ap.add_argument("--allreduce-csv", type=Path, default=ROOT / "reports" / "data" / "allreduce.csv")
     ap.add_argument("--design-csv", type=Path, default=ROOT / "reports" / "data" / "code_design.csv")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "figures")
     ap.add_argument("--strict", action="store_true", help="fail when a source is missing")
     ap.add_argument(
         "--only",
-        choices=["training", "allreduce", "design"],
+        choices=["training", "allreduce", "design", "fidelity"],
         action="append",
         default=None,
         help="draw only these groups (repeatable); default all",
@@ -304,7 +307,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     written, missing = [], []
 
-    groups = set(args.only or ["training", "allreduce", "design"])
+    groups = set(args.only or ["training", "allreduce", "design", "fidelity"])
     runs = []
     if "training" in groups:
         runs = load_wandb_runs(args.wandb) if args.wandb else load_local_runs(args.runs_dir)
@@ -327,6 +330,14 @@ def main(argv=None) -> int:
         written += error_vs_kappa(args.design_csv, args.out)
     else:
         missing.append(str(args.design_csv))
+    if "fidelity" in groups:
+        import fidelity_report
+
+        fidelity_runs = fidelity_report.load_runs(args.fidelity_dir) if args.fidelity_dir.is_dir() else {}
+        if fidelity_runs:
+            written += fidelity_report.figures(fidelity_runs, args.out)
+        else:
+            missing.append(f"fidelity runs ({args.fidelity_dir})")
     for p in written:
         print(f"make_figures: wrote {p}")
     for m in missing:
