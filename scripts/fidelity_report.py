@@ -30,6 +30,8 @@ from compare_training import read_metrics  # noqa: E402  (scripts/ is on sys.pat
 
 RUNS_DIR = ROOT / "reports" / "runs" / "fidelity"
 LAB_CSV = ROOT / "reports" / "data" / "training_100mbit.csv"
+PLANE_CSV = ROOT / "reports" / "data" / "aggregator_plane.csv"  # scripts/aggregator_plane.py
+EXACT_FLOOR = 1e-8  # where exact aggregators sit on the log-scale error axis
 PYTHIA_BATCH_TOKENS = 1024 * 2048  # EleutherAI's released configs: 1024 sequences of 2048 tokens per step
 HORIZON = 3000
 _RUN = re.compile(r"^(?P<setting>.*)_s(?P<seed>\d+)$")
@@ -184,7 +186,9 @@ def _f(value, spec=".4f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def render(rows: list[dict], settings: dict[str, list[dict]], lab: dict[str, float], log_lines: list[str]) -> str:
+def render(
+    rows: list[dict], settings: dict[str, list[dict]], lab: dict[str, float], log_lines: list[str], plane: list[dict]
+) -> str:
     batch, batch_tokens = batch_size(settings)
     seq_len = batch_tokens // batch
     out = [
@@ -246,6 +250,43 @@ def render(rows: list[dict], settings: dict[str, list[dict]], lab: dict[str, flo
             f"| {r['setting']} | {r['drift_max_abs']:.3g} | {r['drift_rel_l2']:.3g} | {_f(error, '.3g')} | "
             f"{_f(noise, '.3g')} | {ratio} | {_f(pythia_noise, '.3g')} | {meet} |"
         )
+    resynced = [name for name in settings if re.search(r"resync(\d+)", name)]
+    for name in resynced:
+        k = int(re.search(r"resync(\d+)", name)[1])
+        run = settings[name][0]
+        bytes_per_step = statistics.median(r["bytes_sent"] for r in run["metrics"] if r.get("bytes_sent"))
+        d = run["summary"].get("parameters")
+        if d:
+            out += [
+                "",
+                f"Resync cost ({name}): a broadcast of the d = {d:,} parameters every {k} steps, in which each rank "
+                f"sends at most d values: {4 * d / k:,.0f} bytes per step amortised, "
+                f"{100 * 4 * d / k / bytes_per_step:.1f} % on top of the {bytes_per_step:,.0f} bytes CERAR sends "
+                "per step.",
+            ]
+    if plane:
+        out += [
+            "",
+            "## Bytes against error: where CERAR stands",
+            "",
+            "`scripts/aggregator_plane.py` (N=4, real gradients of the same model, every aggregator from the same "
+            "gradients; figure `aggregator_plane.png`). Bytes are per call for the whole gradient, relative to the "
+            "fp32 ring all-reduce's 2(N-1)/N d values; error is the worst rank's, median over the calls.",
+            "",
+            "| aggregator | bytes / fp32 ring | worst-rank error (median) | max |",
+            "| --- | --- | --- | --- |",
+            *(
+                f"| {r['aggregator']} | {r['ratio']:.3f} | {r['error']:.3g} | {float(r['error_max']):.3g} |"
+                for r in sorted(plane, key=lambda r: r["ratio"])
+            ),
+            "",
+            "CERAR's bytes are (1 + (N-2)/c) d against the ring's 2(N-1)/N d: the ratio N(c+N-2)/(2c(N-1)) falls "
+            "towards N/(2(N-1)) as c grows but never reaches it (2/3 at N=4, 4/7 at N=8, always above 1/2). fp16 "
+            "compression sends exactly half of the fp32 ring at a few 1e-4 of error, bf16 half at a few 1e-3: at "
+            "equal bytes CERAR is dominated by plain 16-bit compression on this plane, and its errors at c > N "
+            "are orders of magnitude larger. CERAR's place is where 16-bit transport is ruled out or already "
+            "used (CERAR in bf16 transport needs kappa = 1, i.e. c <= N, where it saves nothing).",
+        ]
     out += ["", "## Time to nccl's final validation loss", ""]
     out += [
         "Steps to reach nccl's mean final validation loss in this study, times the seconds per step measured in the "
@@ -287,8 +328,9 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def figures(settings: dict[str, list[dict]], out: Path) -> list[Path]:
-    """fidelity_{val_loss,drift,error}_vs_step.png and fidelity_noise_vs_error.png."""
+def figures(settings: dict[str, list[dict]], out: Path, plane_csv: Path = PLANE_CSV) -> list[Path]:
+    """fidelity_{val_loss,drift,error}_vs_step.png, fidelity_noise_vs_error.png and, when plane_csv exists,
+    aggregator_plane.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -365,13 +407,49 @@ def figures(settings: dict[str, list[dict]], out: Path) -> list[Path]:
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
     paths.append(_save(fig, out / "fidelity_noise_vs_error.png"))
-    return paths
+    return paths + plane_figure(plane_csv, out)
+
+
+def read_plane(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return [
+            {**row, "ratio": float(row["bytes_ratio_to_fp32_ring"]), "error": float(row["error_median"])}
+            for row in csv.DictReader(f)
+        ]
+
+
+def plane_figure(plane_csv: Path, out: Path) -> list[Path]:
+    """aggregator_plane.png: bytes per call (relative to the fp32 ring all-reduce) against worst-rank error."""
+    rows = read_plane(plane_csv)
+    if not rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in rows:
+        error = max(row["error"], EXACT_FLOOR)
+        marker = "o" if row["aggregator"].startswith("cerar") else "s"
+        ax.scatter(row["ratio"], error, marker=marker)
+        ax.annotate(row["aggregator"], (row["ratio"], error), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    ax.axhline(EXACT_FLOOR, color="grey", linewidth=0.5)
+    ax.text(ax.get_xlim()[0], EXACT_FLOOR, " exact", fontsize=7, va="bottom", color="grey")
+    ax.set(xlabel="bytes a rank sends per call / fp32 ring all-reduce's 2(N-1)/N d", xscale="log",
+           ylabel="worst rank's relative error (median over calls)", yscale="log",
+           title="every aggregator, N=4, real gradients of model=tiny")  # fmt: skip
+    ax.grid(True, alpha=0.3)
+    return [_save(fig, out / "aggregator_plane.png")]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs-dir", type=Path, default=RUNS_DIR)
     ap.add_argument("--lab-csv", type=Path, default=LAB_CSV)
+    ap.add_argument("--plane-csv", type=Path, default=PLANE_CSV)
     ap.add_argument("--csv", type=Path, default=ROOT / "reports" / "data" / "fidelity.csv")
     ap.add_argument("--report", type=Path, default=ROOT / "reports" / "fidelity.md")
     ap.add_argument("--log", type=Path, default=ROOT / "reports" / "logs" / "fidelity_runs.log")
@@ -383,7 +461,8 @@ def main(argv=None) -> int:
     rows = summarize(settings)
     write_csv(rows, args.csv)
     log_lines = args.log.read_text().splitlines() if args.log.exists() else []
-    args.report.write_text(render(rows, settings, lab_step_seconds(args.lab_csv), log_lines))
+    plane = read_plane(args.plane_csv)
+    args.report.write_text(render(rows, settings, lab_step_seconds(args.lab_csv), log_lines, plane))
     print(f"wrote {args.report} and {args.csv} ({len(rows)} settings)")
     return 0
 

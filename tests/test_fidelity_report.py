@@ -33,6 +33,13 @@ def write_run(folder: Path, val: dict[int, float], error: float, noise: float, d
     (folder / "summary.json").write_text(json.dumps({"final_step": 1000, "final_val_loss": val[max(val)]}))
 
 
+PLANE = """aggregator,bytes_per_call,bytes_ratio_to_fp32_ring,error_median,error_max,calls
+ring,600,1.0000,0,0,3
+fp16,300,0.5000,0.0002,0.0003,3
+cerar_optimized_c16,450,0.7500,0.05,0.06,3
+"""
+
+
 @pytest.fixture
 def runs(tmp_path) -> Path:
     steps = [200, 400, 600, 800, 1000]
@@ -45,7 +52,10 @@ def runs(tmp_path) -> Path:
 
 def test_report_states_gap_spread_separation_and_where_error_meets_noise(runs, tmp_path):
     report, table = tmp_path / "fidelity.md", tmp_path / "fidelity.csv"
-    assert fidelity_report.main(["--runs-dir", str(runs), "--report", str(report), "--csv", str(table)]) == 0
+    plane = tmp_path / "plane.csv"
+    plane.write_text(PLANE)
+    argv = ["--runs-dir", str(runs), "--report", str(report), "--csv", str(table), "--plane-csv", str(plane)]
+    assert fidelity_report.main(argv) == 0
     rows = {r["setting"]: r for r in csv.DictReader(table.open())}
     assert float(rows["nccl"]["val_loss"]) == pytest.approx(4.01)
     assert rows["nccl"]["val_spread"] == "4.0000..4.0200"
@@ -57,13 +67,17 @@ def test_report_states_gap_spread_separation_and_where_error_meets_noise(runs, t
     # Noise 0.8 at 1024 tokens a step (2048 tokens/s x 0.5 s) shrinks as 1/sqrt(batch): it meets the error 0.2 at 16x.
     assert "| 16,384 |" in text
     assert "never (exact)" in text  # nccl
+    assert "| fp16 | 0.500 | 0.0002 | 0.0003 |" in text  # the plane's rows, by bytes
 
 
 def test_figures_are_drawn_from_the_run_folders(runs, tmp_path):
     out = tmp_path / "figures"
     out.mkdir()
-    paths = fidelity_report.figures(fidelity_report.load_runs(runs), out)
+    plane = tmp_path / "plane.csv"
+    plane.write_text(PLANE)
+    paths = fidelity_report.figures(fidelity_report.load_runs(runs), out, plane)
     assert sorted(p.name for p in paths) == [
+        "aggregator_plane.png",
         "fidelity_drift_vs_step.png",
         "fidelity_error_vs_step.png",
         "fidelity_noise_vs_error.png",

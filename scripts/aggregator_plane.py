@@ -1,0 +1,190 @@
+#!/usr/bin/env python3
+"""Every aggregator on one plane: bytes a rank sends per call against the worst rank's aggregation error.
+
+Run under torchrun (N ranks on gloo):
+
+    .venv/bin/torchrun --standalone --nproc_per_node=4 scripts/aggregator_plane.py
+
+The model (model=tiny on the embedded corpus, as in scripts/run_fidelity.sh) trains with exact
+all-reduce; every `--every` steps each rank's real gradient g_r is averaged by every flat aggregator
+(nccl, ring, fp16, bf16, CERAR per construction and c) from the same starting point, and the result
+is compared with the exact mean g_bar: error = max over ranks of ||g_hat_r - g_bar|| / ||g_bar||.
+PowerSGD exists only as a DDP hook with error feedback, so it is measured in a second pass that
+trains with it, comparing the hook's result with an exact all-reduce of the same step's gradients.
+Bytes are what the aggregator reports having sent for the whole gradient (d values).
+
+Writes ``reports/data/aggregator_plane.csv``; ``scripts/make_figures.py --only fidelity`` draws it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import os
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+COMMON = ["model=tiny", "data=embedded", "data.seq_len=64", "trainer.micro_batch_size=4", "wandb.mode=disabled"]
+FLAT_SETTINGS = [  # (label, overrides)
+    ("nccl", ["aggregator=nccl"]),
+    ("ring", ["aggregator=ring"]),
+    ("fp16", ["aggregator=fp16"]),
+    ("bf16", ["aggregator=bf16"]),
+    *[
+        (f"cerar_{construction}_c{c}", [f"aggregator=cerar_{construction}", f"c={c}"])
+        for construction in ("perturbation", "optimized")
+        for c in (8, 16, 32)
+    ],
+    ("cerar_exact_c4", ["aggregator=cerar", "aggregator.construction=exact", "c=4"]),
+]
+COLUMNS = ["aggregator", "bytes_per_call", "bytes_ratio_to_fp32_ring", "error_median", "error_max", "calls"]
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    from train.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return hydra_compose("config", overrides=COMMON + overrides)
+
+
+def worst_error(aggregated: torch.Tensor, exact: torch.Tensor) -> float:
+    error = ((aggregated - exact).norm() / exact.norm()).double().reshape(1)
+    dist.all_reduce(error, op=dist.ReduceOp.MAX)
+    return float(error)
+
+
+def exact_mean(local: torch.Tensor) -> torch.Tensor:
+    exact = local.clone()
+    dist.all_reduce(exact)
+    return exact.div_(dist.get_world_size())
+
+
+def flat_gradient(model) -> torch.Tensor:
+    return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def measure_flat(steps: int, every: int) -> dict[str, list]:
+    """Train with exact all-reduce; every `every` steps run every flat aggregator on the same gradients."""
+    from train.aggregation import build_aggregator
+    from train.data import build_data
+    from train.loop import lm_loss
+    from train.model import build_model
+
+    N, rank = dist.get_world_size(), dist.get_rank()
+    cfg = compose([])
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    data = build_data(cfg, rank, N)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.lr, weight_decay=cfg.model.weight_decay)
+    aggregators = []
+    for label, overrides in FLAT_SETTINGS:
+        try:
+            aggregators.append((label, build_aggregator(compose(overrides), N)))
+        except ValueError as err:  # a code that cannot meet kappa_max at this (N, c): not on the plane
+            if rank == 0:
+                print(f"aggregator_plane: skipped {label}: {err}", flush=True)
+    results: dict[str, list] = {label: [] for label, _ in aggregators}
+    for step in range(1, steps + 1):
+        optimizer.zero_grad(set_to_none=False)
+        lm_loss(model, data.train.next_batch(cfg.trainer.micro_batch_size)).backward()
+        local = flat_gradient(model)
+        exact = exact_mean(local)
+        if step % every == 0:
+            for label, aggregator in aggregators:
+                aggregated = local.clone()
+                sent = aggregator.aggregate(aggregated)
+                results[label].append((sent, worst_error(aggregated, exact)))
+        offset = 0
+        for p in model.parameters():
+            p.grad.copy_(exact[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        optimizer.step()
+    return results
+
+
+def measure_powersgd(steps: int, every: int) -> list:
+    """Train under torch's PowerSGD hook; every `every` steps compare its result with the exact mean."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from train.data import build_data
+    from train.loop import lm_loss
+    from train.model import build_model
+
+    N, rank = dist.get_world_size(), dist.get_rank()
+    cfg = compose(["aggregator=powersgd"])
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.model)
+    numel = sum(p.numel() for p in model.parameters())
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=numel * 4 / 2**20 + 1)  # one bucket
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None,
+        matrix_approximation_rank=cfg.aggregator.powersgd_rank,
+        start_powerSGD_iter=cfg.aggregator.powersgd_start_iter,
+    )
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    data = build_data(cfg, rank, N)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.lr, weight_decay=cfg.model.weight_decay)
+    compressed = sum((p.shape[0] + p[0].numel()) * cfg.aggregator.powersgd_rank if p.dim() >= 2 else p.numel()
+                     for p in model.parameters())  # fmt: skip
+    results = []
+    for step in range(1, steps + 1):
+        batch = data.train.next_batch(cfg.trainer.micro_batch_size)
+        exact = None
+        if step % every == 0 and step > cfg.aggregator.powersgd_start_iter:
+            optimizer.zero_grad(set_to_none=False)
+            with ddp.no_sync():
+                lm_loss(ddp, batch).backward()
+            exact = exact_mean(flat_gradient(model))
+        optimizer.zero_grad(set_to_none=False)
+        lm_loss(ddp, batch).backward()
+        if exact is not None:
+            # P and Q factors of every matrix (rank r) plus the vectors, all-reduced: ring bytes of that many floats
+            results.append((2 * (N - 1) * compressed * 4 // N, worst_error(flat_gradient(model), exact)))
+        optimizer.step()
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--every", type=int, default=10)
+    ap.add_argument("--csv", type=Path, default=ROOT / "reports" / "data" / "aggregator_plane.csv")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dist.init_process_group("gloo")
+    try:
+        results = measure_flat(args.steps, args.every)
+        results["powersgd"] = measure_powersgd(args.steps, args.every)
+        if dist.get_rank() == 0:
+            fp32_ring = results["ring"][0][0]
+            args.csv.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.csv, "w", newline="") as f:
+                writer = csv.writer(f)
+                writer.writerow(COLUMNS)
+                for label, calls in results.items():
+                    sent = statistics.median(s for s, _ in calls)
+                    errors = [e for _, e in calls]
+                    writer.writerow([label, sent, f"{sent / fp32_ring:.4f}", f"{statistics.median(errors):.4g}",
+                                     f"{max(errors):.4g}", len(calls)])  # fmt: skip
+            print(f"wrote {args.csv}")
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
