@@ -68,6 +68,13 @@ def test_report_states_gap_spread_separation_and_where_error_meets_noise(runs, t
     assert "| 16,384 |" in text
     assert "never (exact)" in text  # nccl
     assert "| fp16 | 0.500 | 0.0002 | 0.0003 |" in text  # the plane's rows, by bytes
+    # Findings written by hand above the marker survive a rebuild; the generated part is replaced.
+    findings = "# Findings\nCERAR c=16 parts from nccl at step 600.\n"
+    report.write_text(f"{findings}{fidelity_report.GENERATED_MARKER}\nstale\n")
+    assert fidelity_report.main(argv) == 0
+    rebuilt = report.read_text()
+    assert rebuilt.startswith(findings) and "stale" not in rebuilt
+    assert rebuilt.endswith(text)
 
 
 def test_figures_are_drawn_from_the_run_folders(runs, tmp_path):
