@@ -76,6 +76,95 @@ def test_rng_states_round_trip():
     assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1])
 
 
+class _RunsCodeWhenUnpickled:
+    """A pickle that creates a file when loaded without weights_only: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_checkpoint_that_would_run_code_is_refused_and_the_previous_one_used(tmp_path, caplog):
+    ckpt.save_checkpoint(tmp_path, 1, _state(1), keep=3)
+    marker = tmp_path / "code-ran"
+    ckpt.save_checkpoint(tmp_path, 2, {"step": 2, "payload": _RunsCodeWhenUnpickled(marker)}, keep=3)
+    with caplog.at_level(logging.WARNING):
+        state, path = ckpt.load_latest_checkpoint(tmp_path)
+    assert not marker.exists()
+    assert state["step"] == 1 and path.name == "step-00000001.pt"
+    assert "step-00000002.pt is unusable" in caplog.text
+
+
+def test_old_checkpoints_numpy_rng_state_is_allow_listed(tmp_path):
+    """Checkpoints written before the NumPy state was stored as plain Python held an ndarray."""
+    np.random.seed(7)
+    legacy = {"torch": torch.get_rng_state(), "python": __import__("random").getstate(), "numpy": np.random.get_state()}
+    expected = np.random.rand(3)
+    ckpt.save_checkpoint(tmp_path, 1, {"step": 1, "rng": legacy}, keep=1)
+    state, _ = ckpt.load_latest_checkpoint(tmp_path)
+    np.random.seed(0)
+    ckpt.set_rng_states(state["rng"])
+    assert np.array_equal(np.random.rand(3), expected)
+
+
+def _tiny_model_and_optimizer(seed: int):
+    from train.model import build_model
+    from train.schedule import build_scheduler
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        m = compose(config_name="config", overrides=["model=tiny", "model.vocab_size=300"]).model
+    torch.manual_seed(seed)
+    model = build_model(m)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    return model, optimizer, build_scheduler(optimizer, m, 100)
+
+
+def _one_step(model, optimizer, scheduler) -> None:
+    batch = torch.randint(0, 300, (2, 9))
+    model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_resume_restores_a_gpu_written_checkpoint_onto_the_device_the_run_names(tmp_path):
+    """The file says nothing about where it is restored: it loads to CPU (RNG states as CPU ByteTensors, a
+    CUDA RNG entry from a GPU machine ignored here) and model and optimizer state are copied onto the run's
+    device; the resumed run then takes the same step as the uninterrupted one."""
+    model, optimizer, scheduler = _tiny_model_and_optimizer(seed=1)
+    _one_step(model, optimizer, scheduler)
+    rng = ckpt.rng_states()
+    rng["cuda"] = [torch.get_rng_state()]  # what a one-GPU machine adds
+    state = {
+        "step": 1,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "ranks": [{"rng": rng}],
+    }
+    ckpt.save_checkpoint(tmp_path, 1, state, keep=1)
+    _one_step(model, optimizer, scheduler)  # the uninterrupted run's step 2
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    loaded, _ = ckpt.load_latest_checkpoint(tmp_path)
+    tensors = [loaded["ranks"][0]["rng"]["torch"], *loaded["model"].values()]
+    assert all(t.device.type == "cpu" for t in tensors)
+    assert loaded["ranks"][0]["rng"]["torch"].dtype == torch.uint8
+    device = torch.device("cpu")  # the run's own device, chosen by the run, not by the file
+    fresh, fresh_optimizer, fresh_scheduler = _tiny_model_and_optimizer(seed=2)
+    fresh.to(device)
+    fresh.load_state_dict(loaded["model"])
+    fresh_optimizer.load_state_dict(loaded["optimizer"])
+    fresh_scheduler.load_state_dict(loaded["scheduler"])
+    ckpt.set_rng_states(loaded["ranks"][0]["rng"])
+    _one_step(fresh, fresh_optimizer, fresh_scheduler)
+    for name, param in fresh.named_parameters():
+        assert param.device == device
+        assert torch.equal(param.detach(), expected[name]), name
+
+
 # ----------------------------------------------------------------------------- schedule
 
 

@@ -8,6 +8,12 @@ The state (built by the loop) holds the model, optimizer and scheduler of the ex
 rank N-1 (under CERAR the only replica with the exact aggregate; under exact aggregators all ranks
 agree) and every rank's own data position and RNG states, so each rank resumes its own stream.
 Only rank N-1 writes; all ranks read (the run directory must be on a shared file system across nodes).
+
+Loading never executes pickled code: `torch.load(weights_only=True)` accepts tensors and plain Python
+containers and numbers, plus the NumPy array types of the RNG state in checkpoints written before the
+NumPy state was stored as plain Python (allow-listed in SAFE_GLOBALS). Everything loads to CPU, whatever
+device wrote it; the caller copies model and optimizer state onto its own device, and the RNG states stay
+CPU ByteTensors (what torch.set_rng_state requires), so a run checkpointed on GPUs resumes on CPU and back.
 """
 
 from __future__ import annotations
@@ -102,12 +108,31 @@ def _read_verified(path: Path) -> bytes:
     return payload
 
 
-def load_latest_checkpoint(run_dir: str | Path, map_location="cpu") -> tuple[dict, Path] | None:
-    """The newest checkpoint that verifies, falling back over corrupt ones with a warning; None if none."""
+def _numpy_safe_globals() -> list:
+    """The NumPy types an ndarray pickles through (older checkpoints' NumPy RNG state)."""
+    core = getattr(np, "_core", None) or np.core
+    types = [np.ndarray, np.dtype, core.multiarray._reconstruct]
+    dtype_class = getattr(getattr(np, "dtypes", None), "UInt32DType", None)
+    return types + ([dtype_class] if dtype_class is not None else [])
+
+
+SAFE_GLOBALS = _numpy_safe_globals()
+"""The only non-builtin types a checkpoint may hold besides tensors."""
+
+
+def load_checkpoint_file(path: Path) -> dict:
+    """A verified checkpoint's state, on CPU, without executing pickled code; raise if damaged or unsafe."""
+    payload = _read_verified(path)
+    with torch.serialization.safe_globals(SAFE_GLOBALS):
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+
+
+def load_latest_checkpoint(run_dir: str | Path) -> tuple[dict, Path] | None:
+    """The newest checkpoint that verifies and loads safely, on CPU, falling back over damaged ones with a
+    warning; None if none."""
     for _, path in list_checkpoints(run_dir):
         try:
-            payload = _read_verified(path)
-            state = torch.load(io.BytesIO(payload), map_location=map_location, weights_only=False)
+            state = load_checkpoint_file(path)
         except Exception as err:  # a damaged file of any kind: try the previous one
             log.warning("checkpoint %s is unusable (%s); falling back to the previous one", path, err)
             continue
@@ -137,16 +162,36 @@ def discard_checkpoints(run_dir: str | Path) -> int:
 
 
 def rng_states() -> dict:
-    """This process's random number generator states (torch, CUDA, Python, NumPy)."""
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """This process's random number generator states (torch, CUDA, Python, NumPy): CPU tensors and plain
+    Python values only, so that a weights_only load accepts them."""
+    kind, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": (kind, [int(k) for k in keys], int(pos), int(has_gauss), float(cached_gaussian)),
+    }
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
+def _byte_tensor(state) -> torch.Tensor:
+    """torch.set_rng_state wants a CPU ByteTensor, wherever the state was loaded to."""
+    return torch.as_tensor(state).to(device="cpu", dtype=torch.uint8)
+
+
 def set_rng_states(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    """Restore rng_states(). CUDA states are restored on as many GPUs as both machines have, and ignored on
+    a machine without CUDA (a GPU run resumed on CPU)."""
+    torch.set_rng_state(_byte_tensor(state["torch"]))
+    random.setstate(_as_tuples(state["python"]))
+    kind, keys, pos, has_gauss, cached_gaussian = state["numpy"]
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached_gaussian)))
+    if state.get("cuda") and torch.cuda.is_available():
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(_byte_tensor(cuda_state), index)
+
+
+def _as_tuples(value):
+    """random.setstate needs tuples where a round trip through some serialisers gives lists."""
+    return tuple(_as_tuples(v) for v in value) if isinstance(value, list | tuple) else value

@@ -167,7 +167,7 @@ def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: in
         with guarded("barrier after removing checkpoints"):
             dist.barrier()
         return None
-    loaded = ckpt.load_latest_checkpoint(run_dir, map_location=device)
+    loaded = ckpt.load_latest_checkpoint(run_dir)  # on CPU; restore() copies it onto this run's device
     if loaded is None:
         if resume == "true":
             raise ckpt.CheckpointError(f"resume=true but {ckpt.checkpoint_dir(run_dir)} holds no valid checkpoint")
