@@ -158,6 +158,35 @@ def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-00000003.pt", "step-00000006.pt"]
 
 
+@pytest.mark.timeout(400)
+def test_global_batch_size_trains_with_derived_gradient_accumulation(tmp_path, cache_dir):
+    """8 sequences per step on 2 ranks: one micro-batch of 4 each, or (global_batch_size=8, micro-batch 2)
+    two accumulated micro-batches of 2 each over the same windows: the same steps up to float rounding."""
+    torchrun(
+        2,
+        "sweep.py",
+        [
+            str(tmp_path),
+            "whole: trainer.micro_batch_size=4",
+            "accumulated: trainer.micro_batch_size=2 trainer.global_batch_size=8",
+            "--",
+            *SMALL,
+            "checkpoint.every=0",
+        ],
+        cache_dir,
+        timeout=350,
+    )
+    whole_records, whole = read_run(tmp_path / "whole")
+    accumulated_records, accumulated = read_run(tmp_path / "accumulated")
+    assert (whole["grad_accum"], whole["global_batch_size"]) == (1, 8)
+    assert (accumulated["grad_accum"], accumulated["global_batch_size"]) == (2, 8)
+    assert accumulated["tokens"] == whole["tokens"] == 6 * 8 * 32
+    for a, b in zip(accumulated_records, whole_records, strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4), (a["step"], a, b)
+    assert accumulated["final_val_loss"] == pytest.approx(whole["final_val_loss"], abs=1e-4)
+    assert accumulated_records[-1]["train_loss"] < accumulated_records[0]["train_loss"] - 0.1
+
+
 @pytest.mark.timeout(300)
 def test_ranks_with_different_configs_stop_with_one_message(tmp_path, cache_dir):
     # The seed resolves to each rank's own RANK: the ranks' config hashes differ.

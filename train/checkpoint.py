@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import random
@@ -89,6 +90,9 @@ def save_checkpoint(run_dir: str | Path, step: int, state: dict, keep: int) -> P
         old.with_name(old.name + ".sha256").unlink(missing_ok=True)
     if "world_size" in state:  # read by the start-up checks (train/main.py) without loading a checkpoint
         atomic_write(folder / "world_size", f"{state['world_size']}\n".encode())
+    if "training_identity" in state:  # likewise: what these checkpoints trained (config.training_identity)
+        text = json.dumps(state["training_identity"], indent=1, sort_keys=True)
+        atomic_write(folder / TRAINING_IDENTITY_FILE, f"{text}\n".encode())
     for stale in folder.glob(".step-*.tmp*"):  # temporary files of writers killed mid-write (earlier attempts)
         if not stale.name.endswith(f".tmp{os.getpid()}"):
             stale.unlink(missing_ok=True)
@@ -151,6 +155,51 @@ def recorded_world_size(run_dir: str | Path) -> int | None:
         return None
 
 
+TRAINING_IDENTITY_FILE = "training_identity.json"
+
+
+def run_record(cfg, world_size: int) -> dict:
+    """What a checkpoint records of its run: the resolved config, and the values that change what is
+    trained (config.training_identity), which a resumed run must match."""
+    from omegaconf import OmegaConf
+
+    from train.config import training_identity
+
+    return {
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "training_identity": training_identity(cfg, world_size),
+    }
+
+
+def recorded_training_identity(run_dir: str | Path) -> dict | None:
+    """What the run dir's checkpoints trained (None when there are none, or they predate the record)."""
+    path = checkpoint_dir(run_dir) / TRAINING_IDENTITY_FILE
+    if not list_checkpoints(run_dir) or not path.exists():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except ValueError:
+        return None
+
+
+def check_resume_matches(run_dir: str | Path, cfg, world_size: int) -> None:
+    """Refuse, naming the fields, to resume checkpoints that trained something else than `cfg` asks for:
+    resuming would silently continue the old run (its scheduler keeps the old lr) under the new config."""
+    from train.config import identity_differences, normalise_resume, training_identity
+
+    if normalise_resume(cfg.resume) == "false":
+        return
+    recorded = recorded_training_identity(run_dir)
+    if recorded is None:
+        return
+    changes = identity_differences(recorded, training_identity(cfg, world_size))
+    if changes:
+        raise CheckpointError(
+            f"{run_dir} holds checkpoints of another training setup: {'; '.join(changes)} "
+            "(resume=false starts afresh there, or pick another hydra.run.dir)"
+        )
+
+
 def discard_checkpoints(run_dir: str | Path) -> int:
     """Remove every checkpoint of the run dir (a fresh run, resume=false, must not be resumed into later)."""
     removed = 0
@@ -158,6 +207,7 @@ def discard_checkpoints(run_dir: str | Path) -> int:
         path.unlink(missing_ok=True)
         path.with_name(path.name + ".sha256").unlink(missing_ok=True)
         removed += 1
+    (checkpoint_dir(run_dir) / TRAINING_IDENTITY_FILE).unlink(missing_ok=True)
     return removed
 
 

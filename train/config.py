@@ -109,7 +109,10 @@ class TrainerConfig:
 
     max_steps: int = 300
     micro_batch_size: int = 8  # sequences per rank per micro-step
-    grad_accum: int = 1
+    # sequences per optimizer step over all ranks (Pythia: 1024). null: micro_batch_size x grad_accum x N.
+    # When set, grad_accum is derived from it as global_batch_size / (micro_batch_size x N).
+    global_batch_size: int | None = None
+    grad_accum: int = 1  # micro-steps per optimizer step (derived when global_batch_size is set)
     overlap: bool | None = None  # None: false (the paper's measurement) unless the aggregator is hook-only
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (autocast + GradScaler)
@@ -251,6 +254,10 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
         "inject_nonfinite_at_step",
     ):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0 (0 disables it)")
+    if t.global_batch_size is not None:
+        _require(t.global_batch_size >= 1, f"trainer.global_batch_size={t.global_batch_size} must be >= 1")
+        if world_size is not None:
+            derived_grad_accum(cfg, world_size)  # raises when the sizes do not divide
     _one_of(t.device, ("auto", "cpu", "cuda"), "trainer.device")
     _one_of(t.precision, ("auto", "fp32", "bf16", "fp16"), "trainer.precision")
     if t.inject_nonfinite_at_step and world_size is not None:
@@ -277,6 +284,67 @@ def _validate_cerar_code(cfg, world_size: int) -> None:
         cerar.make_code(world_size, cfg.c, construction=a.construction, eps=a.eps, kappa_max=a.kappa_max)
     except ValueError as err:
         raise ConfigError(f"aggregator={a.name} with N={world_size}, c={cfg.c}: {err}") from None
+
+
+def derived_grad_accum(cfg, world_size: int) -> int:
+    """Micro-steps per optimizer step: trainer.grad_accum, or global_batch_size / (micro_batch_size x N)."""
+    t = cfg.trainer
+    if t.global_batch_size is None:
+        return int(t.grad_accum)
+    per_micro_step = t.micro_batch_size * world_size
+    _require(
+        t.global_batch_size % per_micro_step == 0,
+        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of trainer.micro_batch_size="
+        f"{t.micro_batch_size} x N={world_size} = {per_micro_step} sequences per micro-step",
+    )
+    grad_accum = t.global_batch_size // per_micro_step
+    _require(
+        t.grad_accum in (1, grad_accum),
+        f"trainer.grad_accum={t.grad_accum} contradicts trainer.global_batch_size={t.global_batch_size} "
+        f"(which gives {grad_accum} with micro_batch_size={t.micro_batch_size} and N={world_size}); set only one",
+    )
+    return grad_accum
+
+
+TRAINING_TRAINER_FIELDS = ("max_steps", "micro_batch_size", "precision", "overlap", "resync_every")
+"""The trainer fields that change what is trained (the rest only observe it, or say where it runs)."""
+
+
+def training_identity(cfg, world_size: int) -> dict:
+    """Every value that changes what a run trains, by dotted name: model, data (but its cache folder),
+    aggregator, c, seed, world size, and the trainer's batch, steps (the lr schedule spans them), precision,
+    overlap and resync. The batch is recorded as it acts (global batch and grad_accum derived), so spelling
+    the same batch another way is no change. A resumed run must match its checkpoints' identity."""
+    def plain(node) -> dict:
+        return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+    identity: dict = {}
+    for section in ("model", "data", "aggregator"):
+        for key, value in plain(cfg[section]).items():
+            if (section, key) != ("data", "cache_dir"):
+                identity[f"{section}.{key}"] = value
+    identity["c"], identity["seed"], identity["world_size"] = int(cfg.c), int(cfg.seed), world_size
+    trainer = plain(cfg.trainer)
+    for key in TRAINING_TRAINER_FIELDS:
+        identity[f"trainer.{key}"] = trainer[key]
+    identity["trainer.overlap"] = effective_overlap(cfg)
+    grad_accum = derived_grad_accum(cfg, world_size)
+    identity["trainer.grad_accum"] = grad_accum
+    identity["trainer.global_batch_size"] = cfg.trainer.micro_batch_size * grad_accum * world_size
+    return identity
+
+
+def identity_differences(recorded: dict, current: dict) -> list[str]:
+    """'field old -> new' for each training value that differs (a field only one side knows included)."""
+    missing = object()
+    changes = []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key, missing), current.get(key, missing)
+        if old != new:
+            changes.append(
+                f"{key} {'(absent)' if old is missing else old!r} -> {'(absent)' if new is missing else new!r}"
+            )
+    return changes
 
 
 def normalise_resume(value) -> str:

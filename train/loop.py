@@ -141,6 +141,7 @@ class Trainer:
             "tokens": self.state.tokens,
             "last_val_loss": self.state.last_val_loss,
             "world_size": self.world_size,
+            **ckpt.run_record(self.cfg, self.world_size),  # the resolved config; resume safety
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),

@@ -94,7 +94,7 @@ def preflight(argv: list[str]) -> None:
         probe.unlink()
     except OSError as err:
         fail(f"hydra.run.dir={run_dir} is not a writable directory ({err.strerror or err})")
-    from train.checkpoint import recorded_world_size
+    from train.checkpoint import check_resume_matches, recorded_world_size
     from train.config import normalise_resume
 
     world_size, written_by = int(os.environ.get("WORLD_SIZE", 1)), recorded_world_size(run_dir)
@@ -103,6 +103,10 @@ def preflight(argv: list[str]) -> None:
             f"{run_dir} holds checkpoints written by {written_by} ranks; this launch has {world_size} "
             "(resume=false starts afresh there, or pick another hydra.run.dir)"
         )
+    try:
+        check_resume_matches(run_dir, cfg, world_size)  # a changed lr, batch, aggregator, ...: one line
+    except UserError as err:
+        fail(str(err))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from train.config import (
     ConfigError,
     code_fingerprint,
     config_fingerprint,
+    derived_grad_accum,
     effective_overlap,
     normalise_resume,
     validate,
@@ -37,6 +38,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     """One training run writing into run_dir; returns its summary (None when stopped early)."""
     launch = launch_from_env()
     validate(cfg, world_size=launch.world_size)  # before any process group: bad input stops here
+    cfg.trainer.grad_accum = derived_grad_accum(cfg, launch.world_size)  # from trainer.global_batch_size if set
+    ckpt.check_resume_matches(run_dir, cfg, launch.world_size)  # train/main.py checked already; sweeps did not
     resume = normalise_resume(cfg.resume)
     if launch.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
@@ -118,6 +121,9 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         "skipped_steps": trainer.state.skipped_steps,
         "resumed_from_step": resumed_from,
         "world_size": launch.world_size,
+        "global_batch_size": cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * launch.world_size,
+        "grad_accum": cfg.trainer.grad_accum,
+        "micro_batch_size": cfg.trainer.micro_batch_size,
         "aggregator": cfg.aggregator.name,
         "c": cfg.c,
         "overlap": overlap,
