@@ -111,7 +111,7 @@ def sweep(tmp_path_factory, cache_dir) -> Path:
         f"ring_inf: aggregator=ring {INJECT}",
         f"cerar_inf: aggregator=cerar c=4 {INJECT}",
         f"fp16_inf: aggregator=nccl trainer.precision=fp16 {INJECT}",
-        f"fp16_cerar_inf: aggregator=cerar c=4 trainer.precision=fp16 {INJECT}",
+        f"fp16_cerar_inf: aggregator=cerar c=4 trainer.precision=fp16 trainer.fp16_hysteresis=1 {INJECT}",
         f"fp16_overlap_inf: aggregator=nccl trainer.precision=fp16 trainer.overlap=true {INJECT}",
         "cerar_drift: aggregator=cerar c=4 trainer.drift_every=4",
         "cerar_resync: aggregator=cerar c=4 trainer.drift_every=4 trainer.resync_every=4",
@@ -143,9 +143,13 @@ def test_non_finite_gradient_skips_the_step_on_every_rank(sweep, label):
     assert "grad_norm" not in records[4] and "grad_norm" in records[5]  # step 5: no optimizer step
     if label == "ring_inf":  # exact: the replicas still agree bit for bit
         assert len(set(summary["param_sha256_per_rank"])) == 1
-    if label.startswith("fp16"):  # the GradScaler backed off on every rank, and keeps going
+    if label.startswith("fp16"):  # the loss scale reacted alike on every rank (all logged rank 0's), and goes on
         scale = {r["step"]: r["amp/scale"] for r in records}
-        assert scale[5] == scale[4] / 2 and scale[STEPS] == scale[5]
+        assert scale[1] == 2.0**12  # Pythia's initial_scale_power
+        if label == "fp16_cerar_inf":  # hysteresis 1: the first overflow halves the scale
+            assert scale[5] == scale[4] / 2 and scale[STEPS] == scale[5]
+        else:  # Pythia's hysteresis 2: the first overflow only spends the hysteresis
+            assert scale[5] == scale[4] == scale[STEPS]
 
 
 @pytest.mark.slow

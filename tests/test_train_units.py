@@ -343,3 +343,70 @@ def test_non_finite_gradients_skip_the_step(tmp_path, embedded_cache):
         assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- fp16 loss scale
+
+
+class DeepSpeedDynamicLossScaler:
+    """DeepSpeed's rule (deepspeed/runtime/fp16/loss_scaler.py, DynamicLossScaler.update_scale with
+    consecutive_hysteresis=False), transcribed as the reference; min scale clamps instead of raising."""
+
+    def __init__(self, init_scale, scale_window, delayed_shift, min_scale):
+        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
+        self.scale_factor, self.scale_window, self.min_scale = 2.0, scale_window, min_scale
+        self.delayed_shift = self.cur_hysteresis = delayed_shift
+
+    def update_scale(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+def test_fp16_loss_scale_follows_deepspeed_with_hysteresis_and_minimum():
+    from train.loss_scale import PythiaLossScaler
+
+    def make():
+        param = torch.nn.Parameter(torch.zeros(3))
+        return param, torch.optim.SGD([param], lr=0.1)
+
+    rng = np.random.default_rng(0)
+    # bursts of overflows (down to the minimum scale) and clean stretches (growth after the window)
+    overflows = [bool(x) for x in rng.random(400) < np.repeat(rng.choice([0.02, 0.9], 20), 20)]
+    reference = DeepSpeedDynamicLossScaler(init_scale=2.0**4, scale_window=5, delayed_shift=2, min_scale=1.0)
+    scaler = PythiaLossScaler("cpu", init_scale=2.0**4, window=5, hysteresis=2, min_scale=1.0)
+    param, optimizer = make()
+    seen = set()
+    for i, overflow in enumerate(overflows):
+        if i == 200:  # a checkpoint round trip in the middle changes nothing
+            state = scaler.state_dict()
+            scaler = PythiaLossScaler("cpu", init_scale=2.0**4, window=5, hysteresis=2, min_scale=1.0)
+            scaler.load_state_dict(state)
+            param, optimizer = make()
+        scaler.scale((param * torch.full((3,), float("inf") if overflow else 1.0)).sum()).backward()
+        before = param.detach().clone()
+        scaler.step(optimizer)
+        scaler.update()
+        reference.update_scale(overflow)
+        assert scaler.get_scale() == reference.cur_scale, i
+        assert torch.equal(param.detach(), before) == overflow  # an overflow skips the step
+        seen.add(scaler.get_scale())
+        optimizer.zero_grad(set_to_none=True)
+    assert {1.0, 2.0**4, 2.0**5} <= seen  # the minimum was reached and the scale grew past its start
+
+
+def test_fp16_scaler_defaults_are_pythias():
+    from train.config import TrainerConfig
+    from train.loss_scale import build_loss_scaler
+
+    scaler = build_loss_scaler(TrainerConfig(), torch.device("cpu"))
+    # released configs: "initial_scale_power": 12, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1
+    assert (scaler.get_scale(), scaler.window, scaler.hysteresis, scaler.min_scale) == (4096.0, 1000, 2, 1.0)

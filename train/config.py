@@ -115,7 +115,13 @@ class TrainerConfig:
     grad_accum: int = 1  # micro-steps per optimizer step (derived when global_batch_size is set)
     overlap: bool | None = None  # None: false (the paper's measurement) unless the aggregator is hook-only
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (autocast + GradScaler)
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (autocast + loss scale)
+    # fp16's dynamic loss scale, Pythia's (DeepSpeed) settings: start at 2^12, double after 1000 steps without
+    # overflow, halve on overflow after `hysteresis` overflows, never below 1 (train/loss_scale.py)
+    fp16_initial_scale_power: int = 12
+    fp16_loss_scale_window: int = 1000
+    fp16_hysteresis: int = 2
+    fp16_min_loss_scale: float = 1.0
     eval_every: int = 50
     eval_batches: int = 4  # micro-batches per rank in one evaluation
     log_every: int = 1
@@ -260,6 +266,9 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             derived_grad_accum(cfg, world_size)  # raises when the sizes do not divide
     _one_of(t.device, ("auto", "cpu", "cuda"), "trainer.device")
     _one_of(t.precision, ("auto", "fp32", "bf16", "fp16"), "trainer.precision")
+    for key in ("fp16_loss_scale_window", "fp16_hysteresis"):
+        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
+    _require(t.fp16_min_loss_scale > 0, f"trainer.fp16_min_loss_scale={t.fp16_min_loss_scale} must be > 0")
     if t.inject_nonfinite_at_step and world_size is not None:
         _require(
             0 <= t.inject_nonfinite_rank < world_size,
@@ -306,7 +315,17 @@ def derived_grad_accum(cfg, world_size: int) -> int:
     return grad_accum
 
 
-TRAINING_TRAINER_FIELDS = ("max_steps", "micro_batch_size", "precision", "overlap", "resync_every")
+TRAINING_TRAINER_FIELDS = (
+    "max_steps",
+    "micro_batch_size",
+    "precision",
+    "overlap",
+    "resync_every",
+    "fp16_initial_scale_power",
+    "fp16_loss_scale_window",
+    "fp16_hysteresis",
+    "fp16_min_loss_scale",
+)
 """The trainer fields that change what is trained (the rest only observe it, or say where it runs)."""
 
 
@@ -315,6 +334,7 @@ def training_identity(cfg, world_size: int) -> dict:
     aggregator, c, seed, world size, and the trainer's batch, steps (the lr schedule spans them), precision,
     overlap and resync. The batch is recorded as it acts (global batch and grad_accum derived), so spelling
     the same batch another way is no change. A resumed run must match its checkpoints' identity."""
+
     def plain(node) -> dict:
         return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 

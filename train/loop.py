@@ -20,6 +20,7 @@ from torch.nn.functional import cross_entropy
 
 from train import checkpoint as ckpt
 from train.distributed import all_reduce_max, all_reduce_mean, all_reduce_sum, guarded, set_step
+from train.loss_scale import build_loss_scaler
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +125,7 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=low)) if low is not None else contextlib.nullcontext
         # fp16: the loss is scaled; a step whose (scaled) gradients hold inf/nan anywhere is skipped on every
         # rank and the scale backs off on every rank alike (see _skip_in_scaler).
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        self.scaler = build_loss_scaler(cfg.trainer, device) if precision == "fp16" else None  # Pythia's scaler
         self.tokens_per_step = self.t.micro_batch_size * self.t.grad_accum * cfg.data.seq_len * world_size
 
     # ------------------------------------------------------------------ checkpoints
