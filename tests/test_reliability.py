@@ -33,11 +33,6 @@ JOB = [
 INJECT = "trainer.inject_nonfinite_at_step=5 trainer.inject_nonfinite_rank=1"
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
-
-
 def records_of(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -27,11 +27,6 @@ SMALL = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
-
-
 def torchrun(
     nproc: int, script: str, args: list[str], cache: Path, timeout: int, expect_ok: bool = True
 ) -> subprocess.CompletedProcess:
@@ -168,7 +163,8 @@ def test_global_batch_size_trains_with_derived_gradient_accumulation(tmp_path, c
         [
             str(tmp_path),
             "whole: trainer.micro_batch_size=4",
-            "accumulated: trainer.micro_batch_size=2 trainer.global_batch_size=8",
+            # eval_batches=4: the same 8 validation windows per rank as 2 batches of 4
+            "accumulated: trainer.micro_batch_size=2 trainer.global_batch_size=8 trainer.eval_batches=4",
             "--",
             *SMALL,
             "checkpoint.every=0",

@@ -211,12 +211,8 @@ def _cfg(**data):
         return compose(config_name="config", overrides=overrides)
 
 
-@pytest.fixture(scope="module")
-def embedded_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("embedded-cache")
-
-
-def test_embedded_corpus_is_real_english_with_a_fixed_split(embedded_cache):
+def test_embedded_corpus_is_real_english_with_a_fixed_split(cache_dir):
+    embedded_cache = cache_dir  # the session's shared cache (tests/conftest.py)
     train, val = embedded_documents()
     assert len(train) > 300 and 5 <= len(val) < len(train) // 10
     text = " ".join(train)

@@ -145,11 +145,21 @@ def _tokenize(tokenizer, docs: list[str], eos_id: int) -> np.ndarray:
     return np.asarray(ids, dtype=np.uint16 if tokenizer.get_vocab_size() < 65536 else np.uint32)
 
 
+def _bpe_entry(cache_dir: Path, key: str, vocab_size: int) -> Path:
+    return cache_dir / f"{key}-bpe{vocab_size}-{CACHE_FORMAT}"
+
+
+def bpe_tokenizer_file(d) -> Path:
+    """The tokenizer.json that data config `d` (embedded or local) trained and cached on first use."""
+    key = "embedded" if d.kind == "embedded" else _local_key(d)
+    return _bpe_entry(_cache_dir(d), key, d.bpe_vocab_size) / "tokenizer.json"
+
+
 def bpe_token_arrays(cache_dir: Path, key: str, vocab_size: int, load_docs) -> tuple[np.ndarray, np.ndarray, int]:
     """Train (once) a byte-level BPE on the training documents and tokenise both splits, cached by key."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
-    entry = cache_dir / f"{key}-bpe{vocab_size}-{CACHE_FORMAT}"
+    entry = _bpe_entry(cache_dir, key, vocab_size)
     files = [entry / "tokenizer.json", entry / "train.npy", entry / "val.npy"]
     with _file_lock(cache_dir / f"{entry.name}.lock"):
         if not all(f.exists() for f in files):
