@@ -229,3 +229,30 @@ def test_rerun_with_a_changed_lr_stops_at_start_with_one_line(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
     assert "model.lr 0.003 -> 0.001" in lines[0] and "resume=false starts afresh" in lines[0]
     assert not (run_dir / "metrics.jsonl").exists() and not (tmp_path / "cache").exists()
+
+
+# ----------------------------------------------------------------------------- bad data, as a new user meets it
+
+
+@pytest.mark.timeout(200)
+def test_bad_local_data_stops_at_start_with_one_line(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"doc{i}.txt").write_text("A short document about rivers and stones. " * 5)
+    (corpus / "extra.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
+    small = tmp_path / "small"
+    small.mkdir()
+    for i in range(3):
+        (small / f"doc{i}.txt").write_text("Too few words here. " * 3)
+    cases = [
+        ([f"data.path={corpus}"], f"error: {corpus / 'extra.jsonl'} line 2: not valid JSON"),
+        ([f"data.path={small}", "data.seq_len=128"], "fewer than one window of data.seq_len + 1 = 129"),
+    ]
+    for extra, message in cases:
+        proc = _run_main(["data=local", *extra], tmp_path)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert lines[-1].startswith(message) or message in lines[-1], proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert not (tmp_path / "run" / "pids").exists()  # the run (and its process group) never started

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -249,6 +250,63 @@ def test_local_folder_of_txt_and_jsonl(tmp_path):
     bundle = build_data(cfg, rank=1, world_size=2)
     assert bundle.vocab_size <= 300 and bundle.train.next_batch(3).shape == (3, 17)
     assert bundle.val_batches and bundle.val_batches[0].shape[1] == 17
+
+
+def _corpus(folder: Path, docs: int = 4, words: int = 300) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    vocabulary = ["alpha", "beta", "gamma", "delta", "the", "and", "of", "river", "stone", "light"]
+    for i in range(docs):
+        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(vocabulary, words)))
+    return folder
+
+
+def test_malformed_jsonl_line_is_refused_naming_file_and_line(tmp_path):
+    from train.data import DataError
+
+    corpus = _corpus(tmp_path / "corpus")
+    (corpus / "notes.jsonl").write_text('{"text": "fine"}\n\n{"text": "broken\n{"text": "fine again"}\n')
+    with pytest.raises(DataError, match=r"notes\.jsonl line 3: not valid JSON \(Unterminated string"):
+        local_documents(str(corpus), "text", 0.2)
+    (corpus / "notes.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataError, match=r"notes\.jsonl line 2: not an object with a string field 'text'"):
+        local_documents(str(corpus), "text", 0.2)
+
+
+def test_undecodable_bytes_are_replaced_with_a_warning_and_empty_files_skipped(tmp_path, caplog):
+    corpus = _corpus(tmp_path / "corpus", docs=2)
+    (corpus / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    (corpus / "latin1.jsonl").write_bytes(b'{"text": "na\xefve"}\n')
+    (corpus / "empty.txt").write_text("")
+    (corpus / "blank.txt").write_text("  \n\t\n")
+    with caplog.at_level(logging.WARNING):
+        train, val = local_documents(str(corpus), "text", 0.2)
+    docs = train + val
+    assert len(docs) == 4  # 2 documents, the two latin-1 files; the empty and blank files are skipped
+    assert "caf\ufffd au lait" in docs and "na\ufffdve" in docs
+    assert "latin1.txt: bytes that are not UTF-8 (first at byte 3)" in caplog.text
+    assert "latin1.jsonl: bytes that are not UTF-8" in caplog.text
+
+
+def test_corpus_too_small_for_one_validation_window_is_refused(tmp_path):
+    from train.data import DataError, prepare_data
+
+    corpus = _corpus(tmp_path / "corpus", docs=6, words=40)
+    local = {"kind": "local", "path": str(corpus), "cache_dir": str(tmp_path / "cache"), "bpe_vocab_size": 300}
+    with pytest.raises(DataError, match=r"the validation split has \d+ tokens, fewer than one window of data.seq_len"):
+        prepare_data(_cfg(**local, seq_len=512), world_size=2)
+    prepare_data(_cfg(**local, seq_len=8), world_size=2)  # the same corpus feeds shorter windows
+
+
+def test_pile_needs_zstandard(monkeypatch):
+    from train.config import ConfigError, validate
+
+    cfg = _cfg(kind="pile")
+    validate(cfg)  # installed (requirements.txt)
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as on a machine without it
+    with pytest.raises(ConfigError, match="data.dataset=monology/pile-uncopyrighted is read from .zst files"):
+        validate(cfg)
+    validate(_cfg(kind="pile", dataset="json", data_files=str(ROOT / "README.md")))  # plain json needs nothing
 
 
 def test_pile_loader_streams_a_local_jsonl_with_a_local_tokenizer(tmp_path):

@@ -227,6 +227,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             any(p.suffix in (".txt", ".jsonl") for p in folder.rglob("*")),
             f"data.path={d.path} holds no .txt or .jsonl files",
         )
+    if d.kind == "pile":
+        _require_zstandard_for(d)
     if d.kind == "pile" and d.dataset in ("json", "text", "csv", "parquet"):  # HF's loaders of local files
         for key in ("data_files", "val_data_files"):
             files = d[key]
@@ -280,6 +282,20 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
     _one_of(cfg.wandb.mode, ("offline", "online", "disabled"), "wandb.mode")
     if world_size is not None and a.kind == "cerar":
         _validate_cerar_code(cfg, world_size)
+
+
+def _require_zstandard_for(d) -> None:
+    """The Pile ships as .jsonl.zst; `datasets` needs the zstandard package to read it."""
+    files = f"{d.data_files or ''} {d.val_data_files or ''}"
+    if ".zst" not in files and "pile" not in d.dataset.lower():
+        return
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        what = f"data.data_files={d.data_files}" if ".zst" in files else f"data.dataset={d.dataset}"
+        raise ConfigError(
+            f"{what} is read from .zst files, which needs the zstandard package: pip install zstandard"
+        ) from None
 
 
 def _validate_cerar_code(cfg, world_size: int) -> None:

@@ -105,8 +105,22 @@ def preflight(argv: list[str]) -> None:
         )
     try:
         check_resume_matches(run_dir, cfg, world_size)  # a changed lr, batch, aggregator, ...: one line
+        prepare_local_data(cfg, world_size)  # a bad .jsonl line, a corpus too small: one line, no process group
     except UserError as err:
         fail(str(err))
+
+
+def prepare_local_data(cfg, world_size: int) -> None:
+    """Build or find the token cache of data=embedded/local now, showing progress on rank 0's console."""
+    import logging
+
+    from train.data import prepare_data
+
+    if cfg.data.kind not in ("embedded", "local"):
+        return
+    if os.environ.get("RANK", "0") == "0":
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    prepare_data(cfg, world_size)
 
 
 if __name__ == "__main__":
