@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-STEP_KEYS = {"step", "train_loss", "time/forward", "time/backward", "time/aggregate", "time/optimizer", "bytes_sent"}
+STEP_KEYS = {"step", "train_loss", "time/data", "time/forward", "time/backward", "time/aggregate", "time/optimizer"}
+STEP_KEYS |= {"bytes_sent"}
 SUMMARY_KEYS = {"final_step", "final_val_loss", "wall_seconds", "tokens", "param_sha256"}
 SMALL = [
     "trainer.max_steps=6",
@@ -40,6 +41,10 @@ def torchrun(
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
+
+
+def resumed_val_loss(run_dir: Path) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
 
 
 def read_run(run_dir: Path) -> tuple[list[dict], dict]:
@@ -145,8 +150,14 @@ def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
     # The Hydra entry point: hydra.run.dir places everything; a stopped run resumes (resume=auto).
     run_dir = tmp_path / "hydra_nccl"
     for extra in (["trainer.stop_after_step=3"], []):
-        torchrun(2, "main.py", [*common, f"hydra.run.dir={run_dir}", *extra], cache_dir, timeout=300)
+        # trainer.peak_tflops: a peak for MFU on CPU (it observes; changing it is no reason to refuse a resume)
+        args = [*common, f"hydra.run.dir={run_dir}", f"trainer.peak_tflops={0.5 if extra else 0.25}", *extra]
+        proc = torchrun(2, "main.py", args, cache_dir, timeout=300)
         assert not (run_dir / "summary.json").exists() or not extra
+    assert f"done: 6 steps, val_loss {resumed_val_loss(run_dir):.4f}" in proc.stdout  # the final console line
+    assert proc.stdout.strip().endswith(f"run dir {run_dir}")
+    records = read_run(run_dir)[0]
+    assert all(0 < r["mfu"] < 1 and r["time/data"] >= 0 for r in records)
     _, resumed = read_run(run_dir)
     assert resumed["resumed_from_step"] == 3
     assert resumed["param_sha256"] == full_nccl["param_sha256"]

@@ -464,3 +464,38 @@ def test_fp16_scaler_defaults_are_pythias():
     scaler = build_loss_scaler(TrainerConfig(), torch.device("cpu"))
     # released configs: "initial_scale_power": 12, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1
     assert (scaler.get_scale(), scaler.window, scaler.hysteresis, scaler.min_scale) == (4096.0, 1000, 2, 1.0)
+
+
+# ----------------------------------------------------------------------------- step metrics
+
+
+@pytest.mark.parametrize("name", ["tiny", "pythia-14m"])
+def test_model_flops_per_token_match_torchs_flop_counter(name):
+    """MFU's numerator: the FLOPs torch's FlopCounterMode counts in one forward and backward pass of the
+    built model (eager attention, so the score and value matmuls are counted too), per token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train.metrics import model_flops_per_token
+    from train.model import build_model
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        m = compose(config_name="config", overrides=[f"model={name}"]).model
+    model = build_model(m)
+    model.set_attn_implementation("eager")
+    batch, seq_len = 2, 48
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(0, 256, (batch, seq_len))).logits.float().sum().backward()
+    assert model_flops_per_token(m, seq_len) == pytest.approx(counter.get_total_flops() / (batch * seq_len), rel=1e-3)
+
+
+def test_peak_flops_from_config_or_known_gpus():
+    from train.metrics import KNOWN_PEAK_TFLOPS, peak_flops_per_device
+
+    cfg = _cfg(kind="embedded")
+    assert peak_flops_per_device(cfg, torch.device("cpu")) is None  # no known peak: no mfu logged
+    cfg.trainer.peak_tflops = 2.5
+    assert peak_flops_per_device(cfg, torch.device("cpu")) == 2.5e12
+    # data sheets: A100 312 bf16 / 19.5 fp32; H100 SXM 989 / 67; the PCIe H100 matched before the SXM one
+    assert KNOWN_PEAK_TFLOPS["A100"] == (312.0, 19.5) and KNOWN_PEAK_TFLOPS["H100"] == (989.0, 67.0)
+    names = list(KNOWN_PEAK_TFLOPS)
+    assert names.index("H100 PCIe") < names.index("H100") and names.index("A10G") < names.index("A10")

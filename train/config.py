@@ -130,6 +130,9 @@ class TrainerConfig:
     resync_every: int = 0  # 0: never; k: every k steps broadcast parameters from rank N-1
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
+    # model FLOPs utilisation (`mfu` in metrics): the device's peak dense TFLOP/s at the run's precision.
+    # null: looked up by GPU name (train/metrics.py KNOWN_PEAK_TFLOPS: A100, H100, H200, ...); none on CPU.
+    peak_tflops: float | None = None
     bucket_cap_mb: float = 25.0  # DDP bucket size (overlap=true); torch's default 25
     stop_after_step: int = 0  # >0: end this launch after that step, unfinished (simulates a preemption)
     # Fault injection, a testing/chaos tool only: at step k (>0) rank `inject_nonfinite_rank` turns one of its

@@ -45,7 +45,7 @@ class PhaseTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def reset(self) -> None:
-        self.seconds = {"forward": 0.0, "backward": 0.0, "aggregate": 0.0, "optimizer": 0.0}
+        self.seconds = {"data": 0.0, "forward": 0.0, "backward": 0.0, "aggregate": 0.0, "optimizer": 0.0}
 
 
 @dataclass
@@ -185,7 +185,8 @@ class Trainer:
         """All micro-batches of one step; returns this rank's mean loss."""
         total = 0.0
         for micro in range(self.t.grad_accum):
-            batch = self.data.train.next_batch(self.t.micro_batch_size).to(self.device, non_blocking=True)
+            with self.timer.phase("data"):  # time/data: waiting for the next batch
+                batch = self.data.train.next_batch(self.t.micro_batch_size).to(self.device, non_blocking=True)
             last = micro == self.t.grad_accum - 1
             sync = self.overlap and last  # overlap: DDP's hook reduces on the last micro-batch only
             with contextlib.nullcontext() if sync else self.ddp.no_sync():

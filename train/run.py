@@ -102,7 +102,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     )
     resumed_from = resume_or_start_fresh(trainer, run_dir, resume, launch.rank, device)
 
-    trainer.logger = RunLogger(cfg, run_dir, launch.world_size, launch.rank == 0, trainer.state.step)
+    batch = {
+        "world_size": launch.world_size,
+        "global_batch_size": cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * launch.world_size,
+        "grad_accum": cfg.trainer.grad_accum,
+    }
+    trainer.logger = RunLogger(
+        cfg, run_dir, launch.world_size, launch.rank == 0, trainer.state.step, device=device, extra_config=batch
+    )
     result = trainer.fit()
     if trainer.state.step < cfg.trainer.max_steps:  # trainer.stop_after_step: a simulated preemption
         log.warning("stopped after step %d of %d (trainer.stop_after_step)", trainer.state.step, cfg.trainer.max_steps)
@@ -120,19 +127,27 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),  # torchrun's restarts of this job
         "skipped_steps": trainer.state.skipped_steps,
         "resumed_from_step": resumed_from,
-        "world_size": launch.world_size,
-        "global_batch_size": cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * launch.world_size,
-        "grad_accum": cfg.trainer.grad_accum,
+        **batch,
         "micro_batch_size": cfg.trainer.micro_batch_size,
         "aggregator": cfg.aggregator.name,
         "c": cfg.c,
         "overlap": overlap,
         "parameters": count_parameters(model),
     }
+    if device.type == "cuda":
+        summary["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     trainer.logger.summary(summary)
     trainer.logger.close()
     with guarded("final barrier"):
         dist.barrier()
+    if launch.rank == 0:  # the one line to read at the end of a long log
+        val = summary["final_val_loss"]
+        print(
+            f"done: {summary['final_step']} steps, val_loss {'n/a' if val is None else f'{val:.4f}'}, "
+            f"{summary['wall_seconds']:.0f} s "
+            f"this launch, run dir {run_dir}",
+            flush=True,
+        )
     return summary
 
 
