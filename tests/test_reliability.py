@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -206,6 +207,35 @@ def test_stopped_rank_under_gloo_all_reduce_is_bounded_by_the_timeout(tmp_path, 
     assert faults[0].detect_s < 5 * TIMEOUT_S + 10
     assert any("rank 1" in e for e in result.collective_errors), result.collective_errors
     assert result.returncode == 0 and result.restarts == 1 and result.final_step == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir):
+    """Without torchrun to restart it: rank 1 is killed mid-run; rank 0's next collective fails and it exits
+    with status 3 and one line naming the collective (the README's promise), instead of hanging."""
+    port, run_dir = _free_port(), tmp_path / "run"
+    procs = []
+    for rank in range(2):
+        env = chaos._env(cache_dir)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        args = [*JOB, "aggregator=ring", "trainer.max_steps=100000", "checkpoint.every=0", f"hydra.run.dir={run_dir}"]
+        cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 250
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run did not start"
+            time.sleep(0.2)
+        procs[1].kill()
+        _, stderr = procs[0].communicate(timeout=5 * TIMEOUT_S + 60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 3, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: collective '") and "step" in last, stderr[-3000:]
+    assert "Traceback" not in stderr
 
 
 # ------------------------------------------------------------------ 6. different code on different nodes

@@ -113,6 +113,11 @@ def test_every_aggregator_trains(tmp_path, cache_dir, nproc, c, c_vandermonde):
     # Resynchronising from rank N-1 right before the drift is measured leaves no drift.
     resynced = [r for r in read_run(tmp_path / "cerar_resync")[0] if "drift/max_abs" in r]
     assert [r["step"] for r in resynced] == [3, 6] and all(r["drift/max_abs"] == 0.0 for r in resynced)
+    # overlap=true (the aggregator as DDP's hook, inside backward) trains the same model as the separate phase
+    assert summaries["nccl_overlap"]["final_val_loss"] == pytest.approx(summaries["nccl"]["final_val_loss"], abs=1e-5)
+    nccl_loss = [r["train_loss"] for r in read_run(tmp_path / "nccl")[0]]
+    overlap_loss = [r["train_loss"] for r in read_run(tmp_path / "nccl_overlap")[0]]
+    assert overlap_loss == pytest.approx(nccl_loss, abs=1e-5)
     # The exact aggregators agree up to float summation order: same loss trajectory to a few digits.
     assert summaries["ring"]["final_val_loss"] == pytest.approx(summaries["nccl"]["final_val_loss"], abs=1e-3)
     cerar_bytes = read_run(tmp_path / "cerar")[0][0]["bytes_sent"]
@@ -192,6 +197,30 @@ def test_global_batch_size_trains_with_derived_gradient_accumulation(tmp_path, c
         assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4), (a["step"], a, b)
     assert accumulated["final_val_loss"] == pytest.approx(whole["final_val_loss"], abs=1e-4)
     assert accumulated_records[-1]["train_loss"] < accumulated_records[0]["train_loss"] - 0.1
+
+
+@pytest.mark.timeout(400)
+def test_resume_flags_as_the_readme_promises(tmp_path, cache_dir):
+    """resume=true refuses a run directory without checkpoints (at start, one line); resume=false removes the
+    old checkpoints and trains afresh, even where the old run's config differs."""
+    run_dir = tmp_path / "run"
+    base = [*SMALL, "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
+    refused = torchrun(1, "main.py", [*base, "resume=true"], cache_dir, timeout=200, expect_ok=False)
+    assert refused.returncode != 0
+    assert f"error: resume=true but {run_dir / 'checkpoints'} holds no checkpoint" in refused.stderr
+    assert "Traceback" not in refused.stderr.split("error: resume=true")[0][-2000:]
+    torchrun(1, "main.py", [*base, "trainer.max_steps=4", "checkpoint.every=1", "checkpoint.keep=9"], cache_dir, 300)
+    assert [s for s, _ in ckpt_list(run_dir)] == [4, 3, 2, 1]
+    torchrun(1, "main.py", [*base, "trainer.max_steps=2", "model.lr=1e-3", "resume=false"], cache_dir, 300)
+    _, summary = read_run(run_dir)
+    assert summary["resumed_from_step"] is None and summary["final_step"] == 2
+    assert [s for s, _ in ckpt_list(run_dir)] == [2]  # the old run's four are gone; this run's end remains
+
+
+def ckpt_list(run_dir: Path):
+    from train.checkpoint import list_checkpoints
+
+    return list_checkpoints(run_dir)
 
 
 @pytest.mark.timeout(300)

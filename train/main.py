@@ -103,6 +103,10 @@ def preflight(argv: list[str]) -> None:
             f"{run_dir} holds checkpoints written by {written_by} ranks; this launch has {world_size} "
             "(resume=false starts afresh there, or pick another hydra.run.dir)"
         )
+    from train.checkpoint import checkpoint_dir, list_checkpoints
+
+    if normalise_resume(cfg.resume) == "true" and not list_checkpoints(run_dir):
+        fail(f"resume=true but {checkpoint_dir(run_dir)} holds no checkpoint (resume=auto starts afresh there)")
     try:
         check_resume_matches(run_dir, cfg, world_size)  # a changed lr, batch, aggregator, ...: one line
         prepare_local_data(cfg, world_size)  # a bad .jsonl line, a corpus too small: one line, no process group
