@@ -43,6 +43,61 @@ def torchrun(
     return proc
 
 
+def wandb_records(path: Path):
+    """The protobuf records of a W&B .wandb file (a LevelDB-style log: 32 KiB blocks of chunks, each with a
+    7-byte header: checksum, length, type 1 full / 2 first / 3 middle / 4 last), read without W&B's servers."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def check_wandb_offline_runs(run_dir: Path, summary: dict, launches: int) -> None:
+    """The offline W&B run holds the run's name, group, config (N and the batch too), step-indexed metrics with
+    val_loss summarised by its minimum, and the summary; every launch of a resumed run logs to one run id."""
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == launches, files
+    run_ids = set()
+    for path in files:
+        records = list(wandb_records(path))
+        (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        run_ids.add(run.run_id)
+        config = {u.key: json.loads(u.value_json) for u in run.config.update}
+        aggregator = config["aggregator"]["name"]
+        assert run.display_name == f"tiny_embedded_{aggregator}_n2_s1234" and run.run_group == "tiny_embedded_n2"
+        assert (config["world_size"], config["global_batch_size"], config["grad_accum"]) == (2, 8, 1)
+        assert config["model"]["name"] == "tiny" and config["trainer"]["max_steps"] == 6
+        kinds = [(r.WhichOneof("record_type"), r) for r in records]
+        metrics = {r.metric.name or r.metric.glob_name: r.metric for kind, r in kinds if kind == "metric"}
+        assert metrics["*"].step_metric == "step" and metrics["val_loss"].summary.min
+        steps = [
+            json.loads(item.value_json)
+            for r in records
+            if r.WhichOneof("record_type") == "history"
+            for item in r.history.item
+            if (item.key or "/".join(item.nested_key)) == "step"
+        ]
+        assert steps and steps == sorted(steps)
+    assert run_ids == {(run_dir / "wandb_id.txt").read_text().strip()}
+    final = {}
+    for r in wandb_records(files[-1]):
+        if r.WhichOneof("record_type") == "summary":
+            final.update({(u.key or "/".join(u.nested_key)): json.loads(u.value_json) for u in r.summary.update})
+    assert final["final_val_loss"] == summary["final_val_loss"] and final["param_sha256"] == summary["param_sha256"]
+
+
 def resumed_val_loss(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
 
@@ -136,8 +191,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
             str(tmp_path),
             "full_nccl: aggregator=nccl wandb.mode=offline",
             "full_ring: aggregator=ring",
-            "part_ring: aggregator=ring trainer.stop_after_step=3",
-            "part_ring: aggregator=ring resume=true",
+            "part_ring: aggregator=ring trainer.stop_after_step=3 wandb.mode=offline",
+            "part_ring: aggregator=ring resume=true wandb.mode=offline",
             "--",
             *common,
         ],
@@ -150,7 +205,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
     assert part_ring["param_sha256"] == full_ring["param_sha256"]
     assert [r["step"] for r in records] == list(range(1, 7))
     _, full_nccl = read_run(tmp_path / "full_nccl")
-    assert list((tmp_path / "full_nccl" / "wandb").glob("offline-run-*")), "W&B offline run files missing"
+    check_wandb_offline_runs(tmp_path / "full_nccl", full_nccl, launches=1)
+    check_wandb_offline_runs(tmp_path / "part_ring", part_ring, launches=2)  # the resumed launch: same W&B run
 
     # The Hydra entry point: hydra.run.dir places everything; a stopped run resumes (resume=auto).
     run_dir = tmp_path / "hydra_nccl"
