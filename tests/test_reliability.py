@@ -210,7 +210,7 @@ def test_stopped_rank_under_gloo_all_reduce_is_bounded_by_the_timeout(tmp_path, 
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(800)
 def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir):
     """Without torchrun to restart it: rank 1 is killed mid-run; rank 0's next collective fails and it exits
     with status 3 and one line naming the collective (the README's promise), instead of hanging."""
@@ -223,7 +223,7 @@ def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir
         cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
     try:
-        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 250
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 600  # a fresh token cache is built first
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run did not start"
             time.sleep(0.2)

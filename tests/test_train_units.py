@@ -213,16 +213,15 @@ def _cfg(**data):
 
 
 def test_embedded_corpus_is_real_english_with_a_fixed_split(cache_dir):
-    embedded_cache = cache_dir  # the session's shared cache (tests/conftest.py)
     train, val = embedded_documents()
     assert len(train) > 300 and 5 <= len(val) < len(train) // 10
     text = " ".join(train)
     assert "alphabet" in text and " the " in text and "[[" not in text
-    cfg = _cfg(kind="embedded", cache_dir=str(embedded_cache), seq_len=32)
+    cfg = _cfg(kind="embedded", cache_dir=str(cache_dir), seq_len=32)
     bundle = build_data(cfg, rank=0, world_size=2)
     assert bundle.vocab_size <= 8192 and bundle.train.num_windows > 10_000
     assert bundle.train.next_batch(2).shape == (2, 33)
-    cached = sorted(p.name for p in next(p for p in embedded_cache.glob("embedded-*") if p.is_dir()).iterdir())
+    cached = sorted(p.name for p in next(p for p in cache_dir.glob("embedded-*") if p.is_dir()).iterdir())
     assert cached == ["tokenizer.json", "train.npy", "val.npy"]
 
 
@@ -356,7 +355,7 @@ def test_bpe_cache_is_built_once(tmp_path):
 # ----------------------------------------------------------------------------- the step
 
 
-def test_non_finite_gradients_skip_the_step(tmp_path, embedded_cache):
+def test_non_finite_gradients_skip_the_step(tmp_path, cache_dir):
     """A NaN gradient is caught before aggregation; the step is skipped and counted, the next one runs."""
     import torch.distributed as dist
 
@@ -365,7 +364,7 @@ def test_non_finite_gradients_skip_the_step(tmp_path, embedded_cache):
     from train.model import build_model
     from train.schedule import build_scheduler
 
-    cfg = _cfg(kind="embedded", cache_dir=str(embedded_cache), seq_len=16)
+    cfg = _cfg(kind="embedded", cache_dir=str(cache_dir), seq_len=16)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
