@@ -109,6 +109,21 @@ def test_cerar_code_is_judged_by_cerar_before_start():
     validate(composed("aggregator=cerar", "c=16"), world_size=4)
 
 
+def test_global_batch_size_derives_grad_accum():
+    from train.config import derived_grad_accum
+
+    # Pythia's batch: 1024 sequences = 16 per GPU x 64 GPUs (1b, 1.4b) or 32 x 32 (the small sizes).
+    pythia = composed("trainer.global_batch_size=1024", "trainer.micro_batch_size=16")
+    assert derived_grad_accum(pythia, world_size=64) == 1
+    assert derived_grad_accum(pythia, world_size=8) == 8
+    assert derived_grad_accum(composed("trainer.grad_accum=3"), world_size=2) == 3  # no global batch: as given
+    with pytest.raises(ConfigError, match=r"global_batch_size=1024 is not a multiple of .* x N=3 = 48"):
+        validate(pythia, world_size=3)
+    with pytest.raises(ConfigError, match="trainer.grad_accum=2 contradicts trainer.global_batch_size=1024"):
+        validate(composed("trainer.global_batch_size=1024", "trainer.micro_batch_size=16", "trainer.grad_accum=2"), 8)
+    validate(composed("trainer.global_batch_size=1024", "trainer.micro_batch_size=16", "trainer.grad_accum=8"), 8)
+
+
 def test_resume_accepts_booleans():
     validate(composed("resume=true"))
     validate(composed("resume=false"))
@@ -131,6 +146,7 @@ INVALID_OVERRIDES = [
     (["data=local"], "data.path is required"),
     (["data=local", "data.path=/nonexistent/corpus"], "data.path=/nonexistent/corpus is not an existing folder"),
     (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
+    (["trainer.global_batch_size=12"], "trainer.global_batch_size=12 is not a multiple of trainer.micro_batch_size=8"),
 ]
 
 
@@ -168,3 +184,75 @@ def test_cerar_code_rejected_before_process_group(tmp_path):
     assert proc.returncode == 2
     assert "error: aggregator=cerar with N=2, c=16" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- resume safety
+
+
+def _checkpointed_run_dir(tmp: Path, world_size: int, *overrides: str) -> Path:
+    """A run dir holding one checkpoint of the run `overrides` describe, as the loop writes it."""
+    from train import checkpoint as ckpt
+
+    run_dir = tmp / "run"
+    state = {"step": 3, "world_size": world_size, **ckpt.run_record(composed(*overrides), world_size)}
+    ckpt.save_checkpoint(run_dir, 3, state, keep=1)
+    return run_dir
+
+
+def test_resuming_with_a_changed_training_value_is_refused_naming_the_fields(tmp_path):
+    from train.checkpoint import CheckpointError, check_resume_matches
+
+    run_dir = _checkpointed_run_dir(tmp_path, 2, "model.lr=3e-3", "trainer.micro_batch_size=8")
+    with pytest.raises(CheckpointError) as refused:
+        check_resume_matches(run_dir, composed("model.lr=1e-3", "trainer.max_steps=400", "c=8"), 2)
+    message = str(refused.value)
+    assert "model.lr 0.003 -> 0.001" in message and "trainer.max_steps 300 -> 400" in message
+    assert "c 16 -> 8" in message and "model.weight_decay" not in message
+    with pytest.raises(CheckpointError, match="aggregator.kind 'nccl' -> 'cerar'"):
+        check_resume_matches(run_dir, composed("aggregator=cerar"), 2)
+    with pytest.raises(CheckpointError, match="trainer.global_batch_size 16 -> 32"):
+        check_resume_matches(run_dir, composed("trainer.global_batch_size=32"), 2)
+    # What does not change training is free to change; so is another spelling of the same batch.
+    check_resume_matches(run_dir, composed("trainer.global_batch_size=16", "trainer.eval_every=7"), 2)
+    check_resume_matches(run_dir, composed("trainer.device=cpu", "wandb.mode=disabled", "trainer.log_every=5"), 2)
+    check_resume_matches(run_dir, composed("model.lr=1e-3", "resume=false"), 2)  # starts afresh anyway
+
+
+@pytest.mark.timeout(120)
+def test_rerun_with_a_changed_lr_stops_at_start_with_one_line(tmp_path):
+    run_dir = _checkpointed_run_dir(tmp_path, 1)
+    env = {**os.environ, "CERAR_PYTHIA_CACHE": str(tmp_path / "cache")}
+    cmd = [sys.executable, str(ROOT / "train" / "main.py"), "model.lr=1e-3", f"hydra.run.dir={run_dir}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert "model.lr 0.003 -> 0.001" in lines[0] and "resume=false starts afresh" in lines[0]
+    assert not (run_dir / "metrics.jsonl").exists() and not (tmp_path / "cache").exists()
+
+
+# ----------------------------------------------------------------------------- bad data, as a new user meets it
+
+
+@pytest.mark.timeout(200)
+def test_bad_local_data_stops_at_start_with_one_line(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(3):
+        (corpus / f"doc{i}.txt").write_text("A short document about rivers and stones. " * 5)
+    (corpus / "extra.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
+    small = tmp_path / "small"
+    small.mkdir()
+    for i in range(3):
+        (small / f"doc{i}.txt").write_text("Too few words here. " * 3)
+    cases = [
+        ([f"data.path={corpus}"], f"error: {corpus / 'extra.jsonl'} line 2: not valid JSON"),
+        ([f"data.path={small}", "data.seq_len=128"], "fewer than one window of data.seq_len + 1 = 129"),
+    ]
+    for extra, message in cases:
+        proc = _run_main(["data=local", *extra], tmp_path)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert lines[-1].startswith(message) or message in lines[-1], proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr
+        assert not (tmp_path / "run" / "pids").exists()  # the run (and its process group) never started

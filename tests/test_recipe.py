@@ -107,3 +107,48 @@ def test_init_method_normal_restores_hf_default():
     params = dict(build_model(m).named_parameters())
     output = [p for n, p in params.items() if n.endswith("attention.dense.weight")]
     assert _pooled_std(output) == pytest.approx(0.02, rel=0.03)
+
+
+# ----------------------------------------------------------------------------- experiment= presets
+
+
+def composed(*overrides: str):
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def test_pythia_preset_is_the_released_training_setup():
+    from train.config import derived_grad_accum, validate
+
+    for size in RELEASED:
+        cfg = composed("experiment=pythia", f"model=pythia-{size}")
+        assert cfg.model.name == f"pythia-{size}" and cfg.data.name == "pile"
+        assert (cfg.data.seq_len, cfg.trainer.global_batch_size, cfg.trainer.max_steps) == (2048, 1024, 143000)
+        assert cfg.trainer.precision == "fp16" and cfg.trainer.fp16_hysteresis == 2
+        assert cfg.trainer.fp16_initial_scale_power == 12 and cfg.trainer.fp16_loss_scale_window == 1000
+        validate(cfg, world_size=8)
+        assert derived_grad_accum(cfg, 8) * cfg.trainer.micro_batch_size * 8 == RELEASED_GLOBAL_BATCH
+
+
+def test_presets_compose_with_every_other_override():
+    from train.config import validate
+
+    cfg = composed("experiment=pythia", "model=pythia-410m", "trainer.max_steps=50", "data=embedded")
+    assert (cfg.model.name, cfg.trainer.max_steps, cfg.data.name, cfg.trainer.global_batch_size) == (
+        "pythia-410m",
+        50,
+        "embedded",
+        1024,
+    )
+    paper = composed("experiment=cerar-paper")
+    assert (paper.model.name, paper.aggregator.name, paper.c, paper.data.name) == ("pythia-1.4b", "nccl", 16, "pile")
+    cerar = composed("experiment=cerar-paper", "aggregator=cerar_optimized")
+    assert (cerar.aggregator.kind, cerar.aggregator.construction, cerar.c) == ("cerar", "optimized", 16)
+    assert cerar.trainer.max_steps == paper.trainer.max_steps  # the same iterations for both
+    validate(cerar, world_size=8)
+    assert composed("experiment=cerar-paper", "aggregator=cerar_perturbation", "c=8").aggregator.construction == (
+        "perturbation"
+    )
+    # cpu-smoke spells out the root defaults
+    assert composed("experiment=cpu-smoke") == composed()
+    assert composed("experiment=cpu-smoke", "aggregator=cerar", "c=4").aggregator.kind == "cerar"

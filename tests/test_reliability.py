@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,6 @@ JOB = [
     f"trainer.collective_timeout_s={TIMEOUT_S}",
 ]
 INJECT = "trainer.inject_nonfinite_at_step=5 trainer.inject_nonfinite_rank=1"
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
 
 
 def records_of(run_dir: Path) -> list[dict]:
@@ -111,7 +107,7 @@ def sweep(tmp_path_factory, cache_dir) -> Path:
         f"ring_inf: aggregator=ring {INJECT}",
         f"cerar_inf: aggregator=cerar c=4 {INJECT}",
         f"fp16_inf: aggregator=nccl trainer.precision=fp16 {INJECT}",
-        f"fp16_cerar_inf: aggregator=cerar c=4 trainer.precision=fp16 {INJECT}",
+        f"fp16_cerar_inf: aggregator=cerar c=4 trainer.precision=fp16 trainer.fp16_hysteresis=1 {INJECT}",
         f"fp16_overlap_inf: aggregator=nccl trainer.precision=fp16 trainer.overlap=true {INJECT}",
         "cerar_drift: aggregator=cerar c=4 trainer.drift_every=4",
         "cerar_resync: aggregator=cerar c=4 trainer.drift_every=4 trainer.resync_every=4",
@@ -143,9 +139,13 @@ def test_non_finite_gradient_skips_the_step_on_every_rank(sweep, label):
     assert "grad_norm" not in records[4] and "grad_norm" in records[5]  # step 5: no optimizer step
     if label == "ring_inf":  # exact: the replicas still agree bit for bit
         assert len(set(summary["param_sha256_per_rank"])) == 1
-    if label.startswith("fp16"):  # the GradScaler backed off on every rank, and keeps going
+    if label.startswith("fp16"):  # the loss scale reacted alike on every rank (all logged rank 0's), and goes on
         scale = {r["step"]: r["amp/scale"] for r in records}
-        assert scale[5] == scale[4] / 2 and scale[STEPS] == scale[5]
+        assert scale[1] == 2.0**12  # Pythia's initial_scale_power
+        if label == "fp16_cerar_inf":  # hysteresis 1: the first overflow halves the scale
+            assert scale[5] == scale[4] / 2 and scale[STEPS] == scale[5]
+        else:  # Pythia's hysteresis 2: the first overflow only spends the hysteresis
+            assert scale[5] == scale[4] == scale[STEPS]
 
 
 @pytest.mark.slow
@@ -207,6 +207,35 @@ def test_stopped_rank_under_gloo_all_reduce_is_bounded_by_the_timeout(tmp_path, 
     assert faults[0].detect_s < 5 * TIMEOUT_S + 10
     assert any("rank 1" in e for e in result.collective_errors), result.collective_errors
     assert result.returncode == 0 and result.restarts == 1 and result.final_step == STEPS
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)
+def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir):
+    """Without torchrun to restart it: rank 1 is killed mid-run; rank 0's next collective fails and it exits
+    with status 3 and one line naming the collective (the README's promise), instead of hanging."""
+    port, run_dir = _free_port(), tmp_path / "run"
+    procs = []
+    for rank in range(2):
+        env = chaos._env(cache_dir)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        args = [*JOB, "aggregator=ring", "trainer.max_steps=100000", "checkpoint.every=0", f"hydra.run.dir={run_dir}"]
+        cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+    try:
+        metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 600  # a fresh token cache is built first
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run did not start"
+            time.sleep(0.2)
+        procs[1].kill()
+        _, stderr = procs[0].communicate(timeout=5 * TIMEOUT_S + 60)
+    finally:
+        for p in procs:
+            p.kill()
+    assert procs[0].returncode == 3, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("error: collective '") and "step" in last, stderr[-3000:]
+    assert "Traceback" not in stderr
 
 
 # ------------------------------------------------------------------ 6. different code on different nodes

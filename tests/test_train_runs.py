@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-STEP_KEYS = {"step", "train_loss", "time/forward", "time/backward", "time/aggregate", "time/optimizer", "bytes_sent"}
+STEP_KEYS = {"step", "train_loss", "time/data", "time/forward", "time/backward", "time/aggregate", "time/optimizer"}
+STEP_KEYS |= {"bytes_sent"}
 SUMMARY_KEYS = {"final_step", "final_val_loss", "wall_seconds", "tokens", "param_sha256"}
 SMALL = [
     "trainer.max_steps=6",
@@ -25,11 +26,6 @@ SMALL = [
     "trainer.progress_bar=false",
     "wandb.mode=disabled",
 ]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("token-cache")
 
 
 def torchrun(
@@ -45,6 +41,65 @@ def torchrun(
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
+
+
+def wandb_records(path: Path):
+    """The protobuf records of a W&B .wandb file (a LevelDB-style log: 32 KiB blocks of chunks, each with a
+    7-byte header: checksum, length, type 1 full / 2 first / 3 middle / 4 last), read without W&B's servers."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", data[:7]
+    pos, pending = 7, b""
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def check_wandb_offline_runs(run_dir: Path, summary: dict, launches: int) -> None:
+    """The offline W&B run holds the run's name, group, config (N and the batch too), step-indexed metrics with
+    val_loss summarised by its minimum, and the summary; every launch of a resumed run logs to one run id."""
+    files = sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == launches, files
+    run_ids = set()
+    for path in files:
+        records = list(wandb_records(path))
+        (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        run_ids.add(run.run_id)
+        config = {u.key: json.loads(u.value_json) for u in run.config.update}
+        aggregator = config["aggregator"]["name"]
+        assert run.display_name == f"tiny_embedded_{aggregator}_n2_s1234" and run.run_group == "tiny_embedded_n2"
+        assert (config["world_size"], config["global_batch_size"], config["grad_accum"]) == (2, 8, 1)
+        assert config["model"]["name"] == "tiny" and config["trainer"]["max_steps"] == 6
+        kinds = [(r.WhichOneof("record_type"), r) for r in records]
+        metrics = {r.metric.name or r.metric.glob_name: r.metric for kind, r in kinds if kind == "metric"}
+        assert metrics["*"].step_metric == "step" and metrics["val_loss"].summary.min
+        steps = [
+            json.loads(item.value_json)
+            for r in records
+            if r.WhichOneof("record_type") == "history"
+            for item in r.history.item
+            if (item.key or "/".join(item.nested_key)) == "step"
+        ]
+        assert steps and steps == sorted(steps)
+    assert run_ids == {(run_dir / "wandb_id.txt").read_text().strip()}
+    final = {}
+    for r in wandb_records(files[-1]):
+        if r.WhichOneof("record_type") == "summary":
+            final.update({(u.key or "/".join(u.nested_key)): json.loads(u.value_json) for u in r.summary.update})
+    assert final["final_val_loss"] == summary["final_val_loss"] and final["param_sha256"] == summary["param_sha256"]
+
+
+def resumed_val_loss(run_dir: Path) -> float:
+    return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
 
 
 def read_run(run_dir: Path) -> tuple[list[dict], dict]:
@@ -113,6 +168,11 @@ def test_every_aggregator_trains(tmp_path, cache_dir, nproc, c, c_vandermonde):
     # Resynchronising from rank N-1 right before the drift is measured leaves no drift.
     resynced = [r for r in read_run(tmp_path / "cerar_resync")[0] if "drift/max_abs" in r]
     assert [r["step"] for r in resynced] == [3, 6] and all(r["drift/max_abs"] == 0.0 for r in resynced)
+    # overlap=true (the aggregator as DDP's hook, inside backward) trains the same model as the separate phase
+    assert summaries["nccl_overlap"]["final_val_loss"] == pytest.approx(summaries["nccl"]["final_val_loss"], abs=1e-5)
+    nccl_loss = [r["train_loss"] for r in read_run(tmp_path / "nccl")[0]]
+    overlap_loss = [r["train_loss"] for r in read_run(tmp_path / "nccl_overlap")[0]]
+    assert overlap_loss == pytest.approx(nccl_loss, abs=1e-5)
     # The exact aggregators agree up to float summation order: same loss trajectory to a few digits.
     assert summaries["ring"]["final_val_loss"] == pytest.approx(summaries["nccl"]["final_val_loss"], abs=1e-3)
     cerar_bytes = read_run(tmp_path / "cerar")[0][0]["bytes_sent"]
@@ -131,8 +191,8 @@ def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
             str(tmp_path),
             "full_nccl: aggregator=nccl wandb.mode=offline",
             "full_ring: aggregator=ring",
-            "part_ring: aggregator=ring trainer.stop_after_step=3",
-            "part_ring: aggregator=ring resume=true",
+            "part_ring: aggregator=ring trainer.stop_after_step=3 wandb.mode=offline",
+            "part_ring: aggregator=ring resume=true wandb.mode=offline",
             "--",
             *common,
         ],
@@ -145,17 +205,78 @@ def test_resume_matches_uninterrupted_run(tmp_path, cache_dir):
     assert part_ring["param_sha256"] == full_ring["param_sha256"]
     assert [r["step"] for r in records] == list(range(1, 7))
     _, full_nccl = read_run(tmp_path / "full_nccl")
-    assert list((tmp_path / "full_nccl" / "wandb").glob("offline-run-*")), "W&B offline run files missing"
+    check_wandb_offline_runs(tmp_path / "full_nccl", full_nccl, launches=1)
+    check_wandb_offline_runs(tmp_path / "part_ring", part_ring, launches=2)  # the resumed launch: same W&B run
 
     # The Hydra entry point: hydra.run.dir places everything; a stopped run resumes (resume=auto).
     run_dir = tmp_path / "hydra_nccl"
     for extra in (["trainer.stop_after_step=3"], []):
-        torchrun(2, "main.py", [*common, f"hydra.run.dir={run_dir}", *extra], cache_dir, timeout=300)
+        # trainer.peak_tflops: a peak for MFU on CPU (it observes; changing it is no reason to refuse a resume)
+        args = [*common, f"hydra.run.dir={run_dir}", f"trainer.peak_tflops={0.5 if extra else 0.25}", *extra]
+        proc = torchrun(2, "main.py", args, cache_dir, timeout=300)
         assert not (run_dir / "summary.json").exists() or not extra
+    assert f"done: 6 steps, val_loss {resumed_val_loss(run_dir):.4f}" in proc.stdout  # the final console line
+    assert proc.stdout.strip().endswith(f"run dir {run_dir}")
+    records = read_run(run_dir)[0]
+    assert all(0 < r["mfu"] < 1 and r["time/data"] >= 0 for r in records)
     _, resumed = read_run(run_dir)
     assert resumed["resumed_from_step"] == 3
     assert resumed["param_sha256"] == full_nccl["param_sha256"]
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-00000003.pt", "step-00000006.pt"]
+
+
+@pytest.mark.timeout(400)
+def test_global_batch_size_trains_with_derived_gradient_accumulation(tmp_path, cache_dir):
+    """8 sequences per step on 2 ranks: one micro-batch of 4 each, or (global_batch_size=8, micro-batch 2)
+    two accumulated micro-batches of 2 each over the same windows: the same steps up to float rounding."""
+    torchrun(
+        2,
+        "sweep.py",
+        [
+            str(tmp_path),
+            "whole: trainer.micro_batch_size=4",
+            # eval_batches=4: the same 8 validation windows per rank as 2 batches of 4
+            "accumulated: trainer.micro_batch_size=2 trainer.global_batch_size=8 trainer.eval_batches=4",
+            "--",
+            *SMALL,
+            "checkpoint.every=0",
+        ],
+        cache_dir,
+        timeout=350,
+    )
+    whole_records, whole = read_run(tmp_path / "whole")
+    accumulated_records, accumulated = read_run(tmp_path / "accumulated")
+    assert (whole["grad_accum"], whole["global_batch_size"]) == (1, 8)
+    assert (accumulated["grad_accum"], accumulated["global_batch_size"]) == (2, 8)
+    assert accumulated["tokens"] == whole["tokens"] == 6 * 8 * 32
+    for a, b in zip(accumulated_records, whole_records, strict=True):
+        assert a["train_loss"] == pytest.approx(b["train_loss"], abs=1e-4), (a["step"], a, b)
+    assert accumulated["final_val_loss"] == pytest.approx(whole["final_val_loss"], abs=1e-4)
+    assert accumulated_records[-1]["train_loss"] < accumulated_records[0]["train_loss"] - 0.1
+
+
+@pytest.mark.timeout(400)
+def test_resume_flags_as_the_readme_promises(tmp_path, cache_dir):
+    """resume=true refuses a run directory without checkpoints (at start, one line); resume=false removes the
+    old checkpoints and trains afresh, even where the old run's config differs."""
+    run_dir = tmp_path / "run"
+    base = [*SMALL, "trainer.eval_every=0", f"hydra.run.dir={run_dir}"]
+    refused = torchrun(1, "main.py", [*base, "resume=true"], cache_dir, timeout=200, expect_ok=False)
+    assert refused.returncode != 0
+    assert f"error: resume=true but {run_dir / 'checkpoints'} holds no checkpoint" in refused.stderr
+    assert "Traceback" not in refused.stderr.split("error: resume=true")[0][-2000:]
+    torchrun(1, "main.py", [*base, "trainer.max_steps=4", "checkpoint.every=1", "checkpoint.keep=9"], cache_dir, 300)
+    assert [s for s, _ in ckpt_list(run_dir)] == [4, 3, 2, 1]
+    torchrun(1, "main.py", [*base, "trainer.max_steps=2", "model.lr=1e-3", "resume=false"], cache_dir, 300)
+    _, summary = read_run(run_dir)
+    assert summary["resumed_from_step"] is None and summary["final_step"] == 2
+    assert [s for s, _ in ckpt_list(run_dir)] == [2]  # the old run's four are gone; this run's end remains
+
+
+def ckpt_list(run_dir: Path):
+    from train.checkpoint import list_checkpoints
+
+    return list_checkpoints(run_dir)
 
 
 @pytest.mark.timeout(300)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +77,95 @@ def test_rng_states_round_trip():
     assert torch.equal(first[0], again[0]) and np.array_equal(first[1], again[1])
 
 
+class _RunsCodeWhenUnpickled:
+    """A pickle that creates a file when loaded without weights_only: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_checkpoint_that_would_run_code_is_refused_and_the_previous_one_used(tmp_path, caplog):
+    ckpt.save_checkpoint(tmp_path, 1, _state(1), keep=3)
+    marker = tmp_path / "code-ran"
+    ckpt.save_checkpoint(tmp_path, 2, {"step": 2, "payload": _RunsCodeWhenUnpickled(marker)}, keep=3)
+    with caplog.at_level(logging.WARNING):
+        state, path = ckpt.load_latest_checkpoint(tmp_path)
+    assert not marker.exists()
+    assert state["step"] == 1 and path.name == "step-00000001.pt"
+    assert "step-00000002.pt is unusable" in caplog.text
+
+
+def test_old_checkpoints_numpy_rng_state_is_allow_listed(tmp_path):
+    """Checkpoints written before the NumPy state was stored as plain Python held an ndarray."""
+    np.random.seed(7)
+    legacy = {"torch": torch.get_rng_state(), "python": __import__("random").getstate(), "numpy": np.random.get_state()}
+    expected = np.random.rand(3)
+    ckpt.save_checkpoint(tmp_path, 1, {"step": 1, "rng": legacy}, keep=1)
+    state, _ = ckpt.load_latest_checkpoint(tmp_path)
+    np.random.seed(0)
+    ckpt.set_rng_states(state["rng"])
+    assert np.array_equal(np.random.rand(3), expected)
+
+
+def _tiny_model_and_optimizer(seed: int):
+    from train.model import build_model
+    from train.schedule import build_scheduler
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        m = compose(config_name="config", overrides=["model=tiny", "model.vocab_size=300"]).model
+    torch.manual_seed(seed)
+    model = build_model(m)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    return model, optimizer, build_scheduler(optimizer, m, 100)
+
+
+def _one_step(model, optimizer, scheduler) -> None:
+    batch = torch.randint(0, 300, (2, 9))
+    model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_resume_restores_a_gpu_written_checkpoint_onto_the_device_the_run_names(tmp_path):
+    """The file says nothing about where it is restored: it loads to CPU (RNG states as CPU ByteTensors, a
+    CUDA RNG entry from a GPU machine ignored here) and model and optimizer state are copied onto the run's
+    device; the resumed run then takes the same step as the uninterrupted one."""
+    model, optimizer, scheduler = _tiny_model_and_optimizer(seed=1)
+    _one_step(model, optimizer, scheduler)
+    rng = ckpt.rng_states()
+    rng["cuda"] = [torch.get_rng_state()]  # what a one-GPU machine adds
+    state = {
+        "step": 1,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "scheduler": scheduler.state_dict(),
+        "ranks": [{"rng": rng}],
+    }
+    ckpt.save_checkpoint(tmp_path, 1, state, keep=1)
+    _one_step(model, optimizer, scheduler)  # the uninterrupted run's step 2
+    expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    loaded, _ = ckpt.load_latest_checkpoint(tmp_path)
+    tensors = [loaded["ranks"][0]["rng"]["torch"], *loaded["model"].values()]
+    assert all(t.device.type == "cpu" for t in tensors)
+    assert loaded["ranks"][0]["rng"]["torch"].dtype == torch.uint8
+    device = torch.device("cpu")  # the run's own device, chosen by the run, not by the file
+    fresh, fresh_optimizer, fresh_scheduler = _tiny_model_and_optimizer(seed=2)
+    fresh.to(device)
+    fresh.load_state_dict(loaded["model"])
+    fresh_optimizer.load_state_dict(loaded["optimizer"])
+    fresh_scheduler.load_state_dict(loaded["scheduler"])
+    ckpt.set_rng_states(loaded["ranks"][0]["rng"])
+    _one_step(fresh, fresh_optimizer, fresh_scheduler)
+    for name, param in fresh.named_parameters():
+        assert param.device == device
+        assert torch.equal(param.detach(), expected[name]), name
+
+
 # ----------------------------------------------------------------------------- schedule
 
 
@@ -122,21 +212,16 @@ def _cfg(**data):
         return compose(config_name="config", overrides=overrides)
 
 
-@pytest.fixture(scope="module")
-def embedded_cache(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("embedded-cache")
-
-
-def test_embedded_corpus_is_real_english_with_a_fixed_split(embedded_cache):
+def test_embedded_corpus_is_real_english_with_a_fixed_split(cache_dir):
     train, val = embedded_documents()
     assert len(train) > 300 and 5 <= len(val) < len(train) // 10
     text = " ".join(train)
     assert "alphabet" in text and " the " in text and "[[" not in text
-    cfg = _cfg(kind="embedded", cache_dir=str(embedded_cache), seq_len=32)
+    cfg = _cfg(kind="embedded", cache_dir=str(cache_dir), seq_len=32)
     bundle = build_data(cfg, rank=0, world_size=2)
     assert bundle.vocab_size <= 8192 and bundle.train.num_windows > 10_000
     assert bundle.train.next_batch(2).shape == (2, 33)
-    cached = sorted(p.name for p in next(p for p in embedded_cache.glob("embedded-*") if p.is_dir()).iterdir())
+    cached = sorted(p.name for p in next(p for p in cache_dir.glob("embedded-*") if p.is_dir()).iterdir())
     assert cached == ["tokenizer.json", "train.npy", "val.npy"]
 
 
@@ -164,6 +249,63 @@ def test_local_folder_of_txt_and_jsonl(tmp_path):
     bundle = build_data(cfg, rank=1, world_size=2)
     assert bundle.vocab_size <= 300 and bundle.train.next_batch(3).shape == (3, 17)
     assert bundle.val_batches and bundle.val_batches[0].shape[1] == 17
+
+
+def _corpus(folder: Path, docs: int = 4, words: int = 300) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(1)
+    vocabulary = ["alpha", "beta", "gamma", "delta", "the", "and", "of", "river", "stone", "light"]
+    for i in range(docs):
+        (folder / f"doc{i}.txt").write_text(" ".join(rng.choice(vocabulary, words)))
+    return folder
+
+
+def test_malformed_jsonl_line_is_refused_naming_file_and_line(tmp_path):
+    from train.data import DataError
+
+    corpus = _corpus(tmp_path / "corpus")
+    (corpus / "notes.jsonl").write_text('{"text": "fine"}\n\n{"text": "broken\n{"text": "fine again"}\n')
+    with pytest.raises(DataError, match=r"notes\.jsonl line 3: not valid JSON \(Unterminated string"):
+        local_documents(str(corpus), "text", 0.2)
+    (corpus / "notes.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    with pytest.raises(DataError, match=r"notes\.jsonl line 2: not an object with a string field 'text'"):
+        local_documents(str(corpus), "text", 0.2)
+
+
+def test_undecodable_bytes_are_replaced_with_a_warning_and_empty_files_skipped(tmp_path, caplog):
+    corpus = _corpus(tmp_path / "corpus", docs=2)
+    (corpus / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
+    (corpus / "latin1.jsonl").write_bytes(b'{"text": "na\xefve"}\n')
+    (corpus / "empty.txt").write_text("")
+    (corpus / "blank.txt").write_text("  \n\t\n")
+    with caplog.at_level(logging.WARNING):
+        train, val = local_documents(str(corpus), "text", 0.2)
+    docs = train + val
+    assert len(docs) == 4  # 2 documents, the two latin-1 files; the empty and blank files are skipped
+    assert "caf\ufffd au lait" in docs and "na\ufffdve" in docs
+    assert "latin1.txt: bytes that are not UTF-8 (first at byte 3)" in caplog.text
+    assert "latin1.jsonl: bytes that are not UTF-8" in caplog.text
+
+
+def test_corpus_too_small_for_one_validation_window_is_refused(tmp_path):
+    from train.data import DataError, prepare_data
+
+    corpus = _corpus(tmp_path / "corpus", docs=6, words=40)
+    local = {"kind": "local", "path": str(corpus), "cache_dir": str(tmp_path / "cache"), "bpe_vocab_size": 300}
+    with pytest.raises(DataError, match=r"the validation split has \d+ tokens, fewer than one window of data.seq_len"):
+        prepare_data(_cfg(**local, seq_len=512), world_size=2)
+    prepare_data(_cfg(**local, seq_len=8), world_size=2)  # the same corpus feeds shorter windows
+
+
+def test_pile_needs_zstandard(monkeypatch):
+    from train.config import ConfigError, validate
+
+    cfg = _cfg(kind="pile")
+    validate(cfg)  # installed (requirements.txt)
+    monkeypatch.setitem(sys.modules, "zstandard", None)  # as on a machine without it
+    with pytest.raises(ConfigError, match="data.dataset=monology/pile-uncopyrighted is read from .zst files"):
+        validate(cfg)
+    validate(_cfg(kind="pile", dataset="json", data_files=str(ROOT / "README.md")))  # plain json needs nothing
 
 
 def test_pile_loader_streams_a_local_jsonl_with_a_local_tokenizer(tmp_path):
@@ -213,7 +355,7 @@ def test_bpe_cache_is_built_once(tmp_path):
 # ----------------------------------------------------------------------------- the step
 
 
-def test_non_finite_gradients_skip_the_step(tmp_path, embedded_cache):
+def test_non_finite_gradients_skip_the_step(tmp_path, cache_dir):
     """A NaN gradient is caught before aggregation; the step is skipped and counted, the next one runs."""
     import torch.distributed as dist
 
@@ -222,7 +364,7 @@ def test_non_finite_gradients_skip_the_step(tmp_path, embedded_cache):
     from train.model import build_model
     from train.schedule import build_scheduler
 
-    cfg = _cfg(kind="embedded", cache_dir=str(embedded_cache), seq_len=16)
+    cfg = _cfg(kind="embedded", cache_dir=str(cache_dir), seq_len=16)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
@@ -254,3 +396,105 @@ def test_non_finite_gradients_skip_the_step(tmp_path, embedded_cache):
         assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- fp16 loss scale
+
+
+class DeepSpeedDynamicLossScaler:
+    """DeepSpeed's rule (deepspeed/runtime/fp16/loss_scaler.py, DynamicLossScaler.update_scale with
+    consecutive_hysteresis=False), transcribed as the reference; min scale clamps instead of raising."""
+
+    def __init__(self, init_scale, scale_window, delayed_shift, min_scale):
+        self.cur_scale, self.cur_iter, self.last_overflow_iter = init_scale, 0, -1
+        self.scale_factor, self.scale_window, self.min_scale = 2.0, scale_window, min_scale
+        self.delayed_shift = self.cur_hysteresis = delayed_shift
+
+    def update_scale(self, overflow):
+        if overflow:
+            if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
+            else:
+                self.cur_hysteresis -= 1
+            self.last_overflow_iter = self.cur_iter
+        else:
+            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+                self.cur_hysteresis = self.delayed_shift
+                self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
+
+
+def test_fp16_loss_scale_follows_deepspeed_with_hysteresis_and_minimum():
+    from train.loss_scale import PythiaLossScaler
+
+    def make():
+        param = torch.nn.Parameter(torch.zeros(3))
+        return param, torch.optim.SGD([param], lr=0.1)
+
+    rng = np.random.default_rng(0)
+    # bursts of overflows (down to the minimum scale) and clean stretches (growth after the window)
+    overflows = [bool(x) for x in rng.random(400) < np.repeat(rng.choice([0.02, 0.9], 20), 20)]
+    reference = DeepSpeedDynamicLossScaler(init_scale=2.0**4, scale_window=5, delayed_shift=2, min_scale=1.0)
+    scaler = PythiaLossScaler("cpu", init_scale=2.0**4, window=5, hysteresis=2, min_scale=1.0)
+    param, optimizer = make()
+    seen = set()
+    for i, overflow in enumerate(overflows):
+        if i == 200:  # a checkpoint round trip in the middle changes nothing
+            state = scaler.state_dict()
+            scaler = PythiaLossScaler("cpu", init_scale=2.0**4, window=5, hysteresis=2, min_scale=1.0)
+            scaler.load_state_dict(state)
+            param, optimizer = make()
+        scaler.scale((param * torch.full((3,), float("inf") if overflow else 1.0)).sum()).backward()
+        before = param.detach().clone()
+        scaler.step(optimizer)
+        scaler.update()
+        reference.update_scale(overflow)
+        assert scaler.get_scale() == reference.cur_scale, i
+        assert torch.equal(param.detach(), before) == overflow  # an overflow skips the step
+        seen.add(scaler.get_scale())
+        optimizer.zero_grad(set_to_none=True)
+    assert {1.0, 2.0**4, 2.0**5} <= seen  # the minimum was reached and the scale grew past its start
+
+
+def test_fp16_scaler_defaults_are_pythias():
+    from train.config import TrainerConfig
+    from train.loss_scale import build_loss_scaler
+
+    scaler = build_loss_scaler(TrainerConfig(), torch.device("cpu"))
+    # released configs: "initial_scale_power": 12, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1
+    assert (scaler.get_scale(), scaler.window, scaler.hysteresis, scaler.min_scale) == (4096.0, 1000, 2, 1.0)
+
+
+# ----------------------------------------------------------------------------- step metrics
+
+
+@pytest.mark.parametrize("name", ["tiny", "pythia-14m"])
+def test_model_flops_per_token_match_torchs_flop_counter(name):
+    """MFU's numerator: the FLOPs torch's FlopCounterMode counts in one forward and backward pass of the
+    built model (eager attention, so the score and value matmuls are counted too), per token."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from train.metrics import model_flops_per_token
+    from train.model import build_model
+
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        m = compose(config_name="config", overrides=[f"model={name}"]).model
+    model = build_model(m)
+    model.set_attn_implementation("eager")
+    batch, seq_len = 2, 48
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.randint(0, 256, (batch, seq_len))).logits.float().sum().backward()
+    assert model_flops_per_token(m, seq_len) == pytest.approx(counter.get_total_flops() / (batch * seq_len), rel=1e-3)
+
+
+def test_peak_flops_from_config_or_known_gpus():
+    from train.metrics import KNOWN_PEAK_TFLOPS, peak_flops_per_device
+
+    cfg = _cfg(kind="embedded")
+    assert peak_flops_per_device(cfg, torch.device("cpu")) is None  # no known peak: no mfu logged
+    cfg.trainer.peak_tflops = 2.5
+    assert peak_flops_per_device(cfg, torch.device("cpu")) == 2.5e12
+    # data sheets: A100 312 bf16 / 19.5 fp32; H100 SXM 989 / 67; the PCIe H100 matched before the SXM one
+    assert KNOWN_PEAK_TFLOPS["A100"] == (312.0, 19.5) and KNOWN_PEAK_TFLOPS["H100"] == (989.0, 67.0)
+    names = list(KNOWN_PEAK_TFLOPS)
+    assert names.index("H100 PCIe") < names.index("H100") and names.index("A10G") < names.index("A10")

@@ -109,10 +109,19 @@ class TrainerConfig:
 
     max_steps: int = 300
     micro_batch_size: int = 8  # sequences per rank per micro-step
-    grad_accum: int = 1
+    # sequences per optimizer step over all ranks (Pythia: 1024). null: micro_batch_size x grad_accum x N.
+    # When set, grad_accum is derived from it as global_batch_size / (micro_batch_size x N).
+    global_batch_size: int | None = None
+    grad_accum: int = 1  # micro-steps per optimizer step (derived when global_batch_size is set)
     overlap: bool | None = None  # None: false (the paper's measurement) unless the aggregator is hook-only
     device: str = "auto"  # auto | cpu | cuda
-    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (autocast + GradScaler)
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | fp32 | bf16 | fp16 (autocast + loss scale)
+    # fp16's dynamic loss scale, Pythia's (DeepSpeed) settings: start at 2^12, double after 1000 steps without
+    # overflow, halve on overflow after `hysteresis` overflows, never below 1 (train/loss_scale.py)
+    fp16_initial_scale_power: int = 12
+    fp16_loss_scale_window: int = 1000
+    fp16_hysteresis: int = 2
+    fp16_min_loss_scale: float = 1.0
     eval_every: int = 50
     eval_batches: int = 4  # micro-batches per rank in one evaluation
     log_every: int = 1
@@ -121,6 +130,9 @@ class TrainerConfig:
     resync_every: int = 0  # 0: never; k: every k steps broadcast parameters from rank N-1
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
+    # model FLOPs utilisation (`mfu` in metrics): the device's peak dense TFLOP/s at the run's precision.
+    # null: looked up by GPU name (train/metrics.py KNOWN_PEAK_TFLOPS: A100, H100, H200, ...); none on CPU.
+    peak_tflops: float | None = None
     bucket_cap_mb: float = 25.0  # DDP bucket size (overlap=true); torch's default 25
     stop_after_step: int = 0  # >0: end this launch after that step, unfinished (simulates a preemption)
     # Fault injection, a testing/chaos tool only: at step k (>0) rank `inject_nonfinite_rank` turns one of its
@@ -218,6 +230,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             any(p.suffix in (".txt", ".jsonl") for p in folder.rglob("*")),
             f"data.path={d.path} holds no .txt or .jsonl files",
         )
+    if d.kind == "pile":
+        _require_zstandard_for(d)
     if d.kind == "pile" and d.dataset in ("json", "text", "csv", "parquet"):  # HF's loaders of local files
         for key in ("data_files", "val_data_files"):
             files = d[key]
@@ -251,8 +265,15 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
         "inject_nonfinite_at_step",
     ):
         _require(t[key] >= 0, f"trainer.{key}={t[key]} must be >= 0 (0 disables it)")
+    if t.global_batch_size is not None:
+        _require(t.global_batch_size >= 1, f"trainer.global_batch_size={t.global_batch_size} must be >= 1")
+        if world_size is not None:
+            derived_grad_accum(cfg, world_size)  # raises when the sizes do not divide
     _one_of(t.device, ("auto", "cpu", "cuda"), "trainer.device")
     _one_of(t.precision, ("auto", "fp32", "bf16", "fp16"), "trainer.precision")
+    for key in ("fp16_loss_scale_window", "fp16_hysteresis"):
+        _require(t[key] >= 1, f"trainer.{key}={t[key]} must be >= 1")
+    _require(t.fp16_min_loss_scale > 0, f"trainer.fp16_min_loss_scale={t.fp16_min_loss_scale} must be > 0")
     if t.inject_nonfinite_at_step and world_size is not None:
         _require(
             0 <= t.inject_nonfinite_rank < world_size,
@@ -266,6 +287,20 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
         _validate_cerar_code(cfg, world_size)
 
 
+def _require_zstandard_for(d) -> None:
+    """The Pile ships as .jsonl.zst; `datasets` needs the zstandard package to read it."""
+    files = f"{d.data_files or ''} {d.val_data_files or ''}"
+    if ".zst" not in files and "pile" not in d.dataset.lower():
+        return
+    try:
+        import zstandard  # noqa: F401
+    except ImportError:
+        what = f"data.data_files={d.data_files}" if ".zst" in files else f"data.dataset={d.dataset}"
+        raise ConfigError(
+            f"{what} is read from .zst files, which needs the zstandard package: pip install zstandard"
+        ) from None
+
+
 def _validate_cerar_code(cfg, world_size: int) -> None:
     """Let cerar judge (N, c, construction, eps, kappa_max) before any process group starts."""
     if world_size < 2:
@@ -277,6 +312,78 @@ def _validate_cerar_code(cfg, world_size: int) -> None:
         cerar.make_code(world_size, cfg.c, construction=a.construction, eps=a.eps, kappa_max=a.kappa_max)
     except ValueError as err:
         raise ConfigError(f"aggregator={a.name} with N={world_size}, c={cfg.c}: {err}") from None
+
+
+def derived_grad_accum(cfg, world_size: int) -> int:
+    """Micro-steps per optimizer step: trainer.grad_accum, or global_batch_size / (micro_batch_size x N)."""
+    t = cfg.trainer
+    if t.global_batch_size is None:
+        return int(t.grad_accum)
+    per_micro_step = t.micro_batch_size * world_size
+    _require(
+        t.global_batch_size % per_micro_step == 0,
+        f"trainer.global_batch_size={t.global_batch_size} is not a multiple of trainer.micro_batch_size="
+        f"{t.micro_batch_size} x N={world_size} = {per_micro_step} sequences per micro-step",
+    )
+    grad_accum = t.global_batch_size // per_micro_step
+    _require(
+        t.grad_accum in (1, grad_accum),
+        f"trainer.grad_accum={t.grad_accum} contradicts trainer.global_batch_size={t.global_batch_size} "
+        f"(which gives {grad_accum} with micro_batch_size={t.micro_batch_size} and N={world_size}); set only one",
+    )
+    return grad_accum
+
+
+TRAINING_TRAINER_FIELDS = (
+    "max_steps",
+    "micro_batch_size",
+    "precision",
+    "overlap",
+    "resync_every",
+    "fp16_initial_scale_power",
+    "fp16_loss_scale_window",
+    "fp16_hysteresis",
+    "fp16_min_loss_scale",
+)
+"""The trainer fields that change what is trained (the rest only observe it, or say where it runs)."""
+
+
+def training_identity(cfg, world_size: int) -> dict:
+    """Every value that changes what a run trains, by dotted name: model, data (but its cache folder),
+    aggregator, c, seed, world size, and the trainer's batch, steps (the lr schedule spans them), precision,
+    overlap and resync. The batch is recorded as it acts (global batch and grad_accum derived), so spelling
+    the same batch another way is no change. A resumed run must match its checkpoints' identity."""
+
+    def plain(node) -> dict:
+        return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+    identity: dict = {}
+    for section in ("model", "data", "aggregator"):
+        for key, value in plain(cfg[section]).items():
+            if (section, key) != ("data", "cache_dir"):
+                identity[f"{section}.{key}"] = value
+    identity["c"], identity["seed"], identity["world_size"] = int(cfg.c), int(cfg.seed), world_size
+    trainer = plain(cfg.trainer)
+    for key in TRAINING_TRAINER_FIELDS:
+        identity[f"trainer.{key}"] = trainer[key]
+    identity["trainer.overlap"] = effective_overlap(cfg)
+    grad_accum = derived_grad_accum(cfg, world_size)
+    identity["trainer.grad_accum"] = grad_accum
+    identity["trainer.global_batch_size"] = cfg.trainer.micro_batch_size * grad_accum * world_size
+    return identity
+
+
+def identity_differences(recorded: dict, current: dict) -> list[str]:
+    """'field old -> new' for each training value that differs (a field only one side knows included)."""
+    missing = object()
+    changes = []
+    for key in sorted(set(recorded) | set(current)):
+        old, new = recorded.get(key, missing), current.get(key, missing)
+        if old != new:
+            changes.append(
+                f"{key} {'(absent)' if old is missing else old!r} -> {'(absent)' if new is missing else new!r}"
+            )
+    return changes
 
 
 def normalise_resume(value) -> str:

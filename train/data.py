@@ -26,6 +26,8 @@ import json
 import logging
 import os
 import re
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,14 @@ import numpy as np
 import torch
 
 from train.checkpoint import atomic_write
+from train.config import UserError
 
 log = logging.getLogger(__name__)
+
+
+class DataError(UserError, ValueError):
+    """Training data that cannot be used as given: the message names the file (and line)."""
+
 
 EOS_TOKEN = "<|endoftext|>"
 CACHE_FORMAT = "v1"
@@ -98,19 +106,46 @@ def local_files(folder: str) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in (".txt", ".jsonl"))
 
 
+def read_text_lenient(path: Path) -> str:
+    """The file as UTF-8; bytes that are not UTF-8 become U+FFFD with a warning naming the file (one bad
+    byte in a large corpus should not stop a run, nor pass unnoticed)."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        text = raw.decode("utf-8", errors="replace")
+        log.warning("%s: bytes that are not UTF-8 (first at byte %d) were replaced by U+FFFD", path, err.start)
+        return text
+
+
+def _jsonl_documents(path: Path, text_field: str) -> list[str]:
+    """One document per non-blank line {"<text_field>": "..."}; a bad line stops with its file and line."""
+    docs = []
+    for number, line in enumerate(read_text_lenient(path).splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno})") from None
+        if not isinstance(record, dict) or not isinstance(record.get(text_field), str):
+            raise DataError(f"{path} line {number}: not an object with a string field {text_field!r} (data.text_field)")
+        docs.append(record[text_field])
+    return docs
+
+
 def local_documents(folder: str, text_field: str, val_fraction: float) -> tuple[list[str], list[str]]:
-    """Each .txt file is one document, each .jsonl line one; the last documents validate."""
+    """Each .txt file is one document, each .jsonl line one; the last documents validate. Empty files,
+    blank lines and documents of only whitespace are skipped; undecodable bytes become U+FFFD (a warning)."""
     docs: list[str] = []
     for path in local_files(folder):
         if path.suffix == ".txt":
-            docs.append(path.read_text(encoding="utf-8", errors="replace"))
+            docs.append(read_text_lenient(path))
         else:
-            for line in path.read_text(encoding="utf-8").splitlines():
-                if line.strip():
-                    docs.append(json.loads(line)[text_field])
+            docs.extend(_jsonl_documents(path, text_field))
     docs = [d for d in docs if d.strip()]
     if len(docs) < 2:
-        raise ValueError(f"data.path={folder} holds {len(docs)} document(s); need at least 2 (train and val)")
+        raise DataError(f"data.path={folder} holds {len(docs)} non-empty document(s); need at least 2 (train and val)")
     cut = min(len(docs) - 1, max(1, int(round(len(docs) * (1 - val_fraction)))))
     return docs[:cut], docs[cut:]
 
@@ -145,28 +180,43 @@ def _tokenize(tokenizer, docs: list[str], eos_id: int) -> np.ndarray:
     return np.asarray(ids, dtype=np.uint16 if tokenizer.get_vocab_size() < 65536 else np.uint32)
 
 
+def _bpe_entry(cache_dir: Path, key: str, vocab_size: int) -> Path:
+    return cache_dir / f"{key}-bpe{vocab_size}-{CACHE_FORMAT}"
+
+
+def bpe_tokenizer_file(d) -> Path:
+    """The tokenizer.json that data config `d` (embedded or local) trained and cached on first use."""
+    key = "embedded" if d.kind == "embedded" else _local_key(d)
+    return _bpe_entry(_cache_dir(d), key, d.bpe_vocab_size) / "tokenizer.json"
+
+
 def bpe_token_arrays(cache_dir: Path, key: str, vocab_size: int, load_docs) -> tuple[np.ndarray, np.ndarray, int]:
     """Train (once) a byte-level BPE on the training documents and tokenise both splits, cached by key."""
     from tokenizers import ByteLevelBPETokenizer, Tokenizer
 
-    entry = cache_dir / f"{key}-bpe{vocab_size}-{CACHE_FORMAT}"
+    entry = _bpe_entry(cache_dir, key, vocab_size)
     files = [entry / "tokenizer.json", entry / "train.npy", entry / "val.npy"]
     with _file_lock(cache_dir / f"{entry.name}.lock"):
         if not all(f.exists() for f in files):
             log.info("building tokenizer and token cache in %s (first use only)", entry)
+            started = time.perf_counter()
             entry.mkdir(parents=True, exist_ok=True)
             train_docs, val_docs = load_docs()
+            size_mb = sum(len(doc) for doc in train_docs) / 1e6
+            log.info("training a %d-token BPE on %d documents (%.1f MB)", vocab_size, len(train_docs), size_mb)
             tokenizer = ByteLevelBPETokenizer()
             tokenizer.train_from_iterator(
                 train_docs,
                 vocab_size=vocab_size,
                 min_frequency=2,
                 special_tokens=[EOS_TOKEN],
-                show_progress=False,
+                show_progress=sys.stderr.isatty(),
             )
             eos_id = tokenizer.token_to_id(EOS_TOKEN)
+            log.info("tokenizing %d + %d documents", len(train_docs), len(val_docs))
             _save_array(files[1], _tokenize(tokenizer, train_docs, eos_id))
             _save_array(files[2], _tokenize(tokenizer, val_docs, eos_id))
+            log.info("token cache built in %.0f s", time.perf_counter() - started)
             atomic_write(files[0], tokenizer.to_str().encode())  # written last: marks the entry complete
     tokenizer = Tokenizer.from_file(str(files[0]))
     return np.load(files[1]), np.load(files[2]), tokenizer.get_vocab_size()
@@ -184,7 +234,7 @@ class WindowStream:
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.num_windows = (len(tokens) - 1) // seq_len
         if self.num_windows < world_size:
-            raise ValueError(
+            raise DataError(
                 f"{len(tokens)} training tokens give {self.num_windows} windows of "
                 f"{seq_len + 1}; fewer than the {world_size} ranks"
             )
@@ -221,7 +271,10 @@ def validation_batches(
     """This rank's share of the fixed validation set: the first windows of the validation split."""
     n = (len(tokens) - 1) // seq_len
     if n < 1:
-        raise ValueError(f"the validation split has {len(tokens)} tokens; fewer than seq_len + 1 = {seq_len + 1}")
+        raise DataError(
+            f"the validation split has {len(tokens)} tokens, fewer than one window of data.seq_len + 1 = "
+            f"{seq_len + 1}: add text, raise data.val_fraction or lower data.seq_len"
+        )
     wanted = batch_size * num_batches * world_size
     ids = [(rank + world_size * k) % n for k in range(min(wanted, max(n, world_size)) // world_size)] or [rank % n]
     rows = [tokens[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64) for i in ids]
@@ -292,8 +345,23 @@ def _pile_bundle(cfg, rank: int, world_size: int) -> DataBundle:
         if d.val_data_files is not None:
             data_files[d.val_split] = d.val_data_files
 
+    warned = []
+
     def open_split(split: str, shard: bool, skip: int = 0):
         ds = load_dataset(d.dataset, d.dataset_config, data_files=data_files, split=split, streaming=True)
+        shards = getattr(ds, "num_shards", None) or getattr(ds, "n_shards", None)
+        if shard and shards and shards % world_size and rank == 0 and not warned:
+            warned.append(True)
+            log.warning(
+                "data: %s (%s) has %d file shard(s), not a multiple of N=%d: every rank reads every shard "
+                "and keeps 1 example in %d, so reading is N times slower (use N dividing %d, or more files)",
+                d.dataset,
+                split,
+                shards,
+                world_size,
+                world_size,
+                shards,
+            )
         if shard:
             ds = split_dataset_by_node(ds, rank=rank, world_size=world_size)
         texts = (row[d.text_field] for row in ds)
@@ -314,22 +382,33 @@ def _pile_bundle(cfg, rank: int, world_size: int) -> DataBundle:
     return DataBundle(train=train, val_batches=val, vocab_size=len(tokenizer))
 
 
+def prepare_data(cfg, world_size: int) -> None:
+    """Build (or find) the tokenizer and token cache of data=embedded/local and check the corpus can feed
+    this run, before any process group exists: a bad .jsonl line, a corpus too small for one validation
+    window or for N training windows stop here with one DataError. Concurrent ranks wait on the cache lock."""
+    d, t = cfg.data, cfg.trainer
+    if d.kind not in ("embedded", "local"):
+        return
+    train_tokens, val_tokens, _ = _bpe_arrays(d)
+    validation_batches(val_tokens, d.seq_len, t.micro_batch_size, t.eval_batches, 0, world_size)
+    WindowStream(train_tokens, d.seq_len, 0, world_size, cfg.seed)
+
+
+def _bpe_arrays(d) -> tuple[np.ndarray, np.ndarray, int]:
+    if d.kind == "embedded":
+        return bpe_token_arrays(_cache_dir(d), "embedded", d.bpe_vocab_size, embedded_documents)
+    return bpe_token_arrays(
+        _cache_dir(d), _local_key(d), d.bpe_vocab_size, lambda: local_documents(d.path, d.text_field, d.val_fraction)
+    )
+
+
 def build_data(cfg, rank: int, world_size: int) -> DataBundle:
     """The train stream and validation batches of this rank for cfg.data."""
     d, t = cfg.data, cfg.trainer
     if d.kind == "pile":
         return _pile_bundle(cfg, rank, world_size)
-    if d.kind == "embedded":
-        train_tokens, val_tokens, vocab = bpe_token_arrays(
-            _cache_dir(d), "embedded", d.bpe_vocab_size, embedded_documents
-        )
-    elif d.kind == "local":
-        train_tokens, val_tokens, vocab = bpe_token_arrays(
-            _cache_dir(d),
-            _local_key(d),
-            d.bpe_vocab_size,
-            lambda: local_documents(d.path, d.text_field, d.val_fraction),
-        )
+    if d.kind in ("embedded", "local"):
+        train_tokens, val_tokens, vocab = _bpe_arrays(d)
     else:
         raise ValueError(f"data.kind={d.kind!r} is not one of embedded, pile, local")
     train = WindowStream(train_tokens, d.seq_len, rank, world_size, cfg.seed)

@@ -32,6 +32,7 @@ from torch.nn.functional import cross_entropy
 
 from train import checkpoint as ckpt
 from train.distributed import all_reduce_mean, guarded, set_step
+from train.loss_scale import build_loss_scaler
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +57,7 @@ class PhaseTimer:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
     def reset(self) -> None:
-        self.seconds = {"forward": 0.0, "backward": 0.0, "aggregate": 0.0, "optimizer": 0.0}
+        self.seconds = {"data": 0.0, "forward": 0.0, "backward": 0.0, "aggregate": 0.0, "optimizer": 0.0}
 
 
 @dataclass
@@ -185,7 +186,7 @@ class Trainer:
         self.autocast = (lambda: torch.autocast(device.type, dtype=low)) if low is not None else contextlib.nullcontext
         # fp16: the loss is scaled; a step whose (scaled) gradients hold inf/nan anywhere is skipped on every
         # rank and the scale backs off on every rank alike (see _skip_in_scaler).
-        self.scaler = torch.amp.GradScaler(device.type) if precision == "fp16" else None
+        self.scaler = build_loss_scaler(cfg.trainer, device) if precision == "fp16" else None  # Pythia's scaler
         self.tokens_per_step = self.t.micro_batch_size * self.t.grad_accum * cfg.data.seq_len * world_size
         self.grads = None if overlap else FlatGradients(self.params)  # overlap: DDP's buckets own the reduction
         self.reference_rank = world_size - 1  # exact under CERAR; checkpoints keep it, resync broadcasts it
@@ -206,6 +207,7 @@ class Trainer:
             "tokens": self.state.tokens,
             "last_val_loss": self.state.last_val_loss,
             "world_size": self.world_size,
+            **ckpt.run_record(self.cfg, self.world_size),  # the resolved config; resume safety
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
@@ -248,7 +250,8 @@ class Trainer:
         """All micro-batches of one step; returns this rank's mean loss as a device scalar (no host sync)."""
         total = torch.zeros((), device=self.device)
         for micro in range(self.t.grad_accum):
-            batch = self.data.train.next_batch(self.t.micro_batch_size).to(self.device, non_blocking=True)
+            with self.timer.phase("data"):  # time/data: waiting for the next batch
+                batch = self.data.train.next_batch(self.t.micro_batch_size).to(self.device, non_blocking=True)
             last = micro == self.t.grad_accum - 1
             sync = self.overlap and last  # overlap: DDP's hook reduces on the last micro-batch only
             with contextlib.nullcontext() if sync else self.ddp.no_sync():

@@ -94,7 +94,7 @@ def preflight(argv: list[str]) -> None:
         probe.unlink()
     except OSError as err:
         fail(f"hydra.run.dir={run_dir} is not a writable directory ({err.strerror or err})")
-    from train.checkpoint import recorded_world_size
+    from train.checkpoint import check_resume_matches, recorded_world_size
     from train.config import normalise_resume
 
     world_size, written_by = int(os.environ.get("WORLD_SIZE", 1)), recorded_world_size(run_dir)
@@ -103,6 +103,28 @@ def preflight(argv: list[str]) -> None:
             f"{run_dir} holds checkpoints written by {written_by} ranks; this launch has {world_size} "
             "(resume=false starts afresh there, or pick another hydra.run.dir)"
         )
+    from train.checkpoint import checkpoint_dir, list_checkpoints
+
+    if normalise_resume(cfg.resume) == "true" and not list_checkpoints(run_dir):
+        fail(f"resume=true but {checkpoint_dir(run_dir)} holds no checkpoint (resume=auto starts afresh there)")
+    try:
+        check_resume_matches(run_dir, cfg, world_size)  # a changed lr, batch, aggregator, ...: one line
+        prepare_local_data(cfg, world_size)  # a bad .jsonl line, a corpus too small: one line, no process group
+    except UserError as err:
+        fail(str(err))
+
+
+def prepare_local_data(cfg, world_size: int) -> None:
+    """Build or find the token cache of data=embedded/local now, showing progress on rank 0's console."""
+    import logging
+
+    from train.data import prepare_data
+
+    if cfg.data.kind not in ("embedded", "local"):
+        return
+    if os.environ.get("RANK", "0") == "0":
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
+    prepare_data(cfg, world_size)
 
 
 if __name__ == "__main__":

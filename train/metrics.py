@@ -2,7 +2,12 @@
 
 W&B runs offline by default (files under <run_dir>/wandb, sync later with `wandb sync`); `disabled`
 turns it off; `online` needs a logged-in user. The W&B run id is kept in the run directory so a resumed
-run continues the same W&B run.
+run continues the same W&B run. Runs compare on `step` (every metric's x axis) and on the minimum
+`val_loss`; N, the global batch and grad_accum are in each run's W&B config.
+
+Besides the loop's record each logged step gets `mfu` (model FLOPs utilisation: achieved model FLOP/s per
+device over the device's peak, when the peak is known) and, on GPUs, `memory/peak_gib` (rank 0's peak
+allocated memory so far).
 """
 
 from __future__ import annotations
@@ -18,6 +23,50 @@ from omegaconf import OmegaConf
 
 from train.config import run_identity
 
+KNOWN_PEAK_TFLOPS = {
+    # GPU name fragment (torch.cuda.get_device_name): (dense bf16/fp16 tensor-core TFLOP/s, fp32 TFLOP/s),
+    # from the vendors' data sheets (dense, no sparsity). Checked in order: more specific names first.
+    "H100 PCIe": (756.0, 51.0),
+    "H100 NVL": (835.0, 60.0),
+    "H100": (989.0, 67.0),  # SXM
+    "H200": (989.0, 67.0),
+    "GH200": (989.0, 67.0),
+    "B200": (2250.0, 80.0),
+    "A100": (312.0, 19.5),
+    "A10G": (70.0, 31.2),
+    "A10": (125.0, 31.2),
+    "L40S": (362.0, 91.6),
+    "L4": (121.0, 30.3),
+    "V100": (125.0, 15.7),  # fp16 only (no bf16)
+    "T4": (65.0, 8.1),
+}
+
+
+def peak_flops_per_device(cfg, device: torch.device) -> float | None:
+    """FLOP/s one device can do at the run's precision: trainer.peak_tflops, or the known GPU's; else None."""
+    if cfg.trainer.peak_tflops:
+        return float(cfg.trainer.peak_tflops) * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    precision = cfg.trainer.precision
+    sixteen_bit = precision in ("bf16", "fp16") or precision == "auto"  # auto is bf16 on GPU
+    for fragment, (half, single) in KNOWN_PEAK_TFLOPS.items():
+        if fragment in name:
+            return (half if sixteen_bit else single) * 1e12
+    return None
+
+
+def model_flops_per_token(m, seq_len: int) -> float:
+    """Training FLOPs per token (forward and backward) of a GPTNeoX, as PaLM's MFU counts them (Chowdhery et
+    al. 2022, appendix B): 6 per weight of every matrix multiply (all but the input embedding, a lookup)
+    plus 12 L d T for attention's scores and weighted sums over a context of T = seq_len."""
+    d, layers = m.hidden_size, m.num_layers
+    ffn = m.intermediate_size or 4 * d
+    per_layer = 4 * d * d + 2 * d * ffn  # query_key_value (3 d^2), dense (d^2), h_to_4h, 4h_to_h
+    matmul_weights = layers * per_layer + d * m.vocab_size  # + the unembedding
+    return 6.0 * matmul_weights + 12.0 * layers * d * seq_len
+
 
 def parameter_sha256(model: torch.nn.Module) -> str:
     """SHA-256 of all parameters, by sorted name, raw bytes: a fingerprint to compare runs."""
@@ -31,8 +80,21 @@ def parameter_sha256(model: torch.nn.Module) -> str:
 class RunLogger:
     """One JSON object per logged step in metrics.jsonl, mirrored to W&B; summary.json at the end."""
 
-    def __init__(self, cfg, run_dir: str | Path, world_size: int, is_main: bool, resumed_step: int):
+    def __init__(
+        self,
+        cfg,
+        run_dir: str | Path,
+        world_size: int,
+        is_main: bool,
+        resumed_step: int,
+        device: torch.device | None = None,
+        extra_config: dict | None = None,
+    ):
         self.is_main = is_main
+        self.world_size = world_size
+        self.device = device if device is not None else torch.device("cpu")
+        self.flops_per_token = model_flops_per_token(cfg.model, cfg.data.seq_len)
+        self.peak_flops = peak_flops_per_device(cfg, self.device)
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.wandb_run = None
@@ -53,12 +115,15 @@ class RunLogger:
                 name=name,
                 group=group,
                 tags=tags,
-                config=OmegaConf.to_container(cfg, resolve=True),
+                config={**OmegaConf.to_container(cfg, resolve=True), **(extra_config or {})},
                 mode=cfg.wandb.mode,
                 dir=str(self.run_dir),
                 id=run_id,
                 resume="allow",
             )
+            self.wandb_run.define_metric("step")
+            self.wandb_run.define_metric("*", step_metric="step")
+            self.wandb_run.define_metric("val_loss", step_metric="step", summary="min")
 
     def _wandb_run_id(self, resumed_step: int) -> str:
         """A resumed run continues its W&B run (id kept in the run dir); a fresh one starts a new id."""
@@ -87,10 +152,20 @@ class RunLogger:
     def log(self, record: dict) -> None:
         if not self.is_main:
             return
+        record = {**record, **self.utilisation(record)}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            self.wandb_run.log(record, step=record["step"])
+
+    def utilisation(self, record: dict) -> dict:
+        """`mfu` from the record's tokens_per_s (all ranks' tokens), and this device's peak memory."""
+        extra = {}
+        if self.peak_flops and record.get("tokens_per_s"):
+            extra["mfu"] = record["tokens_per_s"] * self.flops_per_token / (self.world_size * self.peak_flops)
+        if self.device.type == "cuda":
+            extra["memory/peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        return extra
 
     def summary(self, summary: dict) -> None:
         if not self.is_main:

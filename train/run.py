@@ -19,6 +19,7 @@ from train.config import (
     ConfigError,
     code_fingerprint,
     config_fingerprint,
+    derived_grad_accum,
     effective_overlap,
     normalise_resume,
     validate,
@@ -37,6 +38,8 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     """One training run writing into run_dir; returns its summary (None when stopped early)."""
     launch = launch_from_env()
     validate(cfg, world_size=launch.world_size)  # before any process group: bad input stops here
+    cfg.trainer.grad_accum = derived_grad_accum(cfg, launch.world_size)  # from trainer.global_batch_size if set
+    ckpt.check_resume_matches(run_dir, cfg, launch.world_size)  # train/main.py checked already; sweeps did not
     resume = normalise_resume(cfg.resume)
     if launch.rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
@@ -99,7 +102,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     )
     resumed_from = resume_or_start_fresh(trainer, run_dir, resume, launch.rank, device)
 
-    trainer.logger = RunLogger(cfg, run_dir, launch.world_size, launch.rank == 0, trainer.state.step)
+    batch = {
+        "world_size": launch.world_size,
+        "global_batch_size": cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * launch.world_size,
+        "grad_accum": cfg.trainer.grad_accum,
+    }
+    trainer.logger = RunLogger(
+        cfg, run_dir, launch.world_size, launch.rank == 0, trainer.state.step, device=device, extra_config=batch
+    )
     result = trainer.fit()
     if trainer.state.step < cfg.trainer.max_steps:  # trainer.stop_after_step: a simulated preemption
         log.warning("stopped after step %d of %d (trainer.stop_after_step)", trainer.state.step, cfg.trainer.max_steps)
@@ -117,16 +127,27 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),  # torchrun's restarts of this job
         "skipped_steps": trainer.state.skipped_steps,
         "resumed_from_step": resumed_from,
-        "world_size": launch.world_size,
+        **batch,
+        "micro_batch_size": cfg.trainer.micro_batch_size,
         "aggregator": cfg.aggregator.name,
         "c": cfg.c,
         "overlap": overlap,
         "parameters": count_parameters(model),
     }
+    if device.type == "cuda":
+        summary["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     trainer.logger.summary(summary)
     trainer.logger.close()
     with guarded("final barrier"):
         dist.barrier()
+    if launch.rank == 0:  # the one line to read at the end of a long log
+        val = summary["final_val_loss"]
+        print(
+            f"done: {summary['final_step']} steps, val_loss {'n/a' if val is None else f'{val:.4f}'}, "
+            f"{summary['wall_seconds']:.0f} s "
+            f"this launch, run dir {run_dir}",
+            flush=True,
+        )
     return summary
 
 
@@ -167,7 +188,7 @@ def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: in
         with guarded("barrier after removing checkpoints"):
             dist.barrier()
         return None
-    loaded = ckpt.load_latest_checkpoint(run_dir, map_location=device)
+    loaded = ckpt.load_latest_checkpoint(run_dir)  # on CPU; restore() copies it onto this run's device
     if loaded is None:
         if resume == "true":
             raise ckpt.CheckpointError(f"resume=true but {ckpt.checkpoint_dir(run_dir)} holds no valid checkpoint")
