@@ -17,7 +17,6 @@ import make_figures  # noqa: E402
 FIGURES = ROOT / "reports" / "figures"
 LAB100 = ["--only", "training", "--runs-dir", str(ROOT / "reports" / "runs" / "training_100mbit")]
 LAB100 += ["--prefix", "lab100_", "--title", "(lab 100 Mbit/s)"]
-STALE = "the committed lab100_* figures differ from what the committed reports/runs/training_100mbit gives"
 
 
 @pytest.fixture(scope="module")
@@ -32,14 +31,6 @@ def test_every_committed_figure_is_rebuilt(rebuilt):
     assert sorted(p.name for p in FIGURES.glob("*.png")) == sorted(p.name for p in rebuilt.glob("*.png"))
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(p.name, marks=pytest.mark.xfail(strict=True, reason=STALE))
-        if p.name.startswith("lab100_")
-        else p.name
-        for p in sorted(FIGURES.glob("*.png"))
-    ],
-)
+@pytest.mark.parametrize("name", [p.name for p in sorted(FIGURES.glob("*.png"))])
 def test_committed_figure_equals_its_rebuild(rebuilt, name):
     assert (rebuilt / name).read_bytes() == (FIGURES / name).read_bytes()

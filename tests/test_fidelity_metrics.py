@@ -18,11 +18,6 @@ from tests.distributed import run_workers
 from tests.test_train_runs import ROOT, SMALL, torchrun
 
 
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("token-cache")
-
-
 def _noise_worker(rank, world_size, d, sigma, delta):
     from train.loop import error_and_noise
 
