@@ -400,8 +400,9 @@ def figures(settings: dict[str, list[dict]], out: Path, plane_csv: Path = PLANE_
                        label=f"{r['setting']}: aggregation error")  # fmt: skip
     ax.axvline(batch_tokens, color="grey", linewidth=0.8)
     ax.axvline(PYTHIA_BATCH_TOKENS, color="red", linewidth=0.8)
-    ax.text(batch_tokens, ax.get_ylim()[0], " this study", fontsize=7, va="bottom")
-    ax.text(PYTHIA_BATCH_TOKENS, ax.get_ylim()[0], " Pythia (1024 x 2048)", fontsize=7, va="bottom", color="red")
+    at_bottom = ax.get_xaxis_transform()  # x in data, y in axes fractions
+    ax.text(batch_tokens, 0.02, " this study", fontsize=7, transform=at_bottom)
+    ax.text(PYTHIA_BATCH_TOKENS, 0.02, " Pythia (1024 x 2048)", fontsize=7, color="red", transform=at_bottom)
     ax.set(xscale="log", yscale="log", xlabel="tokens per optimizer step", ylabel="relative to ||g_bar||",
            title="noise against CERAR's error as the batch grows")  # fmt: skip
     ax.grid(True, alpha=0.3)
