@@ -2,8 +2,8 @@
 
 ``tests/spec_reference.py`` rebuilds the matrices from a code's points and runs the spec's rounds
 literally in float64. In float64 the fast code must agree with it to rounding (kappa times a few
-hundred ulps); in float32 to kappa times float32's unit roundoff times sqrt(c + L): every block of
-the protocol is a sum of O(c + L) products whose rounding the code's conditioning amplifies.
+hundred ulps); in float32 to kappa times float32's unit roundoff times sqrt(c + L) + N: every block of the
+protocol is a sum of O(c + L) products whose rounding the code's conditioning amplifies.
 The sizes take the chunked path (two column chunks, m >= 2 * 2^16) that every real gradient takes.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cerar
-from cerar.rounds import pipeline_chunks
+from cerar.rounds import STORAGE_CHOICES, pipeline_chunks
 from tests.distributed import run_workers
 from tests.spec_reference import spec_all_reduce, spec_least_squares_decoders, spec_matrices
 
@@ -22,10 +22,11 @@ FLOAT64_UNIT_ROUNDOFF = 2.0**-53
 
 def tolerance(code: cerar.Code, dtype: torch.dtype) -> float:
     """Relative error allowed between the fast code and the float64 reference: the transport's unit
-    roundoff, amplified by kappa (the spec's "Numerics") and by sqrt(c + L), the growth of the
-    rounding of sums of c + L terms. (Measured: 0.1 to 0.3 of it.)"""
+    roundoff, amplified by kappa (the spec's "Numerics") and by sqrt(c + L) + N: the rounding of
+    the sums of c + L coded terms, and of the N workers' values in every block. (Measured: 0.1 to
+    0.3 of it on long gradients.)"""
     unit = FLOAT32_UNIT_ROUNDOFF if dtype == torch.float32 else FLOAT64_UNIT_ROUNDOFF
-    return max(code.kappa, 1.0) * unit * np.sqrt(code.c + code.L)
+    return max(code.kappa, 1.0) * unit * (np.sqrt(code.c + code.L) + code.N)
 
 
 def chunked_length(c: int) -> int:
@@ -91,14 +92,15 @@ ORACLE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("storage", STORAGE_CHOICES)
 @pytest.mark.parametrize("N, c, construction, kwargs, dtype", ORACLE_CASES)
-def test_the_oracle_computes_the_specs_protocol_on_the_chunked_path(N, c, construction, kwargs, dtype):
+def test_the_oracle_computes_the_specs_protocol_on_the_chunked_path(N, c, construction, kwargs, dtype, storage):
     code = cerar.make_code(N, c, construction, **kwargs)
     d = chunked_length(c)
     G = gradients(N, d, seed=c)
     G_t = torch.from_numpy(G).to(dtype)
     reference = reference_for(code, G_t.double().numpy())
-    errors = _scaled_errors(cerar.simulate(G_t, code), reference)
+    errors = _scaled_errors(cerar.simulate(G_t, code, storage=storage), reference)
     assert errors.max() <= tolerance(code, dtype), (errors, tolerance(code, dtype))
     # and the reference is the approximate sum the code promises, not something else
     truth = G_t.double().numpy().sum(0)
@@ -106,26 +108,44 @@ def test_the_oracle_computes_the_specs_protocol_on_the_chunked_path(N, c, constr
     assert worst <= 2 * code.predicted_error() + 1e-12
 
 
-def _distributed_worker(rank, N, c, construction, kwargs, d, seed, dtype, op):
+SMALL_CASES = [(N, c) for N in (2, 3, 4, 5) for c in (1, 2, N - 1, N, N + 1, 2 * N + 1, 4 * N) if c >= 1]
+
+
+@pytest.mark.parametrize("storage", STORAGE_CHOICES)
+@pytest.mark.parametrize("d", [1, 29, 1000])
+def test_every_ring_size_and_c_on_small_gradients(d, storage):
+    """Every batch layout of the message rows (N, c, d and the storage choice decide it) decodes
+    what the spec's protocol computes, in float64."""
+    for N, c in SMALL_CASES:
+        code = cerar.make_code(N, c, "exact") if c <= N else cerar.make_code(N, c, "perturbation", eps=0.3)
+        G = gradients(N, d, seed=N * 100 + c)
+        reference = reference_for(code, G)
+        errors = _scaled_errors(cerar.simulate(torch.from_numpy(G), code, storage=storage), reference)
+        assert errors.max() <= tolerance(code, torch.float64), (N, c, errors)
+
+
+def _distributed_worker(rank, N, c, construction, kwargs, d, seed, dtype, op, storage):
     G = torch.from_numpy(gradients(N, d, seed)).to(dtype)
     mine = G[rank].clone()
-    cerar.all_reduce(mine, cerar.make_code(N, c, construction, **kwargs), op=op, timeout=120)
+    cerar.all_reduce(mine, cerar.make_code(N, c, construction, **kwargs), op=op, timeout=120, storage=storage)
     return mine
 
 
 @pytest.mark.parametrize(
-    "N, c, construction, kwargs, dtype, op",
+    "N, c, construction, kwargs, dtype, op, storage",
     [
-        (4, 16, "optimized", {}, torch.float32, "sum"),
-        (4, 16, "optimized", {}, torch.float64, "avg"),
-        (3, 7, "perturbation", {"eps": 0.05}, torch.float64, "sum"),
+        (4, 16, "optimized", {}, torch.float32, "sum", "messages"),
+        (4, 16, "optimized", {}, torch.float64, "avg", "spec"),
+        (3, 7, "perturbation", {"eps": 0.05}, torch.float64, "avg", "messages"),
     ],
 )
-def test_distributed_all_reduce_computes_the_specs_protocol(N, c, construction, kwargs, dtype, op):
+def test_distributed_all_reduce_computes_the_specs_protocol(N, c, construction, kwargs, dtype, op, storage):
     """Real gloo processes, the optimized code built in each of them, the chunked path."""
     code = cerar.make_code(N, c, construction, **kwargs)  # fills the test cache before the workers read it
     d = chunked_length(c)
-    results = torch.stack(run_workers(_distributed_worker, N, args=(c, construction, kwargs, d, 11, dtype, op)))
+    results = torch.stack(
+        run_workers(_distributed_worker, N, args=(c, construction, kwargs, d, 11, dtype, op, storage))
+    )
     G = torch.from_numpy(gradients(N, d, 11)).to(dtype).double().numpy()
     reference = reference_for(code, G) / (N if op == "avg" else 1)
     errors = _scaled_errors(results, reference)
