@@ -52,13 +52,14 @@ def encoder_inverse(code: Code, i: int) -> np.ndarray:
 
 
 def worker_matrices(code: Code, i: int) -> dict[str, np.ndarray]:
-    """Worker i's float64 matrices: the encoder A_i (c x c) and the decoder W_i (c x (c + L))."""
+    """Worker i's float64 matrices: the encoder A_i (c x c), the decoder W_i (c x (c + L)) and W_i's
+    last L columns (D_i) in reverse order."""
     c, L = code.c, code.L
     A, D = np.asarray(code.A[i]), np.asarray(code.D[i])
     W_U = encoder_inverse(code, i)
     shifted = min(c - 1, L)  # yhat(t) = x(t+1) - u(t+1) for t = 1..c-1
     W_U[:, 1 : 1 + shifted] -= D[:, :shifted]
-    return {"A": A, "W": np.concatenate([W_U, D], axis=1)}
+    return {"A": A, "W": np.concatenate([W_U, D], axis=1), "D_reversed": D[:, ::-1].copy()}
 
 
 def device_matrices(code: Code, i: int, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from cerar.codes import Code
 from cerar.matrices import check_transport_dtype, device_matrices
-from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer
+from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer, check_storage
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long one round may wait for its peers before the call fails."""
@@ -255,6 +255,7 @@ def all_reduce(
     if not isinstance(code, Code):
         raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
     check_transport_dtype(tensor.dtype, code, "tensor")
+    check_storage(storage)
     ring = _Ring.of(group, timeout, operation)
     if ring.size != code.N:
         raise ValueError(

@@ -118,10 +118,14 @@ message and decodes once, at the end, into the caller's tensor: the fewest passe
 (where the arithmetic, not the link, sets the time) and memory to spare."""
 
 
-def message_rows(N: int, L: int, storage: str = DEFAULT_STORAGE) -> int:
-    """How many message blocks a worker keeps: all L (``"messages"``) or N (``"spec"``), at least 2."""
+def check_storage(storage: str) -> None:
     if storage not in STORAGE_CHOICES:
         raise ValueError(f"storage must be one of {STORAGE_CHOICES}, got {storage!r}")
+
+
+def message_rows(N: int, L: int, storage: str = DEFAULT_STORAGE) -> int:
+    """How many message blocks a worker keeps: all L (``"messages"``) or N (``"spec"``), at least 2."""
+    check_storage(storage)
     return max(L if storage == "messages" else N, 2)
 
 
@@ -141,7 +145,8 @@ class CodedRingWorker:
     ``receive(t, y)`` turns y(t) into x(t+1) in its own buffer. ``finish(scale)`` leaves S_hat
     (times ``scale``) in [head; tail].
 
-    matrices: ``cerar.matrices.worker_matrices`` as tensors (A: c x c, W: c x (c + L)). head: [k, w]
+    matrices: ``cerar.matrices.worker_matrices`` as tensors (A: c x c, W: c x (c + L), D_reversed:
+    W's message columns in reverse order, for the batches stored backwards). head: [k, w]
     and tail: [c-k, w], the rows of G_i: read to encode, then overwritten by the result (of the
     tail only the ``tail_width`` leading columns of its first row, the rest being padding). buffer:
     [c + R, w], U_i = A_i G_i in its first c rows and the messages x(j+1) after them, in row
@@ -149,11 +154,10 @@ class CodedRingWorker:
     """
 
     def __init__(self, matrices, head, tail, buffer, N: int, tail_width: int, timer=None):
-        self.A, self.W = matrices["A"], matrices["W"]
+        self.A, self.W, self.W_reversed = matrices["A"], matrices["W"], matrices["D_reversed"]
         self.head, self.tail, self.N = head, tail, N
         self.c, self.k = self.A.shape[0], head.shape[0]
         self.L = self.W.shape[1] - self.c
-        self.W_reversed = self.W[:, self.c :].flip(1)  # column L - j: message j, for backward batches
         self.U, self.messages = buffer[: self.c], buffer[self.c :]
         self.buffer = buffer
         self.rows = self.messages.shape[0]

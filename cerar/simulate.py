@@ -6,7 +6,7 @@ import torch
 
 from cerar.codes import Code
 from cerar.matrices import check_transport_dtype, device_matrices
-from cerar.rounds import DEFAULT_STORAGE, CodedRingRank
+from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, check_storage
 
 
 def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False, storage: str = DEFAULT_STORAGE):
@@ -20,6 +20,7 @@ def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False, s
     if not isinstance(G, torch.Tensor):
         raise ValueError(f"G must be a torch.Tensor of shape [N, d], got {type(G).__name__}")
     check_transport_dtype(G.dtype, code, "G")
+    check_storage(storage)
     if G.dim() != 2 or G.shape[0] != code.N:
         raise ValueError(f"G must have shape [N, d] with N={code.N} (the code's N), got {tuple(G.shape)}")
     N, d = G.shape

@@ -124,6 +124,11 @@ def test_every_ring_size_and_c_on_small_gradients(d, storage):
         assert errors.max() <= tolerance(code, torch.float64), (N, c, errors)
 
 
+def test_an_unknown_storage_choice_is_refused_by_name():
+    with pytest.raises(ValueError, match="storage must be one of"):
+        cerar.simulate(torch.zeros(3, 10), cerar.make_code(3, 3), storage="disk")
+
+
 def _distributed_worker(rank, N, c, construction, kwargs, d, seed, dtype, op, storage):
     G = torch.from_numpy(gradients(N, d, seed)).to(dtype)
     mine = G[rank].clone()
