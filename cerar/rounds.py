@@ -40,7 +40,7 @@ additions                  2 L m (an injection formed and added   (L - max(0, N-
                            every round)                           max(0, c-N) m injection subtractions
 passes: encode             1 (x(1)) + 2 (B G) + 4 (A G through   3 (x(1), then the rest of U_i)
                            a block, copied back)
-passes: rounds             about 6 L / c (inject, add)            3 (L + c - N - max(0, N-c)) / c
+passes: rounds             about 6 L / c (inject, add)            3 (L + c - N) / c = 6 (c - 1) / c
 passes: decode             2 per product over the accumulator,    (c + L)/c + 1 for the first product
                            about 2 L/(N-1) products (more where   (it writes the result without
                            a batch wraps round the rows) + L/c    reading it), 2 per further one:
