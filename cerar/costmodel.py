@@ -4,30 +4,33 @@ What
 ----
 Per worker, one all-reduce of ``d`` values of ``itemsize`` bytes takes
 
-    T = rounds * alpha + bytes_sent / bandwidth + work * gamma
+    T = rounds * alpha + bytes_sent / bandwidth + bytes_moved * gamma
 
 with ``alpha`` the per-round latency (s), ``beta = 1/bandwidth`` (s per byte on the slowest link
-of the ring) and ``gamma`` seconds per arithmetic operation (a mult-add or an add), and
+of the ring) and ``gamma = 1/memory_bandwidth`` (s per byte the arithmetic reads or writes: its
+products and additions are memory bound), and
 
 ============  ====================  ==========================  ==========================================
-algorithm     rounds                bytes sent per worker       work per worker (operations)
+algorithm     rounds                bytes sent per worker       values the arithmetic moves per worker
 ============  ====================  ==========================  ==========================================
-exact ring    2(N-1)                2(N-1) ceil(d/N) itemsize   (N-1) ceil(d/N) adds (~ d)
-CERAR         L = c+N-2             L m itemsize, m=ceil(d/c)   c*c*m (encode A_i G_i, ~ c d)
-                                                                + c*L*m (decode D_i Yhat_i)
-                                                                + 2 L m (per-round add and subtract)
+exact ring    2(N-1)                2(N-1) ceil(d/N) itemsize   3 (N-1) ceil(d/N) (reduce-scatter adds)
+CERAR         L = c+N-2             L m itemsize, m=ceil(d/c)   ``cerar_arithmetic``: about 22 d for
+                                                                ``storage="spec"``, 12 d for
+                                                                ``"messages"`` (``cerar.rounds``)
 ============  ====================  ==========================  ==========================================
 
 Why
 ---
 CERAR sends ``(1 + (N-2)/c) d`` values instead of ``2(N-1)/N d`` but needs ``c+N-2`` rounds instead
-of ``2(N-1)`` and ``O(c d)`` arithmetic instead of ``O(d)``. Whether it is faster depends on the
-balance of the three terms; the model makes that explicit, can be fitted to measured all-reduce
-times (``reports/data/allreduce.csv``), and projects the saving for Pythia-sized gradients on
-PCIe-class and NVLink-class links.
+of ``2(N-1)`` and more passes over the gradient. Whether it is faster depends on the balance of the
+three terms; the model makes that explicit, can be fitted to measured all-reduce times
+(``reports/data/allreduce.csv``), and projects CERAR against NCCL's ring for Pythia-sized gradients
+on PCIe-class and NVLink-class nodes, with the link bandwidth where they cross over
+(``crossover_bandwidth``).
 
-Pure numpy, no torch.distributed, nothing from ``train/``. Run
-``python -m cerar.costmodel --csv reports/data/allreduce.csv --out reports/costmodel.md``.
+Pure numpy, no torch, nothing from ``train/``. ``python -m cerar.costmodel --csv
+reports/data/allreduce.csv`` prints the fits and the projection; ``scripts/costmodel_report.py``
+renders ``reports/costmodel.md``.
 """
 
 from __future__ import annotations
@@ -93,6 +96,12 @@ def ring_work(d, N: int):
     return (N - 1) * -(-np.asarray(d) // N)
 
 
+def ring_values_moved(d, N: int):
+    """Values the exact ring's arithmetic reads or writes per worker: each reduce-scatter add reads
+    two blocks and writes one, 3 (N-1) ceil(d/N) ~ 3 d."""
+    return 3 * ring_work(d, N)
+
+
 def cerar_rounds(N: int, c: int) -> int:
     """Communication rounds of CERAR: L = c + N - 2."""
     _check_nc(N, c)
@@ -105,12 +114,66 @@ def cerar_values(d, N: int, c: int):
     return (c + N - 2) * -(-np.asarray(d) // c)
 
 
-def cerar_work(d, N: int, c: int):
-    """Arithmetic per worker of CERAR: encode c*c*m + decode c*L*m + 2*L*m round adds."""
-    _check_nc(N, c)
+STORAGE_CHOICES = ("spec", "messages")  # cerar.rounds.STORAGE_CHOICES, without importing torch
+DEFAULT_STORAGE = "spec"  # cerar.rounds.DEFAULT_STORAGE
+
+
+def _check_storage(storage: str) -> None:
+    if storage not in STORAGE_CHOICES:
+        raise ValueError(f"storage must be one of {STORAGE_CHOICES}, got {storage!r}")
+
+
+def decode_products(N: int, c, storage: str = DEFAULT_STORAGE):
+    """Decoding products of one CERAR call (the first also takes U_i): one with ``"messages"``
+    (every message has its row); with ``"spec"``, one per batch of N-1 messages (the N-th row is
+    receiving), or one when N >= L. ``c`` may be an array."""
+    _check_storage(storage)
+    c = np.asarray(c)
+    L = c + N - 2
+    rows = np.maximum(L if storage == "messages" else N, 2)
+    batch = np.where(rows >= L, rows, rows - 1)
+    return -(-L // batch)
+
+
+def _arithmetic(d, N: int, c, storage: str) -> dict:
+    c = np.asarray(c)
+    products = decode_products(N, c, storage)
     m = -(-np.asarray(d) // c)
     L = c + N - 2
-    return c * c * m + c * L * m + 2 * L * m
+    injections = np.maximum(0, c - N)  # rounds N..c-1: u(t+1) - u(t-N+1) formed in flight
+    additions = L - np.maximum(0, N - c)  # rounds with a row to add to y(t)
+    encode = 2 * c * m + c * m  # G read twice (x(1) first, then the rest), U written once
+    rounds = 3 * (injections + additions) * m
+    decode = (c + L) * m + c * m + 2 * c * m * (products - 1)  # [U; X] read, result written
+    moved = encode + rounds + decode
+    rows = np.maximum(L if storage == "messages" else N, 2)
+    return {
+        "mult_adds": (2 * c + L) * c * m,
+        "adds": (injections + additions) * m,
+        "values_moved": moved,
+        "passes": moved / (c * m),
+        "products": products,
+        "storage_values": (c + rows + 1) * m,
+    }
+
+
+def cerar_arithmetic(d, N: int, c: int, storage: str = DEFAULT_STORAGE) -> dict:
+    """The arithmetic of one CERAR call per rank (``cerar.rounds`` derives it; exact when c divides d):
+
+    - ``mult_adds``: matrix products, U_i = A_i G_i (c d) and W_i [U_i; X] ((c + L) d);
+    - ``adds``: the per-round additions and the injections formed in flight;
+    - ``values_moved``: values the arithmetic reads or writes, and ``passes`` = values_moved / d;
+    - ``products``: decoding products; ``storage_values``: working storage beyond the input.
+    """
+    _check_nc(N, c)
+    _check_storage(storage)
+    return _arithmetic(d, N, c, storage)
+
+
+def cerar_work(d, N: int, c: int, storage: str = DEFAULT_STORAGE):
+    """Arithmetic operations per worker of CERAR: multiply-adds plus additions (``cerar_arithmetic``)."""
+    counts = cerar_arithmetic(d, N, c, storage)
+    return counts["mult_adds"] + counts["adds"]
 
 
 def byte_ratio_limit(N: int, c: int) -> float:
@@ -119,50 +182,58 @@ def byte_ratio_limit(N: int, c: int) -> float:
     return (1 + (N - 2) / c) / (2 * (N - 1) / N)
 
 
-def features(aggregator: str, d, N: int, c: int | None, itemsize: int = 4) -> np.ndarray:
-    """Model regressors [rounds, bytes_sent, work] for one all-reduce (per worker)."""
+def features(
+    aggregator: str, d, N: int, c: int | None, itemsize: int = 4, storage: str = DEFAULT_STORAGE
+) -> np.ndarray:
+    """Model regressors [rounds, bytes_sent, bytes_moved] for one all-reduce (per worker):
+    bytes_moved is the memory traffic of the arithmetic (``cerar_arithmetic``'s values_moved)."""
     d = np.asarray(d)
     if aggregator == "ring":
-        return np.array([ring_rounds(N), ring_values(d, N) * itemsize, ring_work(d, N)], dtype=float)
+        return np.array([ring_rounds(N), ring_values(d, N) * itemsize, ring_values_moved(d, N) * itemsize],
+                        dtype=float)  # fmt: skip
     if aggregator == "cerar":
         if c is None:
             raise ValueError("aggregator 'cerar' needs c (number of components)")
-        return np.array([cerar_rounds(N, c), cerar_values(d, N, c) * itemsize, cerar_work(d, N, c)],
+        moved = cerar_arithmetic(d, N, c, storage)["values_moved"]
+        return np.array([cerar_rounds(N, c), cerar_values(d, N, c) * itemsize, moved * itemsize],
                         dtype=float)  # fmt: skip
     raise ValueError(f"unknown aggregator {aggregator!r}: expected 'ring' or 'cerar'")
 
 
 @dataclasses.dataclass(frozen=True)
 class LinkModel:
-    """alpha: s per round; bandwidth: bytes/s per direction; throughput: arithmetic ops/s."""
+    """alpha: s per round; bandwidth: link bytes/s per direction; memory_bandwidth: bytes/s at which
+    the arithmetic streams its operands (it is memory bound: ``cerar.rounds``)."""
 
     alpha: float
     bandwidth: float
-    throughput: float
+    memory_bandwidth: float
     name: str = ""
     note: str = ""
+    storage: str = DEFAULT_STORAGE  # CERAR's storage choice (``cerar.rounds``)
 
     def __post_init__(self):
-        if not (self.alpha >= 0 and self.bandwidth > 0 and self.throughput > 0):
-            raise ValueError(f"LinkModel needs alpha >= 0, bandwidth > 0, throughput > 0; got {self}")
+        _check_storage(self.storage)
+        if not (self.alpha >= 0 and self.bandwidth > 0 and self.memory_bandwidth > 0):
+            raise ValueError(f"LinkModel needs alpha >= 0, bandwidth > 0, memory_bandwidth > 0; got {self}")
 
     @property
     def coef(self) -> np.ndarray:
-        return np.array([self.alpha, 1.0 / self.bandwidth, 1.0 / self.throughput])
+        return np.array([self.alpha, 1.0 / self.bandwidth, 1.0 / self.memory_bandwidth])
 
     def ring_time(self, d, N: int, itemsize: int = 4) -> float:
         return float(self.coef @ features("ring", d, N, None, itemsize))
 
     def cerar_time(self, d, N: int, c: int, itemsize: int = 4) -> float:
-        return float(self.coef @ features("cerar", d, N, c, itemsize))
+        return float(self.coef @ features("cerar", d, N, c, itemsize, self.storage))
 
     def cerar_times(self, d: int, N: int, cs: np.ndarray, itemsize: int = 4) -> np.ndarray:
         """Vectorised CERAR times over an array of c values."""
         cs = np.asarray(cs, dtype=np.int64)
         m = -(-d // cs)
         L = cs + N - 2
-        work = cs * cs * m + cs * L * m + 2 * L * m
-        return self.alpha * L + L * m * itemsize / self.bandwidth + work / self.throughput
+        moved = _arithmetic(d, N, cs, self.storage)["values_moved"]
+        return self.alpha * L + L * m * itemsize / self.bandwidth + moved * itemsize / self.memory_bandwidth
 
     def best_c(self, d: int, N: int, itemsize: int = 4, c_max: int | None = None) -> tuple[int, float]:
         """The c in 1..c_max (default 64N) minimising CERAR's time, and that time."""
@@ -192,7 +263,8 @@ class Fit:
         return math.inf if self.beta == 0 else 1.0 / self.beta
 
     @property
-    def throughput(self) -> float:
+    def memory_bandwidth(self) -> float:
+        """Bytes/s of the arithmetic's memory traffic (1/gamma)."""
         return math.inf if self.gamma == 0 else 1.0 / self.gamma
 
     def predict(self, aggregator: str, d, N: int, c: int | None, itemsize: int = 4) -> float:
@@ -293,17 +365,41 @@ def step_compute_seconds(params: int, tokens_per_worker: float = TOKENS_PER_WORK
     return 6.0 * params * tokens_per_worker / (peak_flops * mfu)
 
 
-# Stated assumptions: A100-class workers, fp32 gradients, flat ring bounded by its slowest link.
+# Stated assumptions: A100-class workers (HBM2, about 1.5 TB/s streamed), fp32 gradients, a flat ring
+# bounded by its slowest link; NCCL's ring all-reduce modelled as the exact ring on the same link.
+HBM_BANDWIDTH = 1.5e12
 SCENARIOS = {
-    "pcie-node": LinkModel(10e-6, 25e9, 5e12, "PCIe-class (one node)",
+    "pcie-node": LinkModel(10e-6, 25e9, HBM_BANDWIDTH, "PCIe-class node (A100 PCIe)",
                            "25 GB/s per direction (PCIe 4.0 x16), alpha 10 us"),
-    "ib-200g": LinkModel(20e-6, 25e9, 5e12, "inter-node 200 Gbit/s",
-                         "200 Gbit/s = 25 GB/s per direction, alpha 20 us"),
-    "ib-100g": LinkModel(20e-6, 12.5e9, 5e12, "inter-node 100 Gbit/s",
-                         "100 Gbit/s = 12.5 GB/s per direction, alpha 20 us"),
-    "nvlink": LinkModel(5e-6, 300e9, 5e12, "NVLink-class (A100 NVLink3)",
+    "nvlink": LinkModel(5e-6, 300e9, HBM_BANDWIDTH, "NVLink-class node (A100 SXM, NVLink3)",
                         "300 GB/s per direction, alpha 5 us"),
+    "ib-200g": LinkModel(20e-6, 25e9, HBM_BANDWIDTH, "inter-node 200 Gbit/s",
+                         "200 Gbit/s = 25 GB/s per direction, alpha 20 us"),
+    "ib-100g": LinkModel(20e-6, 12.5e9, HBM_BANDWIDTH, "inter-node 100 Gbit/s",
+                         "100 Gbit/s = 12.5 GB/s per direction, alpha 20 us"),
 }  # fmt: skip
+PYTHIA_PROJECTED = ("160m", "410m", "1b", "1.4b")
+
+PASSES_BEFORE_324C4C8 = {(4, 16): 34.19, (8, 32): 36.47}
+"""Passes over d of the arithmetic up to commit 324c4c8 (op="avg", c dividing d), measured on its dispatched tensor
+operations as ``tests/test_costmodel.py`` measures today's: the before column of ``cerar.rounds``."""
+
+
+def crossover_bandwidth(link: LinkModel, d: int, N: int, c: int, itemsize: int = 4,
+                        passes: float | None = None) -> float:  # fmt: skip
+    """The link bandwidth (bytes/s per direction) below which CERAR at c beats the exact ring on
+    ``link``'s latency, memory bandwidth and storage choice: 0 if it never does, inf if it always
+    does. ``passes`` overrides CERAR's memory traffic (e.g. ``PASSES_BEFORE_324C4C8``)."""
+    ring, cerar = features("ring", d, N, None, itemsize), features("cerar", d, N, c, itemsize, link.storage)
+    if passes is not None:
+        cerar[2] = passes * d * itemsize
+    saved_bytes = ring[1] - cerar[1]
+    extra_seconds = link.alpha * (cerar[0] - ring[0]) + (cerar[2] - ring[2]) / link.memory_bandwidth
+    if saved_bytes <= 0:
+        return 0.0
+    return math.inf if extra_seconds <= 0 else float(saved_bytes / extra_seconds)
+
+
 N_VALUES = (4, 8, 16, 64, 256, 1024)
 C_MULTIPLES = (1, 2, 4, 8)
 
@@ -333,155 +429,35 @@ def min_c_for_byte_saving(N: int, saving: float) -> int | None:
     return max(1, math.ceil((N - 2) / denom - 1e-12))
 
 
-# --------------------------------------------------------------------------- report
+# --------------------------------------------------------------------------- command line
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:+.1f}%"
-
-
-def _sec(x: float) -> str:
-    if x >= 1:
-        return f"{x:.2f} s"
-    if x >= 1e-3:
-        return f"{x * 1e3:.1f} ms"
-    return f"{x * 1e6:.0f} us"
-
-
-def report(rows: Sequence[dict] | None, csv_path: str | None = None, itemsize: int = 4) -> str:
-    """The markdown report: fitted parameters, projections, paper comparison, assumptions."""
-    L = ["# CERAR vs exact ring: alpha-beta cost model", ""]
-    L += [
-        "Generated by `python -m cerar.costmodel`. Model per worker and all-reduce:",
-        "",
-        "    T = rounds * alpha + bytes_sent / bandwidth + work / throughput",
-        "",
-        "| | rounds | bytes sent per worker | work (ops) per worker |",
-        "| --- | --- | --- | --- |",
-        "| exact ring | 2(N-1) | 2(N-1) ceil(d/N) itemsize | (N-1) ceil(d/N) adds |",
-        "| CERAR | L = c+N-2 | L ceil(d/c) itemsize | c^2 m + c L m + 2 L m, m = ceil(d/c) |",
-        "",
-        "Assumptions: one flat ring whose time is set by its slowest link; full-duplex links (a worker "
-        "sends and receives at the full rate at once); no overlap of communication with computation "
-        f"(so savings are upper bounds for an overlapped trainer); itemsize = {itemsize} bytes (fp32 "
-        "transport, which CERAR needs for kappa > 1); one arithmetic throughput for encode/decode "
-        "GEMMs and the ring's adds.",
-        "",
-    ]
-    # ---- fits
-    L += ["## Fitted parameters", ""]
-    if not rows:
-        L += [f"No measured rows{f' in `{csv_path}`' if csv_path else ''}: nothing fitted yet; the "
-              "projections below use the stated scenario parameters only.", ""]  # fmt: skip
-    else:
-        L += [f"Source: `{csv_path}` ({len(rows)} rows). Relative least squares on `seconds_median` "
-              "of the `ring` and `cerar` rows of each setting (the backend's own all-reduce is not "
-              "a ring of this form and is not fitted). `bandwidth vs link` compares the fitted "
-              "bandwidth with the lab's shaped rate.", "",
-              "| where | rate (Mbit/s) | rows | alpha | bandwidth | bandwidth vs link | throughput (ops/s) "
-              "| rel. RMSE (ring / cerar) |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+def summary(rows: Sequence[dict] | None, itemsize: int = 4) -> str:
+    """Plain-text fits (when rows are given) and the Pythia projection on the GPU scenarios."""
+    lines = []
+    if rows is not None:
+        lines.append("fitted per setting: alpha (s/round), link bandwidth (B/s), memory bandwidth (B/s), rel. RMSE")
         for (where, rate), f in fit_groups(rows, itemsize).items():
             if isinstance(f, str):
-                L.append(f"| {where} | {rate or '-'} | - | not fitted: {f} | | | | |")
-                continue
-            link = ""
-            if rate not in ("", None) and math.isfinite(f.bandwidth):
-                link = f"{f.bandwidth * 8 / (float(rate) * 1e6):.2f}"
-            rr = " / ".join(f"{f.rel_rmse_by_aggregator.get(a, float('nan')):.2f}" for a in ("ring", "cerar"))
-            L.append(
-                f"| {where} | {rate or '-'} | {f.n_rows} | {_sec(f.alpha)} | "
-                f"{f.bandwidth / 1e6:.1f} MB/s | {link or '-'} | {f.throughput:.3g} | {rr} |"
-            )
-        L.append("")
-    # ---- byte ratios
-    L += ["## Closed-form byte ratio (CERAR / ring)", "",
-          "(1 + (N-2)/c) / (2(N-1)/N); below 1 only for c > N; never below N/(2(N-1)) -> 1/2.", "",
-          "| N | c=N | c=2N | c=4N | c=8N | c->inf |", "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for N in N_VALUES:
-        cells = [f"{byte_ratio_limit(N, k * N):.3f}" for k in C_MULTIPLES]
-        L.append(f"| {N} | {' | '.join(cells)} | {N / (2 * (N - 1)):.3f} |")
-    L.append("")
-    # ---- projections
-    L += ["## Projections for Pythia gradients", "",
-          "Scenario parameters (A100-class worker; throughput = effective encode/decode rate, an "
-          "assumption: small-c GEMMs are memory bound):", ""]  # fmt: skip
-    for key, s in SCENARIOS.items():
-        L.append(f"- `{key}`: {s.name}: {s.note}, throughput {s.throughput:.1e} ops/s")
-    L += ["", f"Training step: compute = 6 * params * {TOKENS_PER_WORKER:,} tokens per worker / (312 TFLOP/s "
-          "* 0.40 MFU) (weak scaling: fixed micro-batch 8 x 2048 per worker), one fp32 gradient all-reduce "
-          "per step, not overlapped. Cells: change of the all-reduce time with CERAR at its best c "
-          "(searched over 1..64N) relative to the ring, then the change of the step time, then that c. "
-          "Negative = CERAR faster; positive = CERAR slower even at its best c.", ""]  # fmt: skip
-    for key, link in SCENARIOS.items():
-        L += [f"### {link.name} (`{key}`)", "",
-              "| model | " + " | ".join(f"N={N}" for N in N_VALUES) + " |",
-              "| --- |" + " --- |" * len(N_VALUES)]  # fmt: skip
-        for name, p in PYTHIA_PARAMS.items():
+                lines.append(f"  {where} {rate or '-'}: not fitted: {f}")
+            else:
+                lines.append(f"  {where} {rate or '-'}: {f.alpha:.3g} {f.bandwidth:.3g} {f.memory_bandwidth:.3g} "
+                             f"{f.rel_rmse:.2f}")  # fmt: skip
+    lines.append("CERAR at its best c / exact ring, all-reduce time (model):")
+    for key in ("pcie-node", "nvlink"):
+        link = SCENARIOS[key]
+        for N in (4, 8):
             cells = []
-            for N in N_VALUES:
-                pr = projection(link, p, N, itemsize)
-                cells.append(f"{_pct(-pr['ar_saving'])} / {_pct(-pr['step_saving'])} (c={pr['best_c']})")
-            L.append(f"| {name} | " + " | ".join(cells) + " |")
-        L.append("")
-    # ---- detail for 1.4b
-    p = PYTHIA_PARAMS["1.4b"]
-    L += ["### Pythia-1.4B in detail (all-reduce times)", "",
-          "| link | N | ring | c=N | c=2N | c=4N | c=8N | best c | best | step compute |",
-          "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for key, link in SCENARIOS.items():
-        for N in (4, 8, 64, 1024):
-            pr = projection(link, p, N, itemsize)
-            L.append(f"| {key} | {N} | {_sec(pr['ring'])} | "
-                     + " | ".join(_sec(pr[f'c={k}N']) for k in C_MULTIPLES)
-                     + f" | {pr['best_c']} | {_sec(pr['best'])} | {_sec(pr['step_compute'])} |")  # fmt: skip
-    L.append("")
-    # ---- sensitivity to throughput
-    L += ["### Sensitivity: Pythia-1.4B, N=8, all-reduce saving at best c vs assumed throughput", "",
-          "| link | 0.5e12 ops/s | 5e12 | 50e12 | infinite |", "| --- | --- | --- | --- | --- |"]  # fmt: skip
-    for key, link in SCENARIOS.items():
-        cells = []
-        for thr in (0.5e12, 5e12, 50e12, 1e30):
-            lk = dataclasses.replace(link, throughput=thr)
-            pr = projection(lk, p, 8, itemsize)
-            cells.append(f"{_pct(-pr['ar_saving'])} (c={pr['best_c']})")
-        L.append(f"| {key} | " + " | ".join(cells) + " |")
-    L.append("")
-    # ---- paper comparison
-    L += ["## Comparison with the paper's claims", "",
-          "| claim (paper) | model | comment |", "| --- | --- | --- |"]  # fmt: skip
-    pcie = SCENARIOS["pcie-node"]
-    best8 = projection(pcie, p, 8, itemsize)
-    best4 = projection(pcie, p, 4, itemsize)
-    target = PAPER_CLAIMS["allreduce_saving_pcie"]
-    need = {N: min_c_for_byte_saving(N, target) for N in (4, 8, 16, 32, 64, 1024)}
-    need_s = ", ".join(f"N={N}: {'impossible' if c is None else f'c >= {c}'}" for N, c in need.items())
-    L.append(f"| -47% all-reduce time vs NCCL, A100 PCIe | {_pct(-best4['ar_saving'])} (N=4), "
-             f"{_pct(-best8['ar_saving'])} (N=8), Pythia-1.4B, best c | A pure byte saving of 47% needs "
-             f"{need_s}: the byte ratio never drops below N/(2(N-1)). A 47% cut on a 4-8 GPU PCIe node "
-             "therefore cannot come from bytes alone; it implies the NCCL baseline ran below the link "
-             "rate (e.g. PCIe host-bridge traffic, protocol overheads) or a different ring/N. |")  # fmt: skip
-    tr4 = projection(pcie, p, 4, itemsize)["step_saving"]
-    tr8 = best8["step_saving"]
-    g8 = projection(pcie, p, 8, itemsize, PYTHIA_GLOBAL_TOKENS / 8)["step_saving"]
-    share = PAPER_CLAIMS["training_saving_pythia_1.4b"] / PAPER_CLAIMS["allreduce_saving_pcie"]
-    L.append(f"| -17% training time, Pythia-1.4B | {_pct(-tr4)} (N=4), {_pct(-tr8)} (N=8) at "
-             f"{TOKENS_PER_WORKER:,} tokens/worker; {_pct(-g8)} (N=8) with Pythia's 2M-token global batch "
-             "and one all-reduce per step | -17% of the step from -47% of the all-reduce means the "
-             f"all-reduce was >= {100 * share:.0f}% of the step (not overlapped): a small per-worker batch "
-             "on a slow link. The saving scales with that share; overlap shrinks it. |")  # fmt: skip
-    nv = projection(SCENARIOS["nvlink"], p, 8, itemsize)
-    L.append(f"| worse on NVLink | {_pct(-nv['ar_saving'])} (N=8, best c={nv['best_c']}) | On fast links "
-             "the O(c d) encode/decode and extra rounds outweigh the bytes saved; the model agrees in "
-             "direction if the throughput assumed is modest (see the sensitivity table). |")  # fmt: skip
-    L.append("")
-    return "\n".join(L) + "\n"
+            for name in PYTHIA_PROJECTED:
+                pr = projection(link, PYTHIA_PARAMS[name], N, itemsize)
+                cells.append(f"{name} {pr['best'] / pr['ring']:.3f} (c={pr['best_c']})")
+            lines.append(f"  {key} N={N}: " + ", ".join(cells))
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Fit and project the CERAR vs ring cost model.")
+    ap = argparse.ArgumentParser(description="Fit the CERAR vs ring cost model and print its projection.")
     ap.add_argument("--csv", default=None, help="measured rows (reports/data/allreduce.csv)")
-    ap.add_argument("--out", default=None, help="write the markdown report here (default: stdout)")
     ap.add_argument("--itemsize", type=int, default=4, help="bytes per gradient value (default 4, fp32)")
     args = ap.parse_args(argv)
     if args.itemsize not in (1, 2, 4, 8):
@@ -493,12 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (FileNotFoundError, ValueError) as e:
             print(f"costmodel: {e}", file=sys.stderr)
             return 2
-    text = report(rows, args.csv, args.itemsize)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-    else:
-        sys.stdout.write(text)
+    sys.stdout.write(summary(rows, args.itemsize))
     return 0
 
 

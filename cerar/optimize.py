@@ -26,6 +26,7 @@ It is therefore never worse than the closed form it starts from. Everything is d
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 from pathlib import Path
@@ -33,12 +34,13 @@ from pathlib import Path
 import numpy as np
 from scipy.optimize import minimize
 
-from cerar.codes import (
+from cerar import closed_forms
+from cerar.closed_forms import (
     DEFAULT_KAPPA_MAX,
     Code,
+    closed_form_code,
     code_from_matrices,
     encoders,
-    make_code,
     max_condition,
     ordered_points,
     roots_of_unity,
@@ -62,12 +64,25 @@ def least_squares_decoders(A: np.ndarray, N: int) -> np.ndarray:
     return D
 
 
-_CACHE_VERSION = 1
+def _search_code_version() -> str:
+    """A digest of the source that decides a search's result (this module and the closed forms it
+    starts from): a changed search never reads an older one's cached codes."""
+    digest = hashlib.sha256()
+    for module in (__file__, closed_forms.__file__):
+        digest.update(Path(module).read_bytes())
+    return digest.hexdigest()[:12]
+
+
+SEARCH_CODE_VERSION = _search_code_version()
+
+
+def cache_dir() -> Path:
+    """Where searched codes are kept: ``$CERAR_CACHE_DIR``, default ``~/.cache/cerar``."""
+    return Path(os.environ.get("CERAR_CACHE_DIR", Path.home() / ".cache" / "cerar"))
 
 
 def _cache_path(N: int, c: int, kappa_max: float) -> Path:
-    root = Path(os.environ.get("CERAR_CACHE_DIR", Path.home() / ".cache" / "cerar"))
-    return root / f"optimized-v{_CACHE_VERSION}-N{N}-c{c}-k{kappa_max!r}.npz"
+    return cache_dir() / f"optimized-{SEARCH_CODE_VERSION}-N{N}-c{c}-k{kappa_max!r}.npz"
 
 
 def optimized_code(N: int, c: int, eps: float | None = None, kappa_max: float | None = None) -> Code:
@@ -75,10 +90,11 @@ def optimized_code(N: int, c: int, eps: float | None = None, kappa_max: float | 
 
     Without kappa_max the budget is the kappa of the perturbation code at ``eps`` when eps is
     given, else DEFAULT_KAPPA_MAX. The search takes seconds, so its result is kept on disk
-    (``$CERAR_CACHE_DIR``, default ``~/.cache/cerar``) and shared by every process of a host.
+    (``cache_dir()``) under a key that carries ``SEARCH_CODE_VERSION``, and shared by every process
+    of a host.
     """
     if kappa_max is None:
-        kappa_max = make_code(N, c, "perturbation", eps=eps).kappa if eps is not None else DEFAULT_KAPPA_MAX
+        kappa_max = closed_form_code(N, c, "perturbation", eps, None).kappa if eps is not None else DEFAULT_KAPPA_MAX
     path = _cache_path(N, c, kappa_max)
     try:
         with np.load(path) as saved:
@@ -100,7 +116,7 @@ def _search(N: int, c: int, kappa_max: float):
     """(points, A, D) of the best candidate."""
     candidates = []
     try:
-        start = make_code(N, c, "perturbation", kappa_max=kappa_max)
+        start = closed_form_code(N, c, "perturbation", None, kappa_max)
         candidates += [
             (start.predicted_error(), start.points, start.A, start.D),
             _with_least_squares_decoders(start.points, start.A, N),

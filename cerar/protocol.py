@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from cerar.codes import Code
-from cerar.rounds import CodedRingRank, PhaseTimer
-from cerar.simulate import check_transport_dtype, device_matrices
+from cerar.matrices import check_transport_dtype, device_matrices
+from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer, check_storage
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long one round may wait for its peers before the call fails."""
@@ -233,7 +233,9 @@ def _cached_device_matrices(code: Code, i: int, dtype, device) -> dict[str, torc
     return _device_codes[key]
 
 
-def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", timeout=None) -> AllReduceStats:
+def all_reduce(
+    tensor: torch.Tensor, code: Code, group=None, op: str = "sum", timeout=None, storage: str = DEFAULT_STORAGE
+) -> AllReduceStats:
     """Approximate all-reduce of ``tensor`` in place with the CERAR code ``code``.
 
     Like ``dist.all_reduce``: every rank of ``group`` calls it with a tensor of the same shape and
@@ -242,7 +244,10 @@ def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", ti
     constructions. Any shape and contiguity; float32/float64, and float16/bfloat16 only for codes
     with kappa <= ``cerar.LOW_PRECISION_KAPPA_LIMIT``. Raises ValueError for bad input and
     CollectiveError when a peer fails, stalls past ``timeout`` (seconds or timedelta, per round,
-    default 5 minutes) or disagrees on the code or the length.
+    default 5 minutes) or disagrees on the code or the length. ``storage``: ``"spec"`` (default)
+    keeps N message blocks and decodes while blocks travel, in the spec's (1 + N/c) d plus one
+    block; ``"messages"`` keeps all L and decodes once at the end, about half the passes over the
+    gradient (for fast links), in (2 + (N-1)/c) d (``cerar.rounds`` counts both).
     """
     operation = "cerar.all_reduce"
     _check_tensor(tensor, operation)
@@ -250,6 +255,7 @@ def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", ti
     if not isinstance(code, Code):
         raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
     check_transport_dtype(tensor.dtype, code, "tensor")
+    check_storage(storage)
     ring = _Ring.of(group, timeout, operation)
     if ring.size != code.N:
         raise ValueError(
@@ -279,7 +285,7 @@ def all_reduce(tensor: torch.Tensor, code: Code, group=None, op: str = "sum", ti
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     matrices = _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device)
     with torch.no_grad():
-        me = CodedRingRank(matrices, flat, c, m, N, timer)
+        me = CodedRingRank(matrices, flat, c, m, N, timer, storage)
         works = []
         for worker in me.workers:  # round 1 of every chunk
             with timer.phase("comm"):

@@ -12,21 +12,56 @@ rearranged so that only one addition of m values lies between receiving y(t) and
 
     x(t+1) = y(t) + (u(t+1) - u(t-N+1))       (u(j) = 0 outside 1..c)
 
-The bracket is formed while round t's blocks are in flight. During round 1 the worker turns G_i
-into U_i = A_i G_i in place (one matrix product, a few columns at a time through the injection
-buffer), so each later injection is a difference of two stored rows. Decoding uses the messages
-themselves: since yhat(t) = x(t+1) - u(t+1),
+The bracket is formed while round t's blocks are in flight, and only in the rounds where both rows
+exist; otherwise y(t) takes the one row directly. U_i = A_i G_i lives in its own c blocks, beside the
+stored messages, and the caller's tensor keeps G_i until the first decoding product overwrites it
+with the result. Decoding uses the stored messages themselves (``cerar.matrices``):
 
-    S_hat = G + sum_t D_i[:, t] yhat(t) = B_i G + sum_t D_i[:, t] x(t+1),   B_i = I - sum_t D_i[:, t] A_i[t+1, :]
+    S_hat_i = W_i [U_i; x(2); ...; x(L+1)],   W_i = [A_i^-1 - D_i[:, :c-1] S | D_i]   (c x (c + L))
 
-with acc = B_i G formed during round 1 before G is overwritten, and the other terms added in batches
-of N-1 messages while the newest of them is on the wire.
+Storage knob (``storage``, ``DEFAULT_STORAGE``): ``"spec"`` (the default) keeps N message blocks
+and decodes each batch of N-1 messages with one product while the next blocks travel (the rows are
+swept up and down so that a batch is always contiguous), the first product fused with W_i's
+U-columns, the last one scaled by 1/N; ``"messages"`` keeps all L messages and decodes with one
+product at the end, written straight into the caller's tensor with 1/N folded into its alpha.
 
-Work per call: c d multiply-adds to encode and c d for B_i G (once each), one subtraction of m
-values per round, and L c m multiply-adds to decode in L/(N-1) passes over the accumulator.
-Storage beyond the input: the accumulator (c blocks), N message blocks and the injection:
-(1 + (N+1)/c) d, the spec's (1 + N/c) d plus one block. The caller's tensor holds U_i during the
-call, and the result after it.
+The count (per rank and call, c dividing d, m = d/c; a "pass" is d values read or written by the
+arithmetic, not by the transport). ``cerar.costmodel.cerar_arithmetic`` computes the new column,
+and ``tests/test_costmodel.py`` measures it on the dispatched tensor operations; the old column was
+measured the same way on the previous arithmetic (``git show 324c4c8:cerar/rounds.py``).
+
+=========================  =====================================  ====================================
+                           before (commit 324c4c8)                now
+=========================  =====================================  ====================================
+matrix products            x(1) = A_i[0] G (d), B_i G (c d),      U_i = A_i G (c d), W_i [U; X]
+(multiply-adds)            U = A_i G in place (c d), D_i X (L d)  ((c + L) d): (3c + N - 2) d
+                           : (3c + N - 1) d
+additions                  2 L m (an injection formed and added   (L - max(0, N-c)) m adds and
+                           every round)                           max(0, c-N) m injection subtractions
+passes: encode             1 (x(1)) + 2 (B G) + 4 (A G through   3 (x(1), then the rest of U_i)
+                           a block, copied back)
+passes: rounds             about 6 L / c (inject, add)            3 (L + c - N) / c = 6 (c - 1) / c
+passes: decode             2 per product over the accumulator,    (c + L)/c + 1 for the first product
+                           about 2 L/(N-1) products (more where   (it writes the result without
+                           a batch wraps round the rows) + L/c    reading it), 2 per further one:
+                                                                  none with "messages", one per
+                                                                  N-1 messages with "spec"
+passes: scale, write back  2 (1/N) + 2 (copy into the tensor)     0 (1/N in the last products'
+                                                                  alpha, the result in place)
+N=4, c=16, op="avg"        34.2 passes, 51 d multiply-adds        11.75 ("messages"), 21.75 ("spec"),
+                                                                  50 d multiply-adds
+N=8, c=32, op="avg"        36.5 passes, 103 d multiply-adds       12.0 ("messages"), 22.0 ("spec")
+storage beyond the input   (c + N + 1) m = (1 + (N+1)/c) d        (c + L + 1) m = (2 + (N-1)/c) d
+                                                                  ("messages"); (c + N + 1) m =
+                                                                  (1 + (N+1)/c) d ("spec")
+=========================  =====================================  ====================================
+
+The spec's storage is (1 + N/c) d; ``"spec"`` adds one block (the injection), ``"messages"`` adds
+(L + 1 - N) m, about (1 - 1/c) d more, to touch the gradient about half as often. Where c does not
+divide d, the partial last row costs the encoding one more read of the columns it covers and the
+last product one more read of them in [U; X]. The multiply-adds are the same in both modes and
+for both algorithms to one d: the saving is in memory traffic, which bounds these products on a
+GPU (the last one does c (c + L) / (2c + L) < c multiply-adds per value it moves).
 
 G_i arrives as rows of length m in two parts, ``head`` (the rows that are a view of the caller's
 tensor) and ``tail`` (the last, zero-padded rows), so the input is never copied whole.
@@ -37,7 +72,6 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 
 
@@ -76,127 +110,158 @@ class PhaseTimer:
         return dict(self.seconds)
 
 
-def worker_matrices(code, i: int) -> dict[str, np.ndarray]:
-    """Worker i's float64 matrices for the rearranged rounds: A_i (c x c), its first row, D_i (c x L)
-    and B_i (c x c)."""
-    c, L = code.c, code.L
-    A, D = code.A[i], code.D[i]
-    B = np.eye(c) - (D[:, : c - 1] @ A[1:] if L else 0)
-    return {"A": A, "first": A[:1], "D": D, "B": B}
+STORAGE_CHOICES = ("spec", "messages")
+DEFAULT_STORAGE = "spec"
+"""``"spec"`` keeps N messages and decodes them in batches while blocks travel: the spec's storage,
+and on a slow link all but the last batch hide behind the transfers. ``"messages"`` keeps every
+message and decodes once, at the end, into the caller's tensor: the fewest passes, for fast links
+(where the arithmetic, not the link, sets the time) and memory to spare."""
 
 
-def message_rows(N: int) -> int:
-    """How many message blocks a worker keeps: N. Received messages wait in them until N-1 have
-    gathered and are decoded by one matrix product (one pass over the accumulator for every N-1
-    rounds instead of every round), which keeps storage at the spec's (1 + N/c) d plus one block."""
-    return max(N, 2)
+def check_storage(storage: str) -> None:
+    if storage not in STORAGE_CHOICES:
+        raise ValueError(f"storage must be one of {STORAGE_CHOICES}, got {storage!r}")
+
+
+def message_rows(N: int, L: int, storage: str = DEFAULT_STORAGE) -> int:
+    """How many message blocks a worker keeps: all L (``"messages"``) or N (``"spec"``), at least 2."""
+    check_storage(storage)
+    return max(L if storage == "messages" else N, 2)
+
+
+def message_row(j: int, rows: int) -> int:
+    """The buffer row of message j (x(j+1), j = 1..L): the rows are swept up and down, 0, 1, ...,
+    R-1, R-2, ..., 0, 1, ..., so each batch of R-1 consecutive messages fills contiguous rows
+    (forwards in even batches, backwards in odd ones) and is decoded by one product."""
+    p = (j - 1) % (2 * (rows - 1))
+    return p if p < rows else 2 * (rows - 1) - p
 
 
 class CodedRingWorker:
-    """One worker's state through the L rounds.
+    """One worker's state through the L rounds, on a column chunk of its gradient.
 
     Per round t: ``message()`` is x(t) (send it) and ``receive_buffer(t)`` is where y(t) must
     arrive; ``while_in_flight(t)`` does the round's arithmetic while the blocks travel;
-    ``receive(t, y)`` turns y(t) into x(t+1) in its own buffer. ``result()`` is S_hat at the end.
+    ``receive(t, y)`` turns y(t) into x(t+1) in its own buffer. ``finish(scale)`` leaves S_hat
+    (times ``scale``) in [head; tail].
 
-    matrices: ``worker_matrices`` as tensors of G's dtype on G's device. head: [k, m] and
-    tail: [c-k, m], the rows of G_i; during round 1 they are overwritten with U_i = A_i G_i (after
-    acc = B_i G_i), so each later injection is a difference of two rows. messages: [R, m] buffers
-    (R = ``message_rows(N)``); x(t) lives in row (t-1) mod R. Messages are decoded in batches of
-    R-1 while the last of them is on the wire.
+    matrices: ``cerar.matrices.worker_matrices`` as tensors (A: c x c, W: c x (c + L), D_reversed:
+    W's message columns in reverse order, for the batches stored backwards). head: [k, w]
+    and tail: [c-k, w], the rows of G_i: read to encode, then overwritten by the result (of the
+    tail only the ``tail_width`` leading columns of its first row, the rest being padding). buffer:
+    [c + R, w], U_i = A_i G_i in its first c rows and the messages x(j+1) after them, in row
+    ``message_row(j, R)``, so the first product is one with [U_i; x(2); ...; x(R)].
     """
 
-    def __init__(self, matrices: dict[str, torch.Tensor], head, tail, messages, N: int, timer=None):
-        self.A, self.D, self.B = matrices["A"], matrices["D"], matrices["B"]
-        self.head, self.tail, self.messages, self.N = head, tail, messages, N
+    def __init__(self, matrices, head, tail, buffer, N: int, tail_width: int, timer=None):
+        self.A, self.W, self.W_reversed = matrices["A"], matrices["W"], matrices["D_reversed"]
+        self.head, self.tail, self.N = head, tail, N
         self.c, self.k = self.A.shape[0], head.shape[0]
-        self.rows = messages.shape[0]
+        self.L = self.W.shape[1] - self.c
+        self.U, self.messages = buffer[: self.c], buffer[self.c :]
+        self.buffer = buffer
+        self.rows = self.messages.shape[0]
+        # messages per decoding product: all at once when every message has its own row, else R-1
+        # (the R-th row is receiving)
+        self.batch = self.rows if self.rows >= self.L else self.rows - 1
+        self.tail_width = tail_width
         self.timer = timer or PhaseTimer(head.device, enabled=False)
-        self.acc = head.new_empty(self.c, head.shape[-1])
-        self.injection = torch.empty_like(messages[0])
-        self.decoded_up_to = 1  # x(1) carries no decoding term
+        self.injection = torch.empty_like(buffer[0])
+        self.pending = None  # what receive(t) adds to y(t): (row, sign)
+        self.decoded = 0  # messages x(2..decoded+1) are in the result
+        self.encoded = False
         self.t = 1
         with self.timer.phase("encode"):
-            self._times_G(matrices["first"], out=messages[0].view(1, -1))  # x(1) = u(1)
+            self._encode(slice(0, 1))  # x(1) = u(1)
 
-    def _times_G(self, rows: torch.Tensor, out: torch.Tensor, columns=slice(None)) -> None:
-        """out = rows @ G[:, columns], with G = [head; tail]."""
-        torch.mm(rows[:, : self.k], self.head[:, columns], out=out)
-        if self.tail.shape[0]:
-            out.addmm_(rows[:, self.k :], self.tail[:, columns])
+    def _encode(self, rows: slice) -> None:
+        """U[rows] = A[rows] G, G = [head; tail] (only the tail's first row can hold values)."""
+        out = self.U[rows]
+        torch.mm(self.A[rows, : self.k], self.head, out=out)
+        if self.tail_width:
+            width = self.tail_width
+            out[:, :width].addmm_(self.A[rows, self.k : self.k + 1], self.tail[:1, :width])
 
-    def _encode_in_place(self) -> None:
-        """[head; tail] <- A_i [head; tail], a few columns at a time (U_i replaces G_i), through the
-        injection buffer, which is free until the first injection is formed."""
-        m = self.head.shape[-1]
-        width = max(1, m // self.c)
-        if self.c * width <= m:
-            block = self.injection[: self.c * width].view(self.c, width)
-        else:  # m < c: a block of a few values
-            block = self.head.new_empty(self.c, width)
-        for a in range(0, m, width):
-            b = min(m, a + width)
-            encoded = block[:, : b - a]
-            self._times_G(self.A, out=encoded, columns=slice(a, b))
-            self.head[:, a:b].copy_(encoded[: self.k])
-            self.tail[:, a:b].copy_(encoded[self.k :])
+    def _finish_encoding(self) -> None:
+        if not self.encoded:
+            with self.timer.phase("encode"):
+                self._encode(slice(1, self.c))
+            self.encoded = True
 
     def _u(self, j: int) -> torch.Tensor:
         """u(j) = row j (1-based) of U_i."""
-        return self.head[j - 1] if j <= self.k else self.tail[j - 1 - self.k]
+        return self.U[j - 1]
 
     def message(self) -> torch.Tensor:
         """x(t), the block to send this round."""
-        return self.messages[(self.t - 1) % self.rows]
+        return self.U[0] if self.t == 1 else self.messages[message_row(self.t - 1, self.rows)]
 
     def receive_buffer(self, t: int) -> torch.Tensor:
-        return self.messages[t % self.rows]
+        return self.messages[message_row(t, self.rows)]
 
-    def _decode_through(self, s: int) -> None:
-        """acc += D_i[:, j-1] x(j) for the waiting messages x(decoded_up_to + 1 .. s)."""
-        first = self.decoded_up_to + 1
-        while first <= s:
-            row = (first - 1) % self.rows
-            last = min(s, first + self.rows - 1 - row)  # stop where the rows wrap round
-            self.acc.addmm_(self.D[:, first - 2 : last - 1], self.messages[row : row + last - first + 1])
-            first = last + 1
-        self.decoded_up_to = s
+    def _batch_end(self, j: int) -> int:
+        """The last message of message j's batch."""
+        return min(self.L, (j - 1) // self.batch * self.batch + self.batch)
+
+    def _decode(self, last: int, alpha: float = 1.0, beta: float = 1.0) -> None:
+        """[head; tail] = beta [head; tail] + alpha (W_i's terms for the messages decoded+1..last,
+        which lie in one batch of contiguous rows). The first product also applies W_i's U-columns
+        and overwrites G (U_i holds all it had)."""
+        self._finish_encoding()
+        first = self.decoded + 1
+        if first == 1:  # W_i [U; x(2) ... x(last+1)]: rows 0..c+last-1 of the buffer
+            rows, cols, beta = self.buffer[: self.c + last], self.W[:, : self.c + last], 0.0
+        else:
+            a, b = message_row(first, self.rows), message_row(last, self.rows)
+            if a <= b:  # a forward batch: message j in row a + (j - first)
+                rows, cols = self.messages[a : b + 1], self.W[:, self.c + first - 1 : self.c + last]
+            else:  # a backward one: rows b..a hold messages last..first
+                rows, cols = self.messages[b : a + 1], self.W_reversed[:, self.L - last : self.L - first + 1]
+        self.head.addmm_(cols[: self.k], rows, beta=beta, alpha=alpha)
+        if self.tail_width:  # only the partial row's values inside the tensor are ever read
+            width = self.tail_width
+            self.tail[:1, :width].addmm_(cols[self.k : self.k + 1], rows[:, :width], beta=beta, alpha=alpha)
+        self.decoded = last
 
     def while_in_flight(self, t: int) -> None:
-        """Round 1: acc = B_i G, then G -> U in place. Later rounds: decode the waiting messages once
-        R-1 have gathered (x(t) is only read). Every round: the injection u(t+1) - u(t-N+1)."""
+        """Round 1: the rest of U_i = A_i G_i. When a batch of R-1 messages is complete and more
+        rounds follow (only with fewer rows than rounds), decode it; its rows are needed next.
+        Every round: form what ``receive`` adds, u(t+1) - u(t-N+1) when both rows exist."""
         if t == 1:
+            self._finish_encoding()
+        if t < self.L and t - 1 - self.decoded >= self.batch:
             with self.timer.phase("decode"):
-                self._times_G(self.B, out=self.acc)
+                self._decode(self._batch_end(self.decoded + 1))
+        new, old = t + 1, t - self.N + 1  # rows outside 1..c are zero
+        if new <= self.c and old >= 1:
             with self.timer.phase("encode"):
-                self._encode_in_place()
-        elif t - self.decoded_up_to >= self.rows - 1:
-            with self.timer.phase("decode"):
-                self._decode_through(t)
-        with self.timer.phase("encode"):
-            new, old = t + 1, t - self.N + 1  # rows outside 1..c are zero
-            if new <= self.c and old >= 1:
                 torch.sub(self._u(new), self._u(old), out=self.injection)
-            elif new <= self.c:
-                self.injection.copy_(self._u(new))
-            elif old >= 1:
-                torch.neg(self._u(old), out=self.injection)
-            else:
-                self.injection.zero_()
+            self.pending = (self.injection, 1.0)
+        elif new <= self.c:
+            self.pending = (self._u(new), 1.0)
+        elif old >= 1:
+            self.pending = (self._u(old), -1.0)
+        else:
+            self.pending = None
 
     def receive(self, t: int, y: torch.Tensor) -> None:
-        """x(t+1) = y(t) + u(t+1) - u(t-N+1), in y's buffer."""
-        with self.timer.phase("encode"):
-            y.add_(self.injection)
+        """x(t+1) = y(t) + u(t+1) - u(t-N+1), in y's buffer: one pass over the block."""
+        if self.pending is not None:
+            with self.timer.phase("encode"):
+                y.add_(self.pending[0], alpha=self.pending[1])
         self.t = t + 1
 
-    def result(self) -> torch.Tensor:
-        """S_hat = B_i G + sum_t D_i[:, t] x(t+1), as [c, m] in the accumulator's buffer."""
+    def finish(self, scale: float | None = None) -> None:
+        """S_hat_i (times ``scale``) into [head; tail]: the messages not yet decoded, one product per
+        batch (with ``storage="messages"`` the only product of the call); the scale rides on them."""
+        alpha = 1.0 if scale is None else scale
         with self.timer.phase("decode"):
-            if self.D.shape[1] == 0:
-                self._times_G(self.B, out=self.acc)  # no rounds (N = 1): S_hat = G
-            self._decode_through(self.D.shape[1] + 1)
-        return self.acc
+            beta = alpha  # scales what earlier products left; message L is always still to come
+            while True:
+                self._decode(self._batch_end(self.decoded + 1), alpha, beta)
+                beta = 1.0
+                if self.decoded >= self.L:
+                    break
 
 
 PIPELINE_MIN_CHUNK = 2**16
@@ -217,38 +282,55 @@ class CodedRingRank:
     """One rank's side of the protocol: its gradient (the first d values of ``flat``) as c rows of
     m, cut into column chunks (``pipeline_chunks``) that run as independent CodedRingWorkers.
 
-    The rows wholly inside ``flat`` are used in place; the last, partial row is copied into a
-    zero-padded tail. ``write_result(out)`` writes S_hat's first d values into ``out``.
+    The rows wholly inside ``flat`` are read in place and receive the result in place; the last,
+    partial row is copied into a zero-padded tail. ``write_result(out, scale)`` finishes the
+    decoding into ``flat`` (scaled) and copies S_hat's first d values into ``out`` where ``out`` is
+    another tensor. ``storage``: see ``message_rows``.
     """
 
-    def __init__(self, matrices: dict[str, torch.Tensor], flat: torch.Tensor, c: int, m: int, N: int, timer=None):
+    def __init__(
+        self,
+        matrices: dict[str, torch.Tensor],
+        flat: torch.Tensor,
+        c: int,
+        m: int,
+        N: int,
+        timer=None,
+        storage: str = DEFAULT_STORAGE,
+    ):
         d = flat.numel()
-        self.d, self.c, self.m = d, c, m
-        self.k = d // m  # rows wholly inside the tensor
+        self.flat, self.d, self.c, self.m = flat, d, c, m
+        self.k = min(c, d // m) if m else c  # rows wholly inside the tensor
+        self.rest = d - self.k * m  # values of row k that lie inside the tensor
         self.head = flat[: self.k * m].view(self.k, m)
         self.tail = flat.new_zeros(c - self.k, m)
-        self.tail.view(-1)[: d - self.k * m] = flat[self.k * m :]
+        self.tail.view(-1)[: self.rest] = flat[self.k * m :]
         self.chunks = pipeline_chunks(m)
-        rows = message_rows(N)
+        L = matrices["W"].shape[1] - c
+        rows = message_rows(N, L, storage)
         self.workers = [
-            CodedRingWorker(matrices, self.head[:, a:b], self.tail[:, a:b], flat.new_empty(rows, b - a), N, timer)
+            CodedRingWorker(
+                matrices,
+                self.head[:, a:b],
+                self.tail[:, a:b],
+                flat.new_empty(c + rows, b - a),
+                N,
+                max(0, min(b, self.rest) - a),
+                timer,
+            )
             for a, b in self.chunks
         ]
 
     def extra_bytes(self) -> int:
-        """Bytes this rank allocated beyond its input: accumulators, messages, injections, tail."""
-        tensors = [self.tail] + [t for w in self.workers for t in (w.acc, w.messages, w.injection)]
+        """Bytes this rank allocated beyond its input: encodings and messages, injections, tail."""
+        tensors = [self.tail] + [t for w in self.workers for t in (w.buffer, w.injection)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def write_result(self, out: torch.Tensor, scale: float | None = None) -> None:
-        """out[:d] = S_hat (times ``scale``), chunk by chunk."""
-        k, m = self.k, self.m
-        rest = self.d - k * m  # values of row k that lie inside the tensor
-        head_out = out[: k * m].view(k, m)
-        for (a, b), worker in zip(self.chunks, self.workers, strict=True):
-            result = worker.result()
-            if scale is not None:
-                result.mul_(scale)
-            head_out[:, a:b].copy_(result[:k])
-            if a < rest:
-                out[k * m + a : k * m + min(b, rest)].copy_(result[k, : min(b, rest) - a])
+        """out[:d] = S_hat (times ``scale``): the last products write into ``flat`` directly."""
+        for worker in self.workers:
+            worker.finish(scale)
+        k, m, rest = self.k, self.m, self.rest
+        if out.data_ptr() != self.flat.data_ptr():
+            out[: k * m].copy_(self.flat[: k * m])
+        out[k * m : k * m + rest].copy_(self.tail.view(-1)[:rest])

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import cerar
+from cerar.matrices import device_matrices
 from cerar.rounds import CodedRingRank
-from cerar.simulate import device_matrices
 
 CODES = [(4, 4, "exact"), (4, 16, "perturbation"), (4, 16, "optimized"), (8, 32, "optimized")]
 

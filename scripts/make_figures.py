@@ -207,7 +207,9 @@ def error_vs_kappa(design_csv: Path, out: Path) -> list[Path]:
     if not rows:
         raise ValueError(f"{design_csv}: no sweep rows")
     p = out / "error_vs_kappa.png"
-    design.plot_error_vs_kappa(rows, p)
+    from design_report import plot_error_vs_kappa  # scripts/ is on sys.path
+
+    plot_error_vs_kappa(rows, p)
     return [p]
 
 

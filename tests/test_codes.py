@@ -1,5 +1,7 @@
 """The CERAR codes and the single-process oracle, checked against the specification's figures."""
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -190,6 +192,45 @@ def test_codes_are_bit_identical_in_another_process():
 
 
 # --- the optimiser -------------------------------------------------------------------------------
+
+
+def test_searched_codes_are_kept_in_the_suites_cache_under_the_search_codes_version(cerar_code_cache):
+    """tests/conftest.py points $CERAR_CACHE_DIR at the pytest cache; the file name carries a digest of
+    the search's source, so an edited search never reads its predecessor's codes."""
+    import hashlib
+    from pathlib import Path
+
+    from cerar import closed_forms, optimize
+
+    cerar.make_code(4, 8, "optimized", kappa_max=1e3)
+    digest = hashlib.sha256(Path(optimize.__file__).read_bytes() + Path(closed_forms.__file__).read_bytes())
+    assert digest.hexdigest()[:12] == optimize.SEARCH_CODE_VERSION
+    assert optimize.cache_dir() == Path(cerar_code_cache)
+    assert (Path(cerar_code_cache) / f"optimized-{optimize.SEARCH_CODE_VERSION}-N4-c8-k1000.0.npz").is_file()
+
+
+def test_the_optimiser_and_the_closed_forms_do_not_import_each_other_in_a_circle():
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, cerar.closed_forms; "
+        "assert 'cerar.optimize' not in sys.modules and 'cerar.codes' not in sys.modules, sorted(sys.modules); "
+        "import cerar.optimize; assert 'cerar.codes' not in sys.modules; print('ok')"
+    )
+    # cerar/__init__ imports the package's public API (which includes cerar.codes); load the modules
+    # as files under a stub package so that only what they import themselves gets loaded.
+    stub = (
+        "import importlib.util, sys, types, pathlib; root = pathlib.Path(cerar_path); "
+        "pkg = types.ModuleType('cerar'); pkg.__path__ = [str(root)]; sys.modules['cerar'] = pkg; "
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", f"cerar_path = {str(Path(cerar.__file__).parent)!r}; " + stub + script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 def test_optimized_halves_the_perturbation_error_at_kappa_max_1e4():

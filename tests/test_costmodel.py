@@ -1,16 +1,24 @@
-"""Tests of cerar/costmodel.py: closed forms, fitting, monotonicity, the report CLI."""
+"""Tests of cerar/costmodel.py (closed forms, the measured arithmetic count, fitting, monotonicity,
+the crossover) and of scripts/costmodel_report.py, which renders it."""
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import cerar
 from cerar import costmodel as cm
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("N", [2, 3, 4, 8, 16, 64])
@@ -29,7 +37,68 @@ def test_byte_ratio_matches_closed_form(N, k):
 def test_padding_rounds_up():
     assert cm.ring_values(10, 4) == 2 * 3 * 3
     assert cm.cerar_values(10, 4, 3) == 5 * 4
-    assert cm.cerar_work(10, 4, 3) == 3 * 3 * 4 + 3 * 5 * 4 + 2 * 5 * 4
+
+
+class ArithmeticCounter(TorchDispatchMode):
+    """Counts what the dispatched tensor operations do: multiply-adds of matrix products, additions,
+    and values read or written by them. Operands smaller than ``block`` values (the code matrices)
+    are not counted as traffic; copies and clones are the oracle's transport, not arithmetic."""
+
+    def __init__(self, block: int):
+        super().__init__()
+        self.block, self.moved, self.mult_adds, self.adds = block, 0, 0, 0
+
+    def _values(self, t) -> int:
+        return t.numel() if isinstance(t, torch.Tensor) and t.numel() >= self.block else 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_"):
+            source, (left, right) = (None, args[:2]) if name == "mm" else (args[0], args[1:3])
+            dest = args[0] if name == "addmm_" else kwargs.get("out", out)
+            if dest.numel():
+                reads_dest = source is not None and kwargs.get("beta", 1) != 0
+                self.moved += self._values(left) + self._values(right) + self._values(dest)
+                self.moved += self._values(source) if reads_dest else 0
+                self.mult_adds += left.shape[0] * left.shape[1] * right.shape[1]
+        elif name in ("add", "add_", "sub", "sub_"):
+            dest = args[0] if name.endswith("_") else kwargs.get("out", out)
+            self.moved += self._values(args[0]) + self._values(args[1]) + self._values(dest)
+            self.adds += dest.numel()
+        elif name in ("mul", "mul_", "div", "div_"):
+            self.moved += 2 * self._values(args[0])
+        return out
+
+
+@pytest.mark.parametrize("storage", cm.STORAGE_CHOICES)
+@pytest.mark.parametrize("N, c", [(2, 4), (3, 7), (4, 16), (5, 3), (8, 32)])
+def test_the_arithmetic_count_is_what_the_protocol_does(N, c, storage):
+    """cerar_arithmetic against the operations cerar.simulate (the protocol's own worker code)
+    actually dispatches, per rank; op="sum" and c dividing d, where the count is exact."""
+    m = 4096  # longer than any code matrix, so block-sized operands are the gradient's
+    d = c * m
+    code = cerar.make_code(N, c, "exact") if c <= N else cerar.make_code(N, c, "perturbation", eps=0.3)
+    G = torch.randn(N, d, generator=torch.Generator().manual_seed(N * c))
+    with ArithmeticCounter(m) as counter:
+        cerar.simulate(G, code, storage=storage)
+    expected = cm.cerar_arithmetic(d, N, c, storage)
+    assert counter.mult_adds == N * expected["mult_adds"]
+    assert counter.adds == N * expected["adds"]
+    assert counter.moved == N * expected["values_moved"]
+    assert expected["passes"] == expected["values_moved"] / d
+
+
+def test_fewer_passes_cost_storage():
+    """The knob trades storage for passes: "messages" about (2 + (N-1)/c) d and half the passes of
+    "spec", which stays at the spec's (1 + N/c) d plus one block."""
+    d = 16 * 2**20
+    for N, c in [(4, 16), (8, 32)]:
+        full, spec = cm.cerar_arithmetic(d, N, c, "messages"), cm.cerar_arithmetic(d, N, c, "spec")
+        assert full["passes"] < 13 < 21 < spec["passes"] < 23
+        assert spec["storage_values"] == (c + N + 1) * (d // c)
+        assert full["storage_values"] == (2 * c + N - 1) * (d // c)
 
 
 def test_c_equal_n_sends_ring_bytes_and_is_never_faster():
@@ -87,7 +156,7 @@ def test_fit_with_noise_is_close_and_nonnegative():
 def test_fit_clamps_absent_term_to_zero():
     f = cm.fit(_synthetic_rows(0.0, 1 / 10e6, 0.0))
     assert f.alpha == 0.0 and f.gamma == 0.0 and f.beta == pytest.approx(1e-7, rel=1e-9)
-    assert math.isinf(f.throughput)
+    assert math.isinf(f.memory_bandwidth)
 
 
 def test_fit_rejects_too_few_rows_and_bad_aggregator():
@@ -132,6 +201,25 @@ def test_best_c_beats_grid_and_infinite_throughput_approaches_byte_bound():
     assert c > 8 * N
 
 
+@pytest.mark.parametrize("N, c", [(4, 16), (8, 32)])
+def test_at_the_crossover_bandwidth_cerar_and_the_ring_take_equally_long(N, c):
+    d = cm.PYTHIA_PARAMS["1.4b"] // c * c
+    link = cm.SCENARIOS["pcie-node"]
+    crossover = cm.crossover_bandwidth(link, d, N, c)
+    at = dataclasses.replace(link, bandwidth=crossover)
+    assert at.cerar_time(d, N, c) == pytest.approx(at.ring_time(d, N), rel=1e-9)
+    slower, faster = (
+        dataclasses.replace(link, bandwidth=crossover / 2),
+        dataclasses.replace(link, bandwidth=2 * crossover),
+    )
+    assert slower.cerar_time(d, N, c) < slower.ring_time(d, N) and faster.cerar_time(d, N, c) > faster.ring_time(d, N)
+    # the old arithmetic's measured passes put the crossover lower: by a third with "spec", by two
+    # thirds with "messages"
+    before = cm.crossover_bandwidth(link, d, N, c, passes=cm.PASSES_BEFORE_324C4C8[(N, c)])
+    assert before < crossover / 1.5
+    assert before < cm.crossover_bandwidth(dataclasses.replace(link, storage="messages"), d, N, c) / 3
+
+
 def test_min_c_for_byte_saving():
     assert cm.min_c_for_byte_saving(8, 0.47) is None  # bound is 1 - 8/14 = 42.9 %
     c = cm.min_c_for_byte_saving(8, 0.30)
@@ -148,14 +236,22 @@ def test_cli_report_from_csv(tmp_path):
             w.writerow({**r, "extra": "x"})
     out = tmp_path / "costmodel.md"
     cp = subprocess.run(
-        [sys.executable, "-m", "cerar.costmodel", "--csv", str(path), "--out", str(out)],
+        [sys.executable, str(ROOT / "scripts" / "costmodel_report.py"), "--csv", str(path), "--out", str(out)],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert cp.returncode == 0, cp.stderr
     text = out.read_text()
-    for heading in ("## Fitted parameters", "## Projections", "## Comparison with the paper", "| 1.4b |"):
+    for heading in (
+        "## Fitted parameters",
+        "## Projections",
+        "## Comparison with the paper",
+        "| 1.4b |",
+        "### CERAR vs NCCL on one GPU node",
+        "| pcie-node | 8 |",
+        "| nvlink | 4 |",
+    ):
         assert heading in text
     assert "| lab | 200 | 48 |" in text
     assert "25.0 MB/s | 1.00 |" in text  # fitted bandwidth and its ratio to the 200 Mbit/s link
@@ -169,6 +265,15 @@ def test_cli_names_missing_csv_and_columns(tmp_path):
         timeout=60,
     )
     assert cp.returncode == 2 and "nope.csv" in cp.stderr
+    assert (
+        "nope.csv"
+        in subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "costmodel_report.py"), "--csv", str(tmp_path / "nope.csv")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stderr
+    )
     bad = tmp_path / "bad.csv"
     bad.write_text("where,N\nlab,2\n")
     cp = subprocess.run(

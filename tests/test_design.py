@@ -1,4 +1,5 @@
-"""Tests of ``python -m cerar.design``: the per-construction table, flag validation, a reduced sweep.
+"""Tests of ``python -m cerar.design`` (the per-construction table, flag validation) and of the
+reduced sweep that ``scripts/design_report.py`` renders.
 
 The CLI runs as a subprocess, as a user would run it. Codes are kept small (N=4, c<=8) so the
 optimiser's search takes well under a second; its cache goes to a temporary directory.
@@ -20,10 +21,10 @@ from cerar.design import DesignRow, evaluate, format_table, main
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_design(*args: str, cache_dir: Path) -> subprocess.CompletedProcess:
+def run_design(*args: str, cache_dir: Path, script: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "CERAR_CACHE_DIR": str(cache_dir)}
     return subprocess.run(
-        [sys.executable, "-m", "cerar.design", *args],
+        [sys.executable, *(["-m", "cerar.design"] if script is None else [script]), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -94,7 +95,6 @@ def test_unreachable_budget_becomes_a_row_not_a_crash():
         (["--kappa-max", "0.5"], "--kappa-max"),
         (["--construction", "bogus"], "--construction"),
         (["--dtype", "int8"], "--dtype"),
-        (["--grid-c", "8,x"], "--grid-c"),
     ],
 )
 def test_bad_flags_are_rejected_naming_the_flag(args, flag, capsys):
@@ -105,6 +105,19 @@ def test_bad_flags_are_rejected_naming_the_flag(args, flag, capsys):
     assert f"argument {flag}" in capsys.readouterr().err
 
 
+def test_bad_sweep_flags_are_rejected_naming_the_flag(capsys):
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import design_report
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    for args, flag in [(["--grid-c", "8,x"], "--grid-c"), (["--bar", "4,16"], "--bar")]:
+        with pytest.raises(SystemExit) as exited:
+            design_report.main(args)
+        assert exited.value.code == 2
+        assert f"argument {flag}" in capsys.readouterr().err
+
+
 def test_bad_flag_exits_with_usage_from_the_command_line(tmp_path):
     done = run_design("--N", "0", cache_dir=tmp_path)
     assert done.returncode == 2 and "argument --N: must be an integer >= 1, got 0" in done.stderr
@@ -113,10 +126,10 @@ def test_bad_flag_exits_with_usage_from_the_command_line(tmp_path):
 def test_reduced_sweep_writes_csv_png_and_report(tmp_path):
     out = tmp_path / "reports"
     args = [
-        "--sweep", "--out", str(out), "--grid-N", "4", "--grid-c", "4,8", "--grid-kappa-max", "1e2,1e4",
+        "--out", str(out), "--grid-N", "4", "--grid-c", "4,8", "--grid-kappa-max", "1e2,1e4",
         "--grid-optimized-kappa-max", "1e3", "--grid-eps", "0.1", "--bar", "4,8,1e2", "--d", "4096",
     ]  # fmt: skip
-    done = run_design(*args, cache_dir=tmp_path / "cache")
+    done = run_design(*args, cache_dir=tmp_path / "cache", script=str(ROOT / "scripts" / "design_report.py"))
     assert done.returncode == 0, done.stderr
 
     with (out / "data" / "code_design.csv").open() as handle:
@@ -135,7 +148,7 @@ def test_reduced_sweep_writes_csv_png_and_report(tmp_path):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
     report = (out / "code_design.md").read_text()
-    assert "python -m cerar.design --sweep --out" in report  # the command that made it
+    assert "python scripts/design_report.py --out" in report  # the command that made it
     assert "## The optimiser's bar: N=4, c=8, float32, kappa_max=100" in report
     assert "optimized / perturbation = " in report and "**met**" in report
     assert "| 8 | 16 | 0.01 |" in report  # the spec's reference rows, re-measured
