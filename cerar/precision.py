@@ -40,11 +40,13 @@ def _read(getter):
         return getter()
     except RuntimeError:  # torch refuses to read a mix of its legacy and new precision settings
         return None
+    except AttributeError:  # torch before the fp32_precision flags
+        return None
 
 
 def matmul_precision_settings() -> tuple[str | None, str | None]:
     """The caller's float32 matmul settings: (legacy precision, new-style CUDA matmul precision);
-    None where torch refuses to read one (a mix of its legacy and new APIs)."""
+    None where torch refuses to read one (a mix of its legacy and new APIs) or has no such flag."""
     legacy = _read(torch._C._get_float32_matmul_precision)
     new = _read(lambda: torch.backends.cuda.matmul.fp32_precision)
     return legacy, new
@@ -53,7 +55,7 @@ def matmul_precision_settings() -> tuple[str | None, str | None]:
 def reduced_precision_allowed(settings: tuple[str | None, str | None] | None = None) -> bool:
     """Whether the settings let float32 matmuls round their inputs (TF32 or bfloat16)."""
     legacy, new = matmul_precision_settings() if settings is None else settings
-    return legacy != "highest" or new not in ("ieee", "none")
+    return legacy != "highest" or new not in (None, "ieee", "none")
 
 
 def check_no_tf32_override(device: torch.device, environ=None) -> None:
