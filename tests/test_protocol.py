@@ -248,6 +248,24 @@ def test_ddp_communication_hook_gives_every_bucket_the_oracles_average(contract)
         assert world not in groups and groups  # CERAR's batches went on its own group
 
 
+def _register_as_the_trainer_does_worker(rank, N):
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+    from cerar.ddp import CerarHookState, cerar_hook
+
+    model = DDP(_tiny_model())
+    model.register_comm_hook(CerarHookState(c=2, construction="exact"), cerar_hook)  # DDP checks the signature
+    model(torch.ones(4, 16)).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_hook_registers_on_ddp_as_it_is_and_returns_the_gradient():
+    (grads,) = run_workers(_register_as_the_trainer_does_worker, 1)
+    model = _tiny_model()
+    model(torch.ones(4, 16)).sum().backward()
+    assert all(torch.allclose(g, p.grad) for g, p in zip(grads, model.parameters(), strict=True))
+
+
 def test_the_default_bucket_size_keeps_cerars_messages_as_large_as_the_rings_at_ddps_default():
     from cerar.ddp import default_bucket_cap_mb
 
