@@ -252,9 +252,9 @@ def _distributed_worker(rank: int, world: int, port: int, backend: str, d: int, 
         for k, (c, construction) in enumerate(PROTOCOL_CASES):
             code = _code(world, c, construction)
             G = _gradients(world, d, seed=k)
-            mine = G[rank].to(device)
+            mine = G[rank].clone().to(device)
             stats = cerar.all_reduce(mine, code, timeout=30)
-            ring = G[rank].to(device)
+            ring = G[rank].clone().to(device)
             ring_stats = cerar.ring_all_reduce(ring, timeout=30)
             out["protocol"].append((mine.cpu(), int(stats.bytes_sent), ring.cpu(), int(ring_stats.bytes_sent)))
         torch.manual_seed(0)
