@@ -308,7 +308,7 @@ def test_a_peer_that_dies_or_stops_mid_collective_makes_every_other_rank_raise_w
         message, seconds = results[rank]
         assert "cerar.all_reduce" in message and "round" in message, message
         assert "rank" in message
-        assert seconds <= 3 * timeout_s  # it returned within the round timeouts: nothing hung
+        assert seconds <= 10 * timeout_s < 60  # the round deadline, not the group's own 60 s timeout, ended it
     # the rank that waits on the victim directly names it
     assert f"rank {victim}" in results[(victim + 1) % N][0]
 
