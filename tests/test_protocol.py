@@ -254,7 +254,7 @@ def _register_as_the_trainer_does_worker(rank, N):
     from cerar.ddp import CerarHookState, cerar_hook
 
     model = DDP(_tiny_model())
-    model.register_comm_hook(CerarHookState(c=2, construction="exact"), cerar_hook)  # DDP checks the signature
+    model.register_comm_hook(CerarHookState(c=1, construction="exact"), cerar_hook)  # DDP checks the signature
     model(torch.ones(4, 16)).sum().backward()
     return [p.grad.clone() for p in model.parameters()]
 
