@@ -13,9 +13,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /workspace/cerar-pythia
 
-# requirements.txt keeps torch as a range, so the base image's CUDA build of torch stays in place.
+# The base image's CUDA build of torch stays in place: its exact version becomes a pip constraint, so a
+# dependency that wanted another torch fails the build instead of replacing it (a CPU wheel, say).
 COPY requirements.txt ./
-RUN pip install --no-cache-dir -r requirements.txt
+RUN python -c "import torch; print(f'torch=={torch.__version__}')" > /tmp/torch-constraint.txt \
+    && cat /tmp/torch-constraint.txt \
+    && pip install --no-cache-dir -c /tmp/torch-constraint.txt -r requirements.txt \
+    && python -c "import torch; assert torch.version.cuda, 'torch lost its CUDA build'"
 
 COPY . .
 RUN pip install --no-cache-dir --no-deps -e .

@@ -6,9 +6,12 @@ Public API:
     all_reduce(tensor, code, group, op, timeout) -> stats      CERAR between processes
     ring_all_reduce(tensor, group, op, timeout) -> stats       the exact ring baseline
     cerar.ddp.CerarHookState, cerar.ddp.cerar_hook             the DDP communication hook
+    cerar.ddp.transport_group, cerar.ddp.default_bucket_cap_mb CERAR's own process group, its DDP bucket size
+    full_fp32_products(device)                                 the TF32 guard every CERAR product runs under
 """
 
 from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, LOW_PRECISION_KAPPA_LIMIT, Code, make_code
+from cerar.precision import PrecisionError, full_fp32_products
 from cerar.protocol import (
     DEFAULT_TIMEOUT,
     PROTOCOL_VERSION,
@@ -28,7 +31,9 @@ __all__ = [
     "AllReduceStats",
     "Code",
     "CollectiveError",
+    "PrecisionError",
     "all_reduce",
+    "full_fp32_products",
     "make_code",
     "ring_all_reduce",
     "simulate",

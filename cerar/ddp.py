@@ -2,35 +2,79 @@
 
     state = CerarHookState(c=16)                      # construction, eps, kappa_max as in make_code
     ddp_model.register_comm_hook(state, cerar_hook)
+    # DDP(model, bucket_cap_mb=default_bucket_cap_mb(N, 16)) for buckets sized for CERAR
 
-Algorithm: each gradient bucket of d values is averaged with ``cerar.all_reduce`` over the DDP
-process group, with a code for N = world size and c components (built once and cached). Each rank
-sends (1 + (N-2)/c) d values in c + N - 2 rounds instead of DDP's 2 (N-1)/N d; the price is the
-code's approximation error, which differs between ranks and makes replicas drift apart slowly
-(the last rank receives the exact average under the closed-form constructions): trainers should
-measure the drift and re-synchronise parameters now and then. With ``exact_ring=True`` the hook
-runs ``cerar.ring_all_reduce`` instead: the exact baseline on the same transport.
+Algorithm: each gradient bucket of d values is averaged with ``cerar.all_reduce`` over the ranks of
+the DDP process group, with a code for N = world size and c components (built once and cached).
+Each rank sends (1 + (N-2)/c) d values in c + N - 2 rounds instead of DDP's 2 (N-1)/N d; the price
+is the code's approximation error, which differs between ranks and makes replicas drift apart
+slowly (the last rank receives the exact average under the closed-form constructions): trainers
+should measure the drift and re-synchronise parameters now and then. With ``exact_ring=True`` the
+hook runs ``cerar.ring_all_reduce`` instead: the exact baseline on the same transport.
 
-The buckets are reduced in the order DDP hands them over, one at a time, on a background thread,
-so communication overlaps the rest of the backward pass as DDP's own all-reduce does. The returned
-future completes with the averaged bucket.
+How it runs, so that communication overlaps the rest of backward:
+
+- on a thread of its own, one bucket at a time in the order DDP hands them over (every rank gets
+  them in the same order, which the rounds need);
+- on a process group of its own (``transport_group``, made when the state is created: a collective
+  call on every rank of the default group), so its point-to-point batches are never coalesced with,
+  or ordered against, collectives other threads issue on DDP's group meanwhile;
+- on CUDA, on a stream of its own: the hook records an event on the stream that produced the bucket
+  and the hook's stream waits for it, so the reduction starts only once the gradients are written;
+  the future carries the bucket's device and its result is set on the hook's stream, so DDP's
+  reads of the result wait for that stream (torch's CUDA-aware futures), not for the host;
+- the per-phase timers are off (on CUDA their read-out would synchronise once per bucket); the
+  rounds' deadlines are kept on the hook's thread (``cerar.protocol``), never on backward's.
 """
 
 import contextlib
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from cerar.codes import Code, make_code
-from cerar.protocol import AllReduceStats, all_reduce, ring_all_reduce
+from cerar.protocol import AllReduceStats, _as_timedelta, all_reduce, ring_all_reduce
+
+DDP_DEFAULT_BUCKET_CAP_MB = 25.0
+
+
+def default_bucket_cap_mb(N: int, c: int) -> float:
+    """A DDP bucket size (MiB) for CERAR with N ranks and c components: 25 MiB x c / N, at least 25.
+
+    Why: DDP's default 25 MiB is sized for NCCL's ring all-reduce, whose steps carry d/N values; a
+    CERAR round carries d/c values and there are c + N - 2 of them per bucket, each paying the
+    link's latency once. Scaling the bucket by c/N keeps CERAR's messages as large as the ring's
+    steps at DDP's default, so the per-round latency stays as small a share as it is for DDP;
+    never below DDP's default, so c < N does not make buckets smaller (more calls, same bytes).
+    """
+    if N < 1 or c < 1:
+        raise ValueError(f"N and c must be positive, got N={N}, c={c}")
+    return max(DDP_DEFAULT_BUCKET_CAP_MB, DDP_DEFAULT_BUCKET_CAP_MB * c / N)
+
+
+def transport_group(process_group: dist.ProcessGroup | None = None, timeout=None) -> dist.ProcessGroup:
+    """A new process group over the ranks of ``process_group`` (default: all ranks) for CERAR's
+    point-to-point traffic. A collective call: every rank of the default group must make it, in the
+    same order. Its own timeout (NCCL's watchdog: it aborts the communicator, and with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default tears the process down) is twice CERAR's round
+    timeout, so the round deadline reports a stalled peer first and the watchdog is the backstop."""
+    ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+    backstop = 2 * _as_timedelta(timeout)
+    return dist.new_group(ranks=ranks, timeout=max(backstop, timedelta(seconds=60)))
 
 
 @dataclass
 class CerarHookState:
-    """Configuration and per-step record of the CERAR DDP hook."""
+    """Configuration and per-step record of the CERAR DDP hook.
+
+    process_group: DDP's group (whose ranks CERAR reduces over); transport: the group CERAR's
+    messages travel on (made by ``transport_group`` when not given: creating a state is then a
+    collective call on every rank). ``last_stats`` collects each bucket's AllReduceStats.
+    """
 
     process_group: dist.ProcessGroup | None = None
     construction: str = "perturbation"
@@ -38,15 +82,20 @@ class CerarHookState:
     eps: float | None = None
     kappa_max: float | None = None
     exact_ring: bool = False
-    timeout: float | None = None
+    timeout: float | timedelta | None = None
+    transport: dist.ProcessGroup | None = None
     last_stats: list[AllReduceStats] = field(default_factory=list)
     _codes: dict[int, Code] = field(default_factory=dict, repr=False)
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if not self.exact_ring:
             self.code_for(1)  # validate the arguments now, not inside backward
+        _as_timedelta(self.timeout)
+        if self.transport is None and dist.is_initialized():
+            self.transport = transport_group(self.process_group, self.timeout)
 
     def code_for(self, bucket_numel: int) -> Code:
         """The code used for a bucket of this length (one code per length, cached)."""
@@ -60,23 +109,43 @@ class CerarHookState:
             self.last_stats = []
 
     def _reduce(self, tensor: torch.Tensor) -> AllReduceStats:
+        group = self.transport if self.transport is not None else self.process_group
         if self.exact_ring:
-            return ring_all_reduce(tensor, self.process_group, op="avg", timeout=self.timeout)
-        return all_reduce(tensor, self.code_for(tensor.numel()), self.process_group, op="avg", timeout=self.timeout)
+            return ring_all_reduce(tensor, group, op="avg", timeout=self.timeout, timed=False)
+        code = self.code_for(tensor.numel())
+        return all_reduce(tensor, code, group, op="avg", timeout=self.timeout, timed=False)
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
 
     def submit(self, tensor: torch.Tensor) -> torch.futures.Future:
-        """Average ``tensor`` in place on the hook's thread; the future completes with it."""
+        """Average ``tensor`` in place on the hook's thread (and, on CUDA, the hook's stream, after
+        the work now queued on the current stream); the future completes with it."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cerar-ddp-hook")
-        future: torch.futures.Future = torch.futures.Future()
+        if tensor.is_cuda:
+            future: torch.futures.Future = torch.futures.Future(devices=[tensor.device])
+            stream = self._stream(tensor.device)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(tensor.device))  # the bucket's gradients are written
+            tensor.record_stream(stream)  # the allocator must not reuse the bucket before the hook's stream is done
+        else:
+            future = torch.futures.Future()
+            stream = ready = None
 
         def run():
             try:
-                with torch.cuda.device(tensor.device) if tensor.is_cuda else contextlib.nullcontext():
-                    stats = self._reduce(tensor)  # the thread's current GPU must be the bucket's (NCCL)
-                with self._lock:
-                    self.last_stats.append(stats)
-                future.set_result(tensor)
+                with contextlib.ExitStack() as scope:
+                    if stream is not None:
+                        scope.enter_context(torch.cuda.device(tensor.device))  # NCCL: the thread's GPU is the bucket's
+                        scope.enter_context(torch.cuda.stream(stream))
+                        stream.wait_event(ready)
+                    stats = self._reduce(tensor)
+                    with self._lock:
+                        self.last_stats.append(stats)
+                    future.set_result(tensor)  # on CUDA: recorded on the hook's stream, which DDP then waits for
             except BaseException as error:  # surfaced to DDP through the future
                 future.set_exception(error)
 
@@ -85,5 +154,6 @@ class CerarHookState:
 
 
 def cerar_hook(state: CerarHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average the bucket with CERAR (or the exact ring)."""
+    """DDP communication hook: average the bucket with CERAR (or the exact ring). (This module keeps
+    its annotations evaluated: DDP checks that ``bucket`` is annotated as ``dist.GradBucket`` itself.)"""
     return state.submit(bucket.buffer())

@@ -2,8 +2,25 @@
 
 One code path for gloo (CPU tensors) and NCCL (CUDA tensors): every round is one
 ``dist.batch_isend_irecv`` of a send to the next rank and a receive from the previous one in the
-group's rank order, waited for with a timeout. Encoding and decoding are batched matrix products on
-the tensor's device (see ``cerar.rounds``).
+group's rank order. Encoding and decoding are batched matrix products on the tensor's device (see
+``cerar.rounds``), in full float32 whatever the TF32 settings (``cerar.precision``).
+
+The two backends keep different contracts, and the code is written against both:
+
+- what ``batch_isend_irecv`` returns: gloo one work per op; NCCL, which coalesces the batch, one
+  work for the whole batch;
+- what ``Work.wait(timeout)`` does: gloo blocks the host up to the timeout; NCCL (without
+  ``TORCH_NCCL_BLOCKING_WAIT``) only makes the current CUDA stream wait and returns at once. So
+  each round first waits (gloo: bounded there; NCCL: the current stream is ordered after the
+  transfer), then, if the work has not completed, polls ``Work.is_completed()`` until the round's
+  deadline (NCCL: the host-side bound; gloo's point-to-point works only report completion once
+  waited for, so the poll alone would not do there);
+- the first operation on an NCCL communicator must involve every rank of the group: each call
+  starts with an all-gather (the agreement check), and every round involves every rank.
+
+After a CollectiveError on NCCL the communicator is in an unknown state (a kernel may still wait for
+the missing peer): the group must not be used again; NCCL's watchdog aborts it at the group's own
+timeout.
 
 Costs per call, for a tensor of d values (m = ceil(d/c)):
 
@@ -13,9 +30,12 @@ Costs per call, for a tensor of d values (m = ceil(d/c)):
 rounds             L = c + N - 2              2 (N - 1)
 values sent        L m ~ (1 + (N-2)/c) d      2 (N - 1) ceil(d/N)
 extra storage      (c+N+1) m ~ (1 + N/c) d   ceil(d/N), plus a padded copy
-                                              when N does not divide d
-arithmetic         c d encode, c d for B G,   (N - 1) ceil(d/N) additions
-                   L c m decode mult-adds
+                   (storage="spec"); (c+L+1)  when N does not divide d
+                   m ("messages")
+arithmetic         (3c + N - 2) d mult-adds   (N - 1) ceil(d/N) additions
+                   in ~22 ("spec") or ~12
+                   ("messages") passes over
+                   d (``cerar.rounds``)
 error              the code's (0 for exact)   none
 =================  =========================  ==============================
 """
@@ -24,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -32,6 +53,7 @@ import torch.distributed as dist
 
 from cerar.codes import Code
 from cerar.matrices import check_transport_dtype, device_matrices
+from cerar.precision import check_no_tf32_override, full_fp32_products
 from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer, check_storage
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -69,7 +91,7 @@ class AllReduceStats:
 # ------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Ring:
     group: dist.ProcessGroup | None
     size: int
@@ -78,6 +100,8 @@ class _Ring:
     prev_rank: int
     timeout: timedelta
     operation: str
+    bytes_sent: int = 0  # of the tensors this ring handed to isend / irecv
+    bytes_received: int = 0
 
     @classmethod
     def of(cls, group, timeout, operation: str) -> _Ring:
@@ -101,37 +125,76 @@ class _Ring:
             operation,
         )
 
-    def wait(self, work, what: str, peer: int | None = None) -> None:
-        """Wait for ``work`` with the timeout, turning any failure into a CollectiveError that
-        names the operation and the peer."""
+    def wait(self, work, what: str, peers: str = "", deadline: float | None = None) -> None:
+        """Wait for ``work`` until the deadline (default: the timeout from now), turning a failure or
+        a stall into a CollectiveError that names the operation, ``what`` and the peers.
+
+        ``Work.wait(timeout)`` blocks the host up to the timeout on gloo, but on NCCL (without
+        blocking wait) it only makes the current CUDA stream wait and returns at once, bounding
+        nothing; and gloo's point-to-point works report ``is_completed()`` only once waited for. So:
+        wait (gloo: the bound; NCCL: the stream order), then poll ``is_completed()`` against the
+        deadline (NCCL: the bound), then wait once more if it was polled, to raise a failed work's error."""
+        seconds = self.timeout.total_seconds()
+        deadline = time.monotonic() + seconds if deadline is None else deadline
+        peer_text = f" {peers}" if peers else ""
         try:
-            work.wait(self.timeout)
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), _LAST_POLL_PAUSE)))
+            if work.is_completed():
+                return
+            pause = _FIRST_POLL_PAUSE
+            while not work.is_completed():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CollectiveError(
+                        f"{self.operation}: {what}{peer_text} did not complete within the timeout "
+                        f"({seconds:g}s): a peer died or stalled"
+                    )
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, _LAST_POLL_PAUSE)
+            work.wait(timedelta(seconds=_LAST_POLL_PAUSE))
+        except CollectiveError:
+            raise
         except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
-            peer_text = f" with rank {peer}" if peer is not None else ""
             raise CollectiveError(
-                f"{self.operation}: {what}{peer_text} failed or timed out "
-                f"(timeout {self.timeout.total_seconds():g}s): {error}"
+                f"{self.operation}: {what}{peer_text} failed or timed out (timeout {seconds:g}s): {error}"
             ) from error
 
     def post(self, send: torch.Tensor, recv: torch.Tensor) -> list:
-        """Start sending to the next rank and receiving from the previous one."""
+        """Start sending to the next rank and receiving from the previous one. Returns what
+        ``batch_isend_irecv`` returns: one work per op (gloo), or one for the whole batch (NCCL,
+        which coalesces the batch)."""
         ops = [
             dist.P2POp(dist.isend, send, self.next_rank, self.group),
             dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
         ]
         try:
-            return dist.batch_isend_irecv(ops)
+            works = dist.batch_isend_irecv(ops)
         except Exception as error:
             raise CollectiveError(f"{self.operation}: could not post messages: {error}") from error
+        self.bytes_sent += _bytes(send)
+        self.bytes_received += _bytes(recv)
+        return works
 
     def complete(self, works: list, what: str) -> None:
-        """Wait for a ``post``'s messages."""
-        self.wait(works[1], f"{what}: receive", self.prev_rank)
-        self.wait(works[0], f"{what}: send", self.next_rank)
+        """Wait for a ``post``'s messages, within one timeout for the round, whatever form
+        ``batch_isend_irecv`` returned them in."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        if len(works) == 2:  # one work per op, in the order posted: the send, then the receive
+            self.wait(works[1], f"{what}: receive", f"from rank {self.prev_rank}", deadline)
+            self.wait(works[0], f"{what}: send", f"to rank {self.next_rank}", deadline)
+        else:  # one work for the batch (or none, where a backend returns nothing to wait for)
+            peers = f"from rank {self.prev_rank} / to rank {self.next_rank}"
+            for work in works:
+                self.wait(work, f"{what}: receive and send", peers, deadline)
 
     def shift(self, send: torch.Tensor, recv: torch.Tensor, what: str) -> None:
         """Send to the next rank and receive from the previous one, concurrently, and wait."""
         self.complete(self.post(send, recv), what)
+
+
+_FIRST_POLL_PAUSE = 20e-6
+_LAST_POLL_PAUSE = 1e-3
+"""Bounds of the pause between two polls of a work's completion (doubling from the first)."""
 
 
 def _as_timedelta(timeout) -> timedelta:
@@ -188,6 +251,7 @@ def check_agreement(ring: _Ring, fields: dict[str, object]) -> None:
     ring.wait(
         dist.all_gather(gathered, mine.to(device), group=ring.group, async_op=True),
         "checking that all ranks agree on the call",
+        "(all ranks of the group)",
     )
     table = torch.stack([g.cpu() for g in gathered])
     for column, name in enumerate(fields):
@@ -234,7 +298,14 @@ def _cached_device_matrices(code: Code, i: int, dtype, device) -> dict[str, torc
 
 
 def all_reduce(
-    tensor: torch.Tensor, code: Code, group=None, op: str = "sum", timeout=None, storage: str = DEFAULT_STORAGE
+    tensor: torch.Tensor,
+    code: Code,
+    group=None,
+    op: str = "sum",
+    timeout=None,
+    storage: str = DEFAULT_STORAGE,
+    *,
+    timed: bool = True,
 ) -> AllReduceStats:
     """Approximate all-reduce of ``tensor`` in place with the CERAR code ``code``.
 
@@ -244,7 +315,11 @@ def all_reduce(
     constructions. Any shape and contiguity; float32/float64, and float16/bfloat16 only for codes
     with kappa <= ``cerar.LOW_PRECISION_KAPPA_LIMIT``. Raises ValueError for bad input and
     CollectiveError when a peer fails, stalls past ``timeout`` (seconds or timedelta, per round,
-    default 5 minutes) or disagrees on the code or the length. ``storage``: ``"spec"`` (default)
+    default 5 minutes; kept on the host on every backend) or disagrees on the code or the length.
+    The products run in full float32 whatever the TF32 settings (``cerar.precision``); on CUDA with
+    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE`` set the call refuses (``PrecisionError``). ``timed=False``
+    skips the per-phase timers (on CUDA their read-out synchronises with the device once per call).
+    ``storage``: ``"spec"`` (default)
     keeps N message blocks and decodes while blocks travel, in the spec's (1 + N/c) d plus one
     block; ``"messages"`` keeps all L and decodes once at the end, about half the passes over the
     gradient (for fast links), in (2 + (N-1)/c) d (``cerar.rounds`` counts both).
@@ -256,6 +331,7 @@ def all_reduce(
         raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
     check_transport_dtype(tensor.dtype, code, "tensor")
     check_storage(storage)
+    check_no_tf32_override(tensor.device)
     ring = _Ring.of(group, timeout, operation)
     if ring.size != code.N:
         raise ValueError(
@@ -280,11 +356,11 @@ def all_reduce(
     if code.N == 1 or d == 0:
         return stats
 
-    timer = PhaseTimer(tensor.device)
+    timer = PhaseTimer(tensor.device, enabled=timed)
     c, m, N = code.c, code.m_for(d), code.N
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     matrices = _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device)
-    with torch.no_grad():
+    with torch.no_grad(), full_fp32_products(tensor.device):
         me = CodedRingRank(matrices, flat, c, m, N, timer, storage)
         works = []
         for worker in me.workers:  # round 1 of every chunk
@@ -305,7 +381,7 @@ def all_reduce(
             tensor.copy_(flat.view(tensor.shape))
 
     seconds = timer.totals()
-    stats.bytes_sent = stats.bytes_received = code.L * m * tensor.element_size()
+    stats.bytes_sent, stats.bytes_received = ring.bytes_sent, ring.bytes_received
     stats.seconds_encode = seconds.get("encode", 0.0)
     stats.seconds_comm = seconds.get("comm", 0.0)
     stats.seconds_decode = seconds.get("decode", 0.0)
@@ -319,7 +395,9 @@ def all_reduce(
 # ------------------------------------------------------------------------------------------------
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum", timeout=None) -> AllReduceStats:
+def ring_all_reduce(
+    tensor: torch.Tensor, group=None, op: str = "sum", timeout=None, *, timed: bool = True
+) -> AllReduceStats:
     """Exact ring all-reduce in place (reduce-scatter, then all-gather) on the same point-to-point
     rounds as ``all_reduce``: the apples-to-apples baseline for CERAR.
 
@@ -335,7 +413,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum", timeout=N
     if N == 1 or d == 0:
         return stats
 
-    timer = PhaseTimer(tensor.device)
+    timer = PhaseTimer(tensor.device, enabled=timed)
     chunk = -(-d // N)
     in_place = tensor.is_contiguous() and d == N * chunk
     flat = tensor.view(-1) if in_place else tensor.new_zeros(N * chunk)
@@ -360,7 +438,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, op: str = "sum", timeout=N
                 tensor.copy_(flat[:d].view(tensor.shape))
 
     seconds = timer.totals()
-    stats.bytes_sent = stats.bytes_received = 2 * (N - 1) * chunk * tensor.element_size()
+    stats.bytes_sent, stats.bytes_received = ring.bytes_sent, ring.bytes_received
     stats.seconds_comm = seconds.get("comm", 0.0)
     stats.seconds_decode = seconds.get("decode", 0.0)
     stats.peak_extra_bytes = _bytes(incoming) + (0 if in_place else _bytes(flat))

@@ -6,6 +6,7 @@ import torch
 
 from cerar.codes import Code
 from cerar.matrices import check_transport_dtype, device_matrices
+from cerar.precision import full_fp32_products
 from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, check_storage
 
 
@@ -26,7 +27,7 @@ def simulate(G: torch.Tensor, code: Code, *, return_values_sent: bool = False, s
     N, d = G.shape
     c, m = code.c, code.m_for(d)
     result = G.clone()
-    with torch.no_grad():
+    with torch.no_grad(), full_fp32_products(G.device):  # the same products as all_reduce, TF32 or not
         ranks = [
             CodedRingRank(device_matrices(code, i, G.dtype, G.device), result[i], c, m, N, storage=storage)
             for i in range(N)

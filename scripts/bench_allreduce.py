@@ -340,9 +340,7 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
         with open(csv_path, newline="") as f:
             header = next(csv.reader(f), [])
         if header[: len(CSV_COLUMNS)] != CSV_COLUMNS:
-            raise ValueError(
-                f"{csv_path}: header {header[: len(CSV_COLUMNS)]} does not start with {CSV_COLUMNS}"
-            )
+            raise ValueError(f"{csv_path}: header {header[: len(CSV_COLUMNS)]} does not start with {CSV_COLUMNS}")
         fields = header
     with open(csv_path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")

@@ -1,12 +1,26 @@
-"""CERAR on one GPU: the oracle and the encode/decode arithmetic on CUDA, against the CPU.
+"""The one-command GPU acceptance check: CERAR's CUDA path on one GPU, written to reports/gpu.md.
 
-One GPU cannot form an NCCL ring of two ranks, so this checks what one device can: that
-``cerar.simulate`` gives on CUDA what it gives on the CPU, and how fast one rank's encoding and
-decoding run (every round's arithmetic with the transfer replaced by a local copy), in GB/s of
-gradient, next to the device's measured copy bandwidth.
+    python scripts/gpu_check.py                     # on a CUDA machine (under 8 minutes on one H200)
+    python scripts/gpu_check.py --device cpu --small --out /tmp/gpu.md   # its dry run on the CPU
 
-    python scripts/gpu_check.py                      # on a CUDA machine: writes reports/gpu.md
-    python scripts/gpu_check.py --device cpu --small --out /tmp/gpu.md   # the same code on the CPU
+Checks, each reported PASS / FAIL / NOT RUN with its numbers:
+
+1. oracle: ``cerar.simulate`` on the device against the CPU oracle, (N, c) in {(4, 16), (8, 32)} and
+   every construction (one that cannot be built there is reported as such and checked at the largest
+   of c = N, N/2, 2 that builds);
+2. throughput: one rank's encode/decode arithmetic (transfers replaced by a local copy) in GB/s of
+   gradient, next to the device's measured copy bandwidth (reported, not judged);
+3. tf32: ``cerar.full_fp32_products`` with TF32 switched on: the guarded error must be the CPU's,
+   the unguarded one is reported next to it;
+4. protocol: ``cerar.all_reduce`` and ``cerar.ring_all_reduce`` between processes with TF32 switched
+   on, against the oracle. On CUDA the N ranks are N processes sharing the one GPU on NCCL; NCCL
+   normally refuses two ranks on one device, and the report says whether it did; if it did, the
+   same runs on a one-rank NCCL group (which exercises only the agreement check and the plumbing);
+5. hook: DDP with the CERAR hook (its own thread, stream and group) on the same group, each bucket's
+   result held to the oracle of the ranks' buckets;
+6. training: ``train/main.py`` at world size 1 in bf16 and in fp16 (fp32 on the CPU): an uninterrupted
+   run, and a run killed (SIGKILL) after its first checkpoint and resumed, which must end with the
+   same ``param_sha256``.
 
 Every number in the report comes from this run.
 """
@@ -14,18 +28,33 @@ Every number in the report comes from this run.
 from __future__ import annotations
 
 import argparse
+import io
+import json
+import multiprocessing as mp
+import os
 import platform
+import queue
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
 import time
+import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
-import cerar
-from cerar.matrices import device_matrices
-from cerar.rounds import CodedRingRank
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-CODES = [(4, 4, "exact"), (4, 16, "perturbation"), (4, 16, "optimized"), (8, 32, "optimized")]
+import cerar  # noqa: E402
+from cerar.matrices import device_matrices  # noqa: E402
+from cerar.rounds import CodedRingRank  # noqa: E402
+
+SHAPES = [(4, 16), (8, 32)]
+THROUGHPUT_CODES = [(4, 4, "exact"), (4, 16, "perturbation"), (4, 16, "optimized"), (8, 32, "optimized")]
 
 
 def synchronize(device: torch.device) -> None:
@@ -46,18 +75,54 @@ def timed(fn, device, repeats: int) -> float:
     return sorted(samples)[len(samples) // 2]
 
 
-def oracle_agreement(codes, device: torch.device, d: int) -> list[tuple]:
+def worst_error(result: torch.Tensor, G: torch.Tensor) -> float:
+    """The worst worker's relative error against the exact sum (in float64)."""
+    S = G.double().sum(0)
+    return ((result.double().cpu() - S.cpu()).norm(dim=1) / S.norm()).max().item()
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. the oracle on the device
+# ------------------------------------------------------------------------------------------------
+
+
+def oracle_agreement(device: torch.device, d: int, shapes) -> list[dict]:
     rows = []
-    for N, c, construction in codes:
-        code = cerar.make_code(N, c, construction)
-        G = torch.randn(N, d, generator=torch.Generator().manual_seed(N * 100 + c))
-        on_cpu = cerar.simulate(G, code)
-        on_device = cerar.simulate(G.to(device), code).cpu()
-        difference = ((on_device - on_cpu).norm() / on_cpu.norm()).item()
-        S = G.double().sum(0)
-        error = ((on_device.double() - S).norm(dim=1) / S.norm()).max().item()
-        rows.append((N, c, construction, code.kappa, difference, error))
+    for N, c in shapes:
+        for construction in cerar.CONSTRUCTIONS:
+            row = {"N": N, "c": c, "construction": construction}
+            code, reasons = None, []
+            for smaller in dict.fromkeys((c, N, N // 2, 2)):  # the asked c, else the largest that builds
+                try:
+                    code = cerar.make_code(N, smaller, construction)
+                    break
+                except ValueError as error:
+                    reasons.append(f"c={smaller}: {str(error).split(';')[0]}")
+            if code is None:
+                row.update(status="NOT RUN", note="cannot be built: " + "; ".join(reasons))
+                rows.append(row)
+                continue
+            if code.c != c:
+                row.update(c=code.c, note=f"cannot be built at {reasons[0]}; checked at c={code.c}")
+            G = torch.randn(N, d, generator=torch.Generator().manual_seed(N * 100 + code.c))
+            with cerar.full_fp32_products(device):
+                on_cpu = cerar.simulate(G, code)
+                on_device = cerar.simulate(G.to(device), code).cpu()
+            cpu_error, device_error = worst_error(on_cpu, G), worst_error(on_device, G)
+            row.update(
+                kappa=code.kappa,
+                difference=((on_device - on_cpu).norm() / on_cpu.norm()).item(),
+                cpu_error=cpu_error,
+                device_error=device_error,
+                status="PASS" if device_error <= 2 * cpu_error + 1e-5 else "FAIL",
+            )
+            rows.append(row)
     return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# 2. throughput
+# ------------------------------------------------------------------------------------------------
 
 
 def one_rank_arithmetic(code, d: int, device: torch.device):
@@ -88,58 +153,500 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
     return 2 * nbytes / seconds
 
 
+def throughput(device, codes, sizes_mb, repeats) -> list[tuple]:
+    rows = []
+    with cerar.full_fp32_products(device):
+        for N, c, construction in codes:
+            code = cerar.make_code(N, c, construction)
+            for size_mb in sizes_mb:
+                d = size_mb * 2**20 // 4
+                seconds = timed(one_rank_arithmetic(code, d, device), device, repeats)
+                rows.append((N, c, construction, size_mb, seconds, d * 4 / seconds))
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# 3. the TF32 guard
+# ------------------------------------------------------------------------------------------------
+
+
+def tf32_guard(device: torch.device, d: int) -> dict:
+    N, c = 8, 16
+    code = cerar.make_code(N, c, "perturbation")
+    G = torch.randn(N, d, generator=torch.Generator().manual_seed(8))
+    cpu_error = worst_error(cerar.simulate(G, code), G)
+    before = cerar.precision.matmul_precision_settings()
+    torch.set_float32_matmul_precision("high")  # TF32 on, as a model might want it
+    try:
+        unguarded = worst_error(cerar.simulate(G.to(device), code), G)
+        with cerar.full_fp32_products(device):
+            inside = cerar.precision.matmul_precision_settings()
+            guarded = worst_error(cerar.simulate(G.to(device), code), G)
+        after = cerar.precision.matmul_precision_settings()
+    finally:
+        torch.set_float32_matmul_precision(before[0] or "highest")
+    ok = (
+        guarded <= 2 * cpu_error + 1e-5
+        and after == ("high", "tf32")
+        and not cerar.precision.reduced_precision_allowed(inside)
+    )
+    return {
+        "N": N,
+        "c": c,
+        "cpu_error": cpu_error,
+        "unguarded": unguarded,
+        "guarded": guarded,
+        "restored": after == ("high", "tf32"),
+        "status": "PASS" if ok else "FAIL",
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# 4 and 5. the protocol and the hook between processes
+# ------------------------------------------------------------------------------------------------
+
+PROTOCOL_CASES = [(2, "exact"), (8, "perturbation")]  # (c, construction) for N ranks
+
+
+def _gradients(N: int, d: int, seed: int) -> torch.Tensor:
+    return torch.randn(N, d, generator=torch.Generator().manual_seed(seed))
+
+
+def _code(N: int, c: int, construction: str) -> cerar.Code:
+    c = min(c, N) if construction == "exact" else c
+    return cerar.make_code(N, c, construction, eps=0.05 if construction == "perturbation" else None)
+
+
+class _Captured:
+    def __init__(self, state):
+        self.state, self.inputs, self.results = state, [], []
+
+
+def _capturing_hook(captured, bucket):
+    from cerar.ddp import cerar_hook
+
+    captured.inputs.append(bucket.buffer().detach().cpu().clone())
+
+    def keep(future):
+        captured.results.append(future.value().detach().cpu().clone())
+        return future.value()
+
+    return cerar_hook(captured.state, bucket).then(keep)
+
+
+def _distributed_worker(rank: int, world: int, port: int, backend: str, d: int, results) -> None:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: N817
+
+    from cerar.ddp import CerarHookState
+
+    try:
+        device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(
+            backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        )
+        torch.set_float32_matmul_precision("high")  # TF32 on: CERAR's products must not use it
+        out = {"protocol": [], "hook": None}
+        for k, (c, construction) in enumerate(PROTOCOL_CASES):
+            code = _code(world, c, construction)
+            G = _gradients(world, d, seed=k)
+            mine = G[rank].clone().to(device)
+            stats = cerar.all_reduce(mine, code, timeout=30)
+            ring = G[rank].clone().to(device)
+            ring_stats = cerar.ring_all_reduce(ring, timeout=30)
+            out["protocol"].append((mine.cpu(), int(stats.bytes_sent), ring.cpu(), int(ring_stats.bytes_sent)))
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1)).to(device)
+        ddp = DDP(model, device_ids=[0] if device.type == "cuda" else None, bucket_cap_mb=0.05)
+        captured = _Captured(CerarHookState(c=8, construction="perturbation", eps=0.05, timeout=30))
+        ddp.register_comm_hook(captured, _capturing_hook)
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(rank)).to(device)
+        for _ in range(3):
+            ddp.zero_grad()
+            ddp(x).square().mean().backward()
+        synchronize(device)
+        out["hook"] = (captured.inputs, captured.results)
+        buffer = io.BytesIO()  # plain bytes: tensors must not travel as shared memory of an exiting process
+        torch.save(out, buffer)
+        results.put((rank, "ok", buffer.getvalue()))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_processes(world: int, backend: str, d: int, timeout_s: float) -> dict:
+    """Run ``_distributed_worker`` on ``world`` processes; {rank: (status, value)}."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = _free_port()
+    processes = [
+        context.Process(target=_distributed_worker, args=(r, world, port, backend, d, results), daemon=True)
+        for r in range(world)
+    ]
+    for p in processes:
+        p.start()
+    collected = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(collected) < world and time.monotonic() < deadline:
+            try:
+                rank, status, value = results.get(timeout=max(0.1, deadline - time.monotonic()))
+                if status == "ok":
+                    value = torch.load(io.BytesIO(value), weights_only=False)
+                collected[rank] = (status, value)
+            except queue.Empty:
+                break
+            if status == "error":
+                break
+    finally:
+        for p in processes:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    for r in range(world):
+        collected.setdefault(r, ("error", f"rank {r} did not report within {timeout_s:g}s"))
+    return collected
+
+
+def judge_processes(collected: dict, world: int, d: int) -> tuple[list[dict], dict]:
+    """Each rank's protocol results against the oracle, and each hook bucket against the oracle."""
+    protocol = []
+    for k, (c, construction) in enumerate(PROTOCOL_CASES):
+        code = _code(world, c, construction)
+        G = _gradients(world, d, seed=k)
+        expected = cerar.simulate(G, code)
+        worst_difference = worst_ring = 0.0
+        bytes_ok = True
+        for r in range(world):
+            mine, sent, ring, ring_sent = collected[r][1]["protocol"][k]
+            worst_difference = max(worst_difference, ((mine - expected[r]).norm() / expected[r].norm()).item())
+            worst_ring = max(worst_ring, ((ring - G.sum(0)).norm() / G.sum(0).norm()).item())
+            if world > 1:
+                bytes_ok &= sent == code.L * code.m_for(d) * 4 and ring_sent == 2 * (world - 1) * -(-d // world) * 4
+        ok = worst_difference <= 1e-4 and worst_ring <= 1e-5 and bytes_ok
+        protocol.append(
+            {
+                "c": code.c,
+                "construction": construction,
+                "difference": worst_difference,
+                "ring": worst_ring,
+                "bytes": bytes_ok,
+                "status": "PASS" if ok else "FAIL",
+            }
+        )
+    inputs = [collected[r][1]["hook"][0] for r in range(world)]
+    outputs = [collected[r][1]["hook"][1] for r in range(world)]
+    worst = 0.0
+    for k in range(len(inputs[0])):
+        G = torch.stack([inputs[r][k] for r in range(world)])
+        expected = cerar.simulate(G, _code(world, 8, "perturbation")) / world
+        for r in range(world):
+            worst = max(worst, ((outputs[r][k] - expected[r]).norm() / expected[r].norm().clamp_min(1e-30)).item())
+    buckets = len(inputs[0])
+    hook = {"buckets": buckets, "difference": worst, "status": "PASS" if buckets and worst <= 1e-4 else "FAIL"}
+    return protocol, hook
+
+
+def distributed_checks(device: torch.device, d: int, timeout_s: float) -> dict:
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    attempts = []
+    for world in (2, 1):
+        collected = run_processes(world, backend, d, timeout_s)
+        errors = {r: v for r, (s, v) in collected.items() if s != "ok"}
+        attempts.append({"world": world, "backend": backend, "errors": errors})
+        if not errors:
+            protocol, hook = judge_processes(collected, world, d)
+            return {"world": world, "backend": backend, "attempts": attempts, "protocol": protocol, "hook": hook}
+        if backend != "nccl":
+            break  # gloo has no reason to refuse two ranks: a real failure
+    return {"world": None, "backend": backend, "attempts": attempts, "protocol": [], "hook": None}
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. training: a kill and a resume end where an uninterrupted run does
+# ------------------------------------------------------------------------------------------------
+
+
+def _launch(overrides: list[str], env: dict) -> subprocess.Popen:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "train/main.py"]
+    return subprocess.Popen(
+        [*command, *overrides],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return -9, output
+    return process.returncode, output
+
+
+def training_run(device: torch.device, precision: str, workdir: Path, small: bool, timeout_s: float) -> dict:
+    steps, every = (12, 4) if small else (200, 20)
+    overrides = [
+        "model=tiny",
+        f"trainer.max_steps={steps}",
+        f"trainer.eval_every={steps}",
+        "trainer.micro_batch_size=4",
+        "trainer.eval_batches=2",
+        "data.seq_len=64",
+        "trainer.progress_bar=false",
+        "wandb.mode=disabled",
+        f"trainer.device={device.type}",
+        f"trainer.precision={precision}",
+        f"checkpoint.every={every}",
+    ]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    full_dir, killed_dir = workdir / f"full_{precision}", workdir / f"killed_{precision}"
+    row = {"precision": precision, "steps": steps}
+
+    code, output = _finish(_launch([*overrides, f"hydra.run.dir={full_dir}"], env), timeout_s)
+    if code != 0:
+        return {**row, "status": "FAIL", "note": f"uninterrupted run exited {code}: {output[-1500:]}"}
+    full = json.loads((full_dir / "summary.json").read_text())
+
+    process = _launch([*overrides, f"hydra.run.dir={killed_dir}"], env)
+    first = killed_dir / "checkpoints" / f"step-{every:08d}.pt"
+    deadline = time.monotonic() + timeout_s
+    while not first.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    killed_at = None
+    if process.poll() is None:
+        time.sleep(0.2)  # let the checkpoint's rename and checksum land, then kill mid-run
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        killed_at = every
+    if killed_at is None or (killed_dir / "summary.json").exists():
+        return {**row, "status": "FAIL", "note": "the run ended before it could be killed after its first checkpoint"}
+    code, output = _finish(_launch([*overrides, f"hydra.run.dir={killed_dir}"], env), timeout_s)
+    if code != 0:
+        return {**row, "status": "FAIL", "note": f"resumed run exited {code}: {output[-1500:]}"}
+    resumed = json.loads((killed_dir / "summary.json").read_text())
+    same = resumed["param_sha256"] == full["param_sha256"]
+    return {
+        **row,
+        "resumed_from": resumed.get("resumed_from_step"),
+        "full_sha": full["param_sha256"][:16],
+        "resumed_sha": resumed["param_sha256"][:16],
+        "val_loss": full.get("final_val_loss"),
+        "status": "PASS" if same and resumed.get("resumed_from_step") else "FAIL",
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# the report
+# ------------------------------------------------------------------------------------------------
+
+
+def _section(name: str, fn, statuses: dict, *args):
+    start = time.monotonic()
+    try:
+        value = fn(*args)
+    except Exception:
+        statuses[name] = "FAIL"
+        return None, traceback.format_exc(), time.monotonic() - start
+    return value, None, time.monotonic() - start
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--small", action="store_true", help="small sizes: a quick check of the script itself")
     parser.add_argument("--out", type=Path, default=Path("reports/gpu.md"))
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["throughput", "distributed", "training"])
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible (use --device cpu for a dry run)")
-    sizes_mb = [1, 4] if args.small else [16, 64, 256]
-    codes = CODES[:3] if args.small else CODES
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    started = time.monotonic()
+    statuses: dict[str, str] = {}
+    d = 4096 if args.small else 2**20
+    shapes = [(4, 16)] if args.small else SHAPES
 
-    agreement = oracle_agreement(codes, device, d=4096 if args.small else 2**20)
-    bandwidth = copy_bandwidth(device, (16 if args.small else 1024) * 2**20, args.repeats)
-    throughput = []
-    for N, c, construction in codes:
-        code = cerar.make_code(N, c, construction)
-        for size_mb in sizes_mb:
-            d = size_mb * 2**20 // 4
-            seconds = timed(one_rank_arithmetic(code, d, device), device, args.repeats)
-            throughput.append((N, c, construction, size_mb, seconds, d * 4 / seconds))
+    oracle, oracle_error, oracle_s = _section("oracle", oracle_agreement, statuses, device, d, shapes)
+    if oracle:
+        statuses["oracle"] = "PASS" if all(r["status"] in ("PASS", "NOT RUN") for r in oracle) else "FAIL"
+    tf32, tf32_error, tf32_s = _section("tf32", tf32_guard, statuses, device, d)
+    if tf32:
+        statuses["tf32"] = tf32["status"]
+    rates = bandwidth = None
+    if "throughput" not in args.skip:
+        codes = THROUGHPUT_CODES[:3] if args.small else THROUGHPUT_CODES
+        sizes_mb = [1] if args.small else [16, 64, 256]
+        rates, throughput_error, _ = _section("throughput", throughput, statuses, device, codes, sizes_mb, args.repeats)
+        bandwidth = copy_bandwidth(device, (16 if args.small else 1024) * 2**20, args.repeats)
+    distributed = distributed_error = None
+    if "distributed" not in args.skip:
+        distributed, distributed_error, _ = _section(
+            "protocol", distributed_checks, statuses, device, 1000 if args.small else 2**20 + 3, 240
+        )
+        if distributed:
+            statuses["protocol"] = (
+                "PASS"
+                if distributed["protocol"] and all(r["status"] == "PASS" for r in distributed["protocol"])
+                else "FAIL"
+            )
+            statuses["hook"] = distributed["hook"]["status"] if distributed["hook"] else "FAIL"
+    trainings = []
+    if "training" not in args.skip:
+        precisions = ("bf16", "fp16") if device.type == "cuda" else ("fp32",)
+        with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
+            for precision in precisions:
+                row, error, _ = _section(
+                    f"training {precision}", training_run, statuses, device, precision, Path(workdir), args.small, 240
+                )
+                trainings.append(row or {"precision": precision, "status": "FAIL", "note": error[-1500:]})
+                statuses[f"training {precision}"] = trainings[-1]["status"]
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    command = " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
-        "# CERAR on one GPU",
+        "# CERAR on one GPU: acceptance check",
         "",
-        f"Made by `python scripts/gpu_check.py {' '.join(argv if argv is not None else sys.argv[1:])}` on "
-        f"{name}, torch {torch.__version__}.",
+        f"Made by `python scripts/gpu_check.py {command}` on {name}, torch {torch.__version__}"
+        + (
+            f", CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
+            if device.type == "cuda"
+            else ""
+        )
+        + f", in {time.monotonic() - started:.0f} s.",
         "",
-        "## The oracle on the device against the CPU",
+        "| check | result |",
+        "| --- | --- |",
+        *[f"| {check} | {status} |" for check, status in statuses.items()],
         "",
-        "| N | c | construction | kappa | rel. difference device vs CPU | worst worker's rel. error |",
-        "| --- | --- | --- | --- | --- | --- |",
-        *[f"| {N} | {c} | {k} | {kappa:.3g} | {diff:.2e} | {err:.2e} |" for N, c, k, kappa, diff, err in agreement],
+        "## 1. The oracle on the device against the CPU",
         "",
-        "## One rank's encode + decode arithmetic (transfers replaced by a local copy)",
+        f"d = {d}; worst worker's relative error against the exact sum; PASS when the device's is at most twice "
+        f"the CPU's (+1e-5). {oracle_s:.1f} s.",
         "",
-        f"Device copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s.",
-        "",
-        "| N | c | construction | MiB | seconds | GB/s of gradient | fraction of copy bandwidth |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
-        *[
-            f"| {N} | {c} | {k} | {mb} | {s:.4f} | {rate / 1e9:.1f} | {rate / bandwidth:.3f} |"
-            for N, c, k, mb, s, rate in throughput
-        ],
-        "",
+        "| N | c | construction | kappa | rel. difference device vs CPU | CPU error | device error | result | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    for r in oracle or []:
+        if r["status"] == "NOT RUN":
+            lines.append(f"| {r['N']} | {r['c']} | {r['construction']} | | | | | NOT RUN | {r.get('note', '')} |")
+        else:
+            lines.append(
+                f"| {r['N']} | {r['c']} | {r['construction']} | {r['kappa']:.3g} | {r['difference']:.2e} | "
+                f"{r['cpu_error']:.2e} | {r['device_error']:.2e} | {r['status']} | {r.get('note', '')} |"
+            )
+    if oracle_error:
+        lines += ["", "```", oracle_error[-3000:], "```"]
+    lines += ["", "## 2. The TF32 guard with TF32 switched on", ""]
+    if tf32:
+        lines += [
+            f"`torch.set_float32_matmul_precision('high')`, N={tf32['N']}, c={tf32['c']} perturbation, "
+            f"d={d} ({tf32_s:.1f} s):",
+            "",
+            "| CPU error | device error, unguarded | device error, inside `cerar.full_fp32_products` "
+            "| settings restored | result |",
+            "| --- | --- | --- | --- | --- |",
+            f"| {tf32['cpu_error']:.2e} | {tf32['unguarded']:.2e} | {tf32['guarded']:.2e} | {tf32['restored']} "
+            f"| {tf32['status']} |",
+        ]
+    else:
+        lines += ["```", (tf32_error or "")[-3000:], "```"]
+    if rates is not None:
+        lines += [
+            "",
+            "## 3. One rank's encode + decode arithmetic (transfers replaced by a local copy)",
+            "",
+            f"Device copy bandwidth (read + write): {bandwidth / 1e9:.1f} GB/s.",
+            "",
+            "| N | c | construction | MiB | seconds | GB/s of gradient | fraction of copy bandwidth |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+            *[
+                f"| {N} | {c} | {k} | {mb} | {s:.4f} | {rate / 1e9:.1f} | {rate / bandwidth:.3f} |"
+                for N, c, k, mb, s, rate in rates
+            ],
+        ]
+    if distributed is not None or distributed_error:
+        lines += ["", "## 4-5. The protocol and the DDP hook between processes (TF32 switched on)", ""]
+    if distributed is not None:
+        for attempt in distributed["attempts"]:
+            if attempt["errors"]:
+                first = next(iter(attempt["errors"].values()))
+                lines += [
+                    f"{attempt['world']} ranks on {attempt['backend']}: refused or failed; first error:",
+                    "",
+                    "```",
+                    str(first)[-2000:],
+                    "```",
+                    "",
+                ]
+        if distributed["world"]:
+            lines += [
+                f"Ran on {distributed['world']} rank(s), {distributed['backend']}"
+                + (
+                    " (one rank: only the agreement check and the plumbing are exercised)"
+                    if distributed["world"] == 1
+                    else ""
+                )
+                + ".",
+                "",
+                "| c | construction | worst rel. difference from the oracle | exact ring's rel. error "
+                "| bytes as the rate table | result |",
+                "| --- | --- | --- | --- | --- | --- |",
+                *[
+                    f"| {r['c']} | {r['construction']} | {r['difference']:.2e} | {r['ring']:.2e} | {r['bytes']} "
+                    f"| {r['status']} |"
+                    for r in distributed["protocol"]
+                ],
+                "",
+                f"Hook: {distributed['hook']['buckets']} buckets, worst relative difference from the oracle "
+                f"{distributed['hook']['difference']:.2e}: {distributed['hook']['status']}.",
+            ]
+    if distributed_error:
+        lines += ["```", distributed_error[-3000:], "```"]
+    if trainings:
+        lines += [
+            "",
+            "## 6. Training at world size 1: killed after a checkpoint, resumed",
+            "",
+            "| precision | steps | resumed from | param_sha256 uninterrupted | param_sha256 killed + resumed "
+            "| final val loss | result |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for t in trainings:
+            lines.append(
+                f"| {t['precision']} | {t.get('steps', '')} | {t.get('resumed_from', '')} | {t.get('full_sha', '')} | "
+                f"{t.get('resumed_sha', '')} | {t.get('val_loss', '')} | {t['status']} |"
+            )
+        for t in trainings:
+            if t.get("note"):
+                lines += ["", f"{t['precision']}:", "", "```", t["note"], "```"]
+    lines.append("")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(lines))
     print("\n".join(lines))
-    return 0
+    return 0 if all(status == "PASS" for status in statuses.values()) else 1
 
 
 if __name__ == "__main__":

@@ -553,9 +553,7 @@ class NetLab:
         results = []
         for k, (r, p) in enumerate(zip(ranks, procs, strict=True)):
             o, e = pumps[2 * k], pumps[2 * k + 1]
-            results.append(
-                RankResult(r, p.returncode, o.text(), e.text(), o.path, e.path, killed=k in killed)
-            )
+            results.append(RankResult(r, p.returncode, o.text(), e.text(), o.path, e.path, killed=k in killed))
         return RunResult(results, timed_out, time.monotonic() - t0)
 
     @staticmethod

@@ -7,7 +7,8 @@ Every aggregator offers the two modes of the loop:
   backward. `bytes_sent_by_hook()` then reports what the last step's hooks sent.
 
 `nccl` is torch.distributed.all_reduce on the job's backend (gloo on CPU, NCCL on GPU); `ring` and
-`cerar` go through the cerar library's public API only; `powersgd`, `fp16` and `bf16` are the hooks
+`cerar` go through the cerar library's public API only, with their messages on a process group of
+their own (made when the aggregator is built, on every rank); `powersgd`, `fp16` and `bf16` are the hooks
 torch ships (fp16/bf16 are also implemented on the flat gradient for overlap=false).
 """
 
@@ -145,6 +146,11 @@ class CerarAggregator(Aggregator):
         if not exact_ring and world_size > 1:
             self.code = cerar.make_code(world_size, c, construction=construction, eps=eps, kappa_max=kappa_max)
         self.hook_state = None
+        self.transport = None  # CERAR's own group: its batches never mix with the loop's collectives
+        if world_size > 1 and dist.is_initialized():
+            from cerar.ddp import transport_group
+
+            self.transport = transport_group(None, self.timeout)
 
     @property
     def timeout(self) -> timedelta:
@@ -154,9 +160,9 @@ class CerarAggregator(Aggregator):
         if self.world_size < 2:
             return 0
         if self.exact_ring:
-            stats = self.cerar.ring_all_reduce(flat, op="avg", timeout=self.timeout)
+            stats = self.cerar.ring_all_reduce(flat, self.transport, op="avg", timeout=self.timeout)
         else:
-            stats = self.cerar.all_reduce(flat, self.code, op="avg", timeout=self.timeout)
+            stats = self.cerar.all_reduce(flat, self.code, self.transport, op="avg", timeout=self.timeout)
         return int(stats.bytes_sent)
 
     def register_hook(self, ddp) -> None:
@@ -170,6 +176,7 @@ class CerarAggregator(Aggregator):
             kappa_max=self.kappa_max,
             exact_ring=self.exact_ring,
             timeout=self.timeout,
+            transport=self.transport,
         )
         ddp.register_comm_hook(self.hook_state, cerar_hook)
 

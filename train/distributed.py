@@ -1,7 +1,11 @@
 """Process-group setup for torchrun (or a plain single process) and the small collectives the loop needs.
 
 Backend: NCCL when the job runs on GPUs, gloo on CPU. Every collective inherits the process group's
-timeout (`trainer.collective_timeout_s`). A plain `python train/main.py` runs as a group of one.
+timeout (`trainer.collective_timeout_s`). On gloo that timeout bounds each wait on the host. On NCCL a
+wait only orders CUDA streams, so the bound is NCCL's watchdog: with `TORCH_NCCL_ASYNC_ERROR_HANDLING`
+on (set to 1, tear down, unless the environment chose another non-zero mode; 0 is refused) it aborts a
+collective that exceeds the group's timeout and takes the process down. A plain `python train/main.py`
+runs as a group of one.
 
 The loop runs each collective inside `guarded(operation)`: before entering it a rank records in the
 rendezvous store how many collectives it has entered; when one fails (a peer died, or stalled past the
@@ -49,8 +53,27 @@ def pick_device(cfg, launch: Launch) -> torch.device:
     return torch.device("cpu")
 
 
+NCCL_ERROR_HANDLING_VARIABLE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+
+
+def configure_nccl_watchdog(environ=None) -> str:
+    """Make NCCL's watchdog end a stalled collective: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (abort the
+    communicator and tear the process down at the group's timeout) unless already set; 0, which turns
+    the watchdog's abort off and would let a stalled peer hang the job, is refused. Returns the mode."""
+    environ = os.environ if environ is None else environ
+    mode = environ.setdefault(NCCL_ERROR_HANDLING_VARIABLE, "1")
+    if mode.strip() == "0":
+        raise ConfigError(
+            f"{NCCL_ERROR_HANDLING_VARIABLE}=0 turns off NCCL's watchdog abort, so a stalled peer would hang the "
+            f"job past trainer.collective_timeout_s; unset it (the trainer then sets 1) or set 1"
+        )
+    return mode
+
+
 def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
+    if backend == "nccl":
+        configure_nccl_watchdog()  # read by ProcessGroupNCCL when it is created, so before init
     timeout = timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
         store = None

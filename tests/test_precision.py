@@ -1,0 +1,141 @@
+"""CERAR's products in full float32 whatever the TF32 settings: the guard's logic, on the CPU.
+
+Every way torch offers to allow TF32 (legacy flag, set_float32_matmul_precision, the new
+fp32_precision flags) is switched off inside the guard and restored exactly after it; the cuBLAS
+override variable, which nothing can undo at run time, makes CUDA calls refuse; and the
+distributed all_reduce runs its rounds inside the guard.
+"""
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cerar
+from cerar.precision import (
+    TF32_OVERRIDE_VARIABLE,
+    PrecisionError,
+    check_no_tf32_override,
+    full_fp32_products,
+    matmul_precision_settings,
+    reduced_precision_allowed,
+)
+from tests.distributed import CONTRACTS, run_workers
+
+FULL = ("highest", "ieee")  # what torch reports once set_float32_matmul_precision("highest") ran
+
+WAYS_TO_ALLOW_TF32 = {
+    "legacy allow_tf32": lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    'set_float32_matmul_precision("high")': lambda: torch.set_float32_matmul_precision("high"),
+    'set_float32_matmul_precision("medium")': lambda: torch.set_float32_matmul_precision("medium"),
+    "cuda.matmul.fp32_precision = tf32": lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    "backends.fp32_precision = tf32": lambda: setattr(torch.backends, "fp32_precision", "tf32"),
+}
+
+
+@pytest.fixture
+def restore_precision():
+    """Leave the process's settings as the test found them."""
+    legacy = torch.get_float32_matmul_precision()
+    yield
+    torch.set_float32_matmul_precision(legacy)
+    torch.backends.fp32_precision = "none"
+    torch.backends.cuda.matmul.fp32_precision = "none"
+    assert matmul_precision_settings() == (legacy, "none")
+
+
+@pytest.mark.parametrize("way", WAYS_TO_ALLOW_TF32)
+def test_every_way_of_allowing_tf32_is_switched_off_inside_the_guard_and_restored_after(way, restore_precision):
+    WAYS_TO_ALLOW_TF32[way]()
+    caller = matmul_precision_settings()
+    assert reduced_precision_allowed(caller), caller
+    with full_fp32_products(torch.device("cpu")):
+        assert matmul_precision_settings() == FULL
+        assert not reduced_precision_allowed()
+    assert matmul_precision_settings() == caller  # exactly the caller's settings again
+
+
+def test_full_precision_settings_are_left_untouched(restore_precision):
+    caller = matmul_precision_settings()
+    assert not reduced_precision_allowed(caller)
+    with full_fp32_products(torch.device("cpu")):
+        assert matmul_precision_settings() == caller  # nothing to switch: nothing switched
+    assert matmul_precision_settings() == caller
+
+
+def test_nested_and_concurrent_guards_restore_only_when_the_last_one_leaves(restore_precision):
+    torch.set_float32_matmul_precision("high")
+    caller = matmul_precision_settings()
+    inner_entered, outer_may_leave = threading.Event(), threading.Event()
+    seen = []
+
+    def other_thread():
+        with full_fp32_products(torch.device("cpu")):
+            inner_entered.set()
+            outer_may_leave.wait(10)
+        seen.append(matmul_precision_settings())  # the main thread's guard is still open
+
+    with full_fp32_products(torch.device("cpu")):
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        assert inner_entered.wait(10)
+        with full_fp32_products(torch.device("cpu")):
+            assert matmul_precision_settings() == FULL
+        assert matmul_precision_settings() == FULL
+        outer_may_leave.set()
+        worker.join(10)
+        assert matmul_precision_settings() == FULL
+    assert seen == [FULL]
+    assert matmul_precision_settings() == caller
+
+
+def test_the_guard_restores_the_settings_when_the_work_inside_raises(restore_precision):
+    torch.set_float32_matmul_precision("medium")
+    caller = matmul_precision_settings()
+    with pytest.raises(ZeroDivisionError), full_fp32_products(torch.device("cpu")):
+        raise ZeroDivisionError("the work inside failed")
+    assert matmul_precision_settings() == caller
+
+
+def test_the_cublas_override_variable_makes_cuda_calls_refuse_naming_it():
+    with pytest.raises(PrecisionError, match=TF32_OVERRIDE_VARIABLE):
+        check_no_tf32_override(torch.device("cuda", 0), environ={TF32_OVERRIDE_VARIABLE: "1"})
+    check_no_tf32_override(torch.device("cuda", 0), environ={TF32_OVERRIDE_VARIABLE: "0"})
+    check_no_tf32_override(torch.device("cuda", 0), environ={})
+    check_no_tf32_override(torch.device("cpu"), environ={TF32_OVERRIDE_VARIABLE: "1"})  # cuBLAS only
+
+
+def test_the_guard_refuses_before_any_work_when_the_override_is_set(monkeypatch):
+    monkeypatch.setenv(TF32_OVERRIDE_VARIABLE, "1")
+    ran = []
+    with pytest.raises(PrecisionError, match=TF32_OVERRIDE_VARIABLE), full_fp32_products(torch.device("cuda", 0)):
+        ran.append(True)
+    assert not ran
+
+
+def _precision_during_rounds_worker(rank, N):
+    torch.set_float32_matmul_precision("high")  # a model that wants TF32
+    seen = []
+    batch = dist.batch_isend_irecv
+
+    def watching(ops):
+        seen.append(matmul_precision_settings())
+        return batch(ops)
+
+    dist.batch_isend_irecv = watching
+    tensor = torch.ones(1000) * (rank + 1)
+    cerar.all_reduce(tensor, cerar.make_code(N, 8, "perturbation", eps=0.05))
+    cerar.ring_all_reduce(torch.ones(10))
+    dist.batch_isend_irecv = batch
+    return seen, matmul_precision_settings()
+
+
+@pytest.mark.parametrize("contract", CONTRACTS)
+def test_all_reduce_runs_its_rounds_in_full_precision_and_gives_the_caller_its_settings_back(contract):
+    N = 3
+    for seen, after in run_workers(_precision_during_rounds_worker, N, contract=contract):
+        code = cerar.make_code(N, 8, "perturbation", eps=0.05)
+        cerar_rounds = seen[: code.L]
+        assert len(cerar_rounds) == code.L and all(s == FULL for s in cerar_rounds)
+        assert after == ("high", "tf32")
