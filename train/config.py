@@ -133,7 +133,7 @@ class TrainerConfig:
     # model FLOPs utilisation (`mfu` in metrics): the device's peak dense TFLOP/s at the run's precision.
     # null: looked up by GPU name (train/metrics.py KNOWN_PEAK_TFLOPS: A100, H100, H200, ...); none on CPU.
     peak_tflops: float | None = None
-    bucket_cap_mb: float = 25.0  # DDP bucket size (overlap=true); torch's default 25
+    bucket_cap_mb: float | None = None  # DDP bucket size, MiB (overlap=true); None: torch's 25, CERAR's own for cerar
     stop_after_step: int = 0  # >0: end this launch after that step, unfinished (simulates a preemption)
     # Fault injection, a testing/chaos tool only: at step k (>0) rank `inject_nonfinite_rank` turns one of its
     # gradients into inf before the non-finite check (tests/test_reliability.py, scripts/chaos.py).
@@ -279,6 +279,10 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             0 <= t.inject_nonfinite_rank < world_size,
             f"trainer.inject_nonfinite_rank={t.inject_nonfinite_rank} must be a rank in [0, {world_size})",
         )
+    _require(
+        t.bucket_cap_mb is None or t.bucket_cap_mb > 0,
+        f"trainer.bucket_cap_mb={t.bucket_cap_mb} must be > 0 (MiB) or null",
+    )
     _require(t.collective_timeout_s > 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0")
     _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0")
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")

@@ -169,9 +169,16 @@ def gather_param_sha256(model: torch.nn.Module) -> list[str]:
 
 
 def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: bool) -> float:
-    """trainer.bucket_cap_mb, except PowerSGD on gloo gets one bucket: its chained collectives, issued
-    from future callbacks of several buckets, can interleave differently on different ranks there."""
-    cap = float(cfg.trainer.bucket_cap_mb)
+    """trainer.bucket_cap_mb; when unset, DDP's 25 MiB, or for CERAR `cerar.ddp.default_bucket_cap_mb` (its
+    rounds carry d/c values, not d/N). PowerSGD on gloo gets one bucket: its chained collectives, issued from
+    future callbacks of several buckets, can interleave differently on different ranks there."""
+    from cerar.ddp import DDP_DEFAULT_BUCKET_CAP_MB, default_bucket_cap_mb
+
+    cap = cfg.trainer.bucket_cap_mb
+    if cap is None:
+        cerar_hook = overlap and cfg.aggregator.kind == "cerar"
+        cap = default_bucket_cap_mb(dist.get_world_size(), cfg.c) if cerar_hook else DDP_DEFAULT_BUCKET_CAP_MB
+    cap = float(cap)
     if overlap and cfg.aggregator.kind == "powersgd" and device.type == "cpu":
         model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
         cap = max(cap, model_mb + 1.0)
