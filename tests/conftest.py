@@ -16,10 +16,12 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def cerar_code_cache(request):
+def cerar_code_cache(request, tmp_path_factory):
     """The suite's own optimized-code cache: tests must not read or write the user's ~/.cache/cerar.
-    $CERAR_CACHE_DIR points at a directory of the pytest cache, which spawned workers inherit."""
-    directory = request.config.cache.mkdir("cerar-codes")
+    $CERAR_CACHE_DIR points at a directory of the pytest cache (a temporary one when the cache plugin is
+    off), which spawned workers inherit."""
+    cache = getattr(request.config, "cache", None)
+    directory = cache.mkdir("cerar-codes") if cache is not None else tmp_path_factory.mktemp("cerar-codes")
     previous = os.environ.get("CERAR_CACHE_DIR")
     os.environ["CERAR_CACHE_DIR"] = str(directory)
     yield directory
