@@ -63,7 +63,8 @@ def test_report_states_gap_spread_separation_and_where_error_meets_noise(runs, t
     assert rows["cerar_c16"]["separates_at"] == "600"
     assert float(rows["cerar_c16"]["train_loss_last200"]) == pytest.approx(5.0)  # the records between evaluations
     text = report.read_text()
-    assert "| cerar_c16 | 1 | 1000 | 4.1103 | one seed | +2.50 % |" in text
+    assert float(rows["cerar_c16"]["paired_gap_pct"]) == pytest.approx(100 * (4.1103 / 4.0 - 1))  # seed 1's nccl
+    assert "| cerar_c16 | 1 | 1000 | 4.1103 | one seed | +2.50 % | +2.76 % |" in text
     # Noise 0.8 at 1024 tokens a step (2048 tokens/s x 0.5 s) shrinks as 1/sqrt(batch): it meets the error 0.2 at 16x.
     assert "| 16,384 |" in text
     assert "never (exact)" in text  # nccl
