@@ -80,7 +80,7 @@ def test_root_defaults_are_the_cpu_quick_start():
     cfg = composed()
     assert (cfg.model.name, cfg.data.name, cfg.aggregator.name) == ("tiny", "embedded", "nccl")
     assert cfg.c == 16 and cfg.wandb.mode == "offline" and cfg.resume == "auto"
-    assert composed("c=16", "aggregator=cerar").aggregator.construction == "perturbation"
+    assert composed("c=16", "aggregator=cerar").aggregator.construction == "optimized"  # reports/fidelity.md
 
 
 @pytest.mark.parametrize(

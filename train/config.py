@@ -96,7 +96,7 @@ class AggregatorConfig:
 
     name: str = MISSING
     kind: str = MISSING
-    construction: str = "perturbation"  # cerar: exact | vandermonde | perturbation | optimized
+    construction: str = "optimized"  # cerar: exact | vandermonde | perturbation | optimized (reports/fidelity.md)
     eps: float | None = None
     kappa_max: float | None = None
     powersgd_rank: int = 1
