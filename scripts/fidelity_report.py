@@ -147,6 +147,7 @@ def summarize(settings: dict[str, list[dict]]) -> list[dict]:
         finals = [final(r, "val_loss") for r in runs]
         worst = [final(r, "val_loss_worst_replica") for r in runs]
         trains = [tail_mean(r, "train_loss") for r in runs]
+        reached = [steps_to_reach(r, nccl_final) for r in runs] if nccl_final else []
         row = {
             "setting": name,
             "seeds": ",".join(str(r["seed"]) for r in runs),
@@ -162,7 +163,8 @@ def summarize(settings: dict[str, list[dict]]) -> list[dict]:
             "rel_error_median": _mean_or_none([median_of(r, "agg/rel_error_max") for r in runs]),
             "noise_median": _mean_or_none([median_of(r, "noise/rel_std_mean", after=HORIZON // 10) for r in runs]),
             "separates_at": separation_step(runs, nccl) if nccl and name != "nccl" else None,
-            "steps_to_nccl_final": _mean_or_none([steps_to_reach(r, nccl_final) for r in runs]) if nccl_final else None,
+            "steps_to_nccl_final": _mean_or_none(reached),
+            "seeds_reaching_nccl_final": sum(step is not None for step in reached),
         }
         rows.append(row)
     return rows
@@ -314,6 +316,8 @@ def render(
         steps = r["steps_to_nccl_final"]
         estimate = "-" if seconds is None or steps is None else f"{steps * seconds:,.0f}"
         reached = "not reached" if steps is None else f"{steps:.0f}"
+        if steps is not None and r["seeds_reaching_nccl_final"] < len(r["seeds"].split(",")):
+            reached += f" ({r['seeds_reaching_nccl_final']} of {len(r['seeds'].split(','))} seeds; the others do not)"
         out.append(f"| {r['setting']} | {reached} | {_f(seconds, '.2f')} | {estimate} |")
     if log_lines:
         out += ["", "## Runs and load", "", "```", *log_lines, "```"]
@@ -506,6 +510,8 @@ def main(argv=None) -> int:
     if args.report.exists() and GENERATED_MARKER in (old := args.report.read_text()):
         kept = old.split(GENERATED_MARKER)[0]
     generated = render(rows, settings, lab_step_seconds(args.lab_csv), log_lines, plane)
+    if kept:  # the hand-written part carries the title
+        generated = generated.split("\n", 2)[2]
     args.report.write_text(f"{kept}{GENERATED_MARKER}\n\n{generated}" if kept else generated)
     print(f"wrote {args.report} and {args.csv} ({len(rows)} settings)")
     return 0
