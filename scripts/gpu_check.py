@@ -28,6 +28,7 @@ Every number in the report comes from this run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import multiprocessing as mp
@@ -404,7 +405,7 @@ def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
 
 
 def training_run(device: torch.device, precision: str, workdir: Path, small: bool, timeout_s: float) -> dict:
-    steps, every = (12, 4) if small else (200, 20)
+    steps, every = (48, 4) if small else (200, 20)  # small: enough steps after the first checkpoint to kill mid-run
     overrides = [
         "model=tiny",
         f"trainer.max_steps={steps}",
@@ -436,6 +437,9 @@ def training_run(device: torch.device, precision: str, workdir: Path, small: boo
     killed_at = None
     if process.poll() is None:
         time.sleep(0.2)  # let the checkpoint's rename and checksum land, then kill mid-run
+        # torchrun may start its worker in a session of its own: kill the worker by its pid file, then the agent
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int((killed_dir / "pids" / "rank0.pid").read_text()), signal.SIGKILL)
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
         killed_at = every

@@ -4,6 +4,7 @@ Every test that runs the protocol, the ring or the hook runs under both point-to
 (``tests.distributed``): gloo's own, and NCCL's emulated on gloo (one work per batch whose wait
 bounds nothing on the host), so code that holds only on gloo fails here on a CPU machine."""
 
+import math
 import os
 import resource
 import signal
@@ -232,12 +233,15 @@ def test_ddp_communication_hook_gives_every_bucket_the_oracles_average(contract)
         for k in range(buckets):
             G = torch.stack([inputs[r][k] for r in range(N)])
             if options.get("exact_ring"):
-                expected = G.double().mean(0).float().expand(N, -1)
+                expected, tolerance = G.double().mean(0).float().expand(N, -1), 1e-6
             else:
                 code = cerar.make_code(N, options["c"], options["construction"], eps=options.get("eps"))
                 expected = cerar.simulate(G, code) / N
+                # The hook folds 1/N into its last product, the oracle divides afterwards: float32 rounding
+                # (unit 2^-24) in a different order, amplified by up to kappa through the decoding.
+                tolerance = max(1e-6, code.kappa * 2**-24 * (math.sqrt(code.c + code.L) + N))
             for r in range(N):
-                assert (outputs[r][k] - expected[r]).norm() <= 1e-6 * expected[r].norm(), (name, k, r)
+                assert (outputs[r][k] - expected[r]).norm() <= tolerance * expected[r].norm(), (name, k, r)
         if name == "c > N":  # approximate: the ranks' results differ, so the oracle check had something to tell
             assert (outputs[0][0] - outputs[N - 1][0]).abs().max() > 0
     for runs, world, groups in results:
