@@ -186,22 +186,8 @@ def guarded(operation: str):
         ) from err
 
 
-def all_reduce_max(value: float, device: torch.device, operation: str = "all_reduce max") -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    with guarded(operation):
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def all_reduce_mean(values: list[float], device: torch.device, operation: str = "all_reduce mean") -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     with guarded(operation):
         dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
-
-
-def all_reduce_sum(values: list[float], device: torch.device, operation: str = "all_reduce sum") -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    with guarded(operation):
-        dist.all_reduce(t)
-    return t.tolist()
