@@ -1,18 +1,23 @@
 #!/usr/bin/env bash
 # The long-horizon fidelity study behind reports/fidelity.md (issue: does CERAR train like exact all-reduce?).
-# Usage (from the repo root): scripts/run_fidelity.sh A|B [OUT]   (two halves, run side by side on a 2-core box)
+# Usage (from the repo root): scripts/run_fidelity.sh A|B|C|D [OUT]   (halves run side by side on a 2-core box)
+# A and B are the first session's halves; they stopped for lack of session time after five runs, and C and D
+# are the settings they had not reached (run side by side in the next session).
 # N=4 ranks of model=tiny on the embedded corpus, 3000 optimizer steps per run, same data order and seed per
 # setting; validation loss every 100 steps, drift and aggregation error (with the SGD noise beside it) every 50.
 # Each half is one train/sweep.py launch (one process group, runs one after another); the load average before
 # and after is logged to reports/logs/fidelity_runs.log.
 set -u
 cd "$(dirname "$0")/.."
-half=${1:?usage: scripts/run_fidelity.sh A|B [OUT]}
+half=${1:?usage: scripts/run_fidelity.sh A|B|C|D [OUT]}
 OUT=${2:-reports/runs/fidelity}
 LOG=reports/logs/fidelity_runs.log
 COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=3000
   trainer.eval_every=100 trainer.eval_batches=16 trainer.drift_every=50 trainer.measure_error_every=50
-  trainer.log_every=10 trainer.progress_bar=false checkpoint.every=0 wandb.mode=disabled)
+  trainer.log_every=10 trainer.progress_bar=false checkpoint.every=0 wandb.mode=disabled
+  trainer.collective_timeout_s=3600)
+# The long collective timeout changes no result: it lets scripts/pause_runs.sh freeze these runs (SIGSTOP) for the
+# minutes a timing benchmark needs the machine to itself, without a pending collective expiring meanwhile.
 case "$half" in
 A) RUNS=("nccl_s1: aggregator=nccl seed=1"
     "cerar_c16_optimized_s1: aggregator=cerar_optimized c=16 seed=1"
@@ -24,7 +29,12 @@ B) RUNS=("cerar_c16_perturbation_s1: aggregator=cerar_perturbation c=16 seed=1"
     "cerar_c16_optimized_s2: aggregator=cerar_optimized c=16 seed=2"
     "cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1"
     "powersgd_s1: aggregator=powersgd seed=1") ;;
-*) echo "unknown half $half (A or B)" >&2; exit 2 ;;
+C) RUNS=("cerar_c16_optimized_resync50_s1: aggregator=cerar_optimized c=16 trainer.resync_every=50 seed=1"
+    "cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1"
+    "fp16_s1: aggregator=fp16 seed=1") ;;
+D) RUNS=("cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1"
+    "powersgd_s1: aggregator=powersgd seed=1") ;;
+*) echo "unknown half $half (A, B, C or D)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
