@@ -8,6 +8,7 @@ Public API:
     cerar.ddp.CerarHookState, cerar.ddp.cerar_hook             the DDP communication hook
     cerar.ddp.transport_group, cerar.ddp.default_bucket_cap_mb CERAR's own process group, its DDP bucket size
     full_fp32_products(device)                                 the TF32 guard every CERAR product runs under
+    release_workspaces()                                       free the CPU working storage kept between calls
 """
 
 from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, LOW_PRECISION_KAPPA_LIMIT, Code, make_code
@@ -21,6 +22,7 @@ from cerar.protocol import (
     ring_all_reduce,
 )
 from cerar.simulate import simulate
+from cerar.workspace import release_workspaces
 
 __all__ = [
     "CONSTRUCTIONS",
@@ -35,6 +37,7 @@ __all__ = [
     "all_reduce",
     "full_fp32_products",
     "make_code",
+    "release_workspaces",
     "ring_all_reduce",
     "simulate",
 ]

@@ -55,6 +55,7 @@ from cerar.codes import Code
 from cerar.matrices import check_transport_dtype, device_matrices
 from cerar.precision import check_no_tf32_override, full_fp32_products
 from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer, check_storage
+from cerar.workspace import POOL
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 """How long one round may wait for its peers before the call fails."""
@@ -322,7 +323,8 @@ def all_reduce(
     ``storage``: ``"spec"`` (default)
     keeps N message blocks and decodes while blocks travel, in the spec's (1 + N/c) d plus one
     block; ``"messages"`` keeps all L and decodes once at the end, about half the passes over the
-    gradient (for fast links), in (2 + (N-1)/c) d (``cerar.rounds`` counts both).
+    gradient (for fast links), in (2 + (N-1)/c) d (``cerar.rounds`` counts both). On CPU that
+    storage is kept for the next call (``cerar.workspace``; ``cerar.release_workspaces()`` frees it).
     """
     operation = "cerar.all_reduce"
     _check_tensor(tensor, operation)
@@ -361,7 +363,9 @@ def all_reduce(
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     matrices = _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device)
     with torch.no_grad(), full_fp32_products(tensor.device):
-        me = CodedRingRank(matrices, flat, c, m, N, timer, storage)
+        needed = CodedRingRank.workspace_numel(d, c, m, N, code.L, storage)
+        workspace = POOL.take(needed, flat.dtype, flat.device)  # back to the pool only after a clean call:
+        me = CodedRingRank(matrices, flat, c, m, N, timer, storage, workspace)  # a failed one may still be written
         works = []
         for worker in me.workers:  # round 1 of every chunk
             with timer.phase("comm"):
@@ -379,14 +383,14 @@ def all_reduce(
         me.write_result(flat, 1.0 / N if op == "avg" else None)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
             tensor.copy_(flat.view(tensor.shape))
+    stats.peak_extra_bytes = me.extra_bytes() + (_bytes(flat) if flat.data_ptr() != tensor.data_ptr() else 0)
+    POOL.give(workspace)
 
     seconds = timer.totals()
     stats.bytes_sent, stats.bytes_received = ring.bytes_sent, ring.bytes_received
     stats.seconds_encode = seconds.get("encode", 0.0)
     stats.seconds_comm = seconds.get("comm", 0.0)
     stats.seconds_decode = seconds.get("decode", 0.0)
-    copy = _bytes(flat) if flat.data_ptr() != tensor.data_ptr() else 0
-    stats.peak_extra_bytes = me.extra_bytes() + copy
     return stats
 
 

@@ -63,6 +63,9 @@ last product one more read of them in [U; X]. The multiply-adds are the same in 
 for both algorithms to one d: the saving is in memory traffic, which bounds these products on a
 GPU (the last one does c (c + L) / (2c + L) < c multiply-adds per value it moves).
 
+The working storage is one flat workspace carved into these blocks (``CodedRingRank.workspace_numel``
+values); ``cerar.all_reduce`` takes it from ``cerar.workspace``, which keeps it between calls on CPU.
+
 G_i arrives as rows of length m in two parts, ``head`` (the rows that are a view of the caller's
 tensor) and ``tail`` (the last, zero-padded rows), so the input is never copied whole.
 """
@@ -153,7 +156,7 @@ class CodedRingWorker:
     ``message_row(j, R)``, so the first product is one with [U_i; x(2); ...; x(R)].
     """
 
-    def __init__(self, matrices, head, tail, buffer, N: int, tail_width: int, timer=None):
+    def __init__(self, matrices, head, tail, buffer, N: int, tail_width: int, timer=None, injection=None):
         self.A, self.W, self.W_reversed = matrices["A"], matrices["W"], matrices["D_reversed"]
         self.head, self.tail, self.N = head, tail, N
         self.c, self.k = self.A.shape[0], head.shape[0]
@@ -166,7 +169,7 @@ class CodedRingWorker:
         self.batch = self.rows if self.rows >= self.L else self.rows - 1
         self.tail_width = tail_width
         self.timer = timer or PhaseTimer(head.device, enabled=False)
-        self.injection = torch.empty_like(buffer[0])
+        self.injection = torch.empty_like(buffer[0]) if injection is None else injection
         self.pending = None  # what receive(t) adds to y(t): (row, sign)
         self.decoded = 0  # messages x(2..decoded+1) are in the result
         self.encoded = False
@@ -285,7 +288,8 @@ class CodedRingRank:
     The rows wholly inside ``flat`` are read in place and receive the result in place; the last,
     partial row is copied into a zero-padded tail. ``write_result(out, scale)`` finishes the
     decoding into ``flat`` (scaled) and copies S_hat's first d values into ``out`` where ``out`` is
-    another tensor. ``storage``: see ``message_rows``.
+    another tensor. ``storage``: see ``message_rows``. ``workspace``: a flat tensor of at least
+    ``workspace_numel`` values to carve the working storage from (a fresh one when None).
     """
 
     def __init__(
@@ -297,32 +301,50 @@ class CodedRingRank:
         N: int,
         timer=None,
         storage: str = DEFAULT_STORAGE,
+        workspace: torch.Tensor | None = None,
     ):
         d = flat.numel()
         self.flat, self.d, self.c, self.m = flat, d, c, m
         self.k = min(c, d // m) if m else c  # rows wholly inside the tensor
         self.rest = d - self.k * m  # values of row k that lie inside the tensor
         self.head = flat[: self.k * m].view(self.k, m)
-        self.tail = flat.new_zeros(c - self.k, m)
-        self.tail.view(-1)[: self.rest] = flat[self.k * m :]
         self.chunks = pipeline_chunks(m)
         L = matrices["W"].shape[1] - c
         rows = message_rows(N, L, storage)
-        self.workers = [
-            CodedRingWorker(
-                matrices,
-                self.head[:, a:b],
-                self.tail[:, a:b],
-                flat.new_empty(c + rows, b - a),
-                N,
-                max(0, min(b, self.rest) - a),
-                timer,
+        needed = self.workspace_numel(d, c, m, N, L, storage)
+        if workspace is None:
+            workspace = flat.new_empty(needed)
+        elif workspace.numel() < needed or workspace.dtype != flat.dtype or workspace.device != flat.device:
+            raise ValueError(f"workspace: need {needed} values of {flat.dtype} on {flat.device}")
+        carve = _Carver(workspace)
+        self.tail = carve(c - self.k, m).zero_()
+        self.tail.view(-1)[: self.rest] = flat[self.k * m :]
+        self.workers = []
+        for a, b in self.chunks:
+            buffer = carve(c + rows, b - a)
+            self.workers.append(
+                CodedRingWorker(
+                    matrices,
+                    self.head[:, a:b],
+                    self.tail[:, a:b],
+                    buffer,
+                    N,
+                    max(0, min(b, self.rest) - a),
+                    timer,
+                    injection=carve(b - a),
+                )
             )
-            for a, b in self.chunks
-        ]
+
+    @staticmethod
+    def workspace_numel(d: int, c: int, m: int, N: int, L: int, storage: str = DEFAULT_STORAGE) -> int:
+        """Values of working storage a rank needs: the padded tail, and per chunk its encodings and
+        messages (c + R rows) and one injection row."""
+        k = min(c, d // m) if m else c
+        rows = message_rows(N, L, storage)
+        return (c - k) * m + sum((c + rows + 1) * (b - a) for a, b in pipeline_chunks(m))
 
     def extra_bytes(self) -> int:
-        """Bytes this rank allocated beyond its input: encodings and messages, injections, tail."""
+        """Bytes of working storage this rank uses beyond its input: encodings and messages, injections, tail."""
         tensors = [self.tail] + [t for w in self.workers for t in (w.buffer, w.injection)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -334,3 +356,18 @@ class CodedRingRank:
         if out.data_ptr() != self.flat.data_ptr():
             out[: k * m].copy_(self.flat[: k * m])
         out[k * m : k * m + rest].copy_(self.tail.view(-1)[:rest])
+
+
+class _Carver:
+    """Consecutive views of a flat workspace, each contiguous."""
+
+    def __init__(self, workspace: torch.Tensor):
+        self.workspace, self.used = workspace, 0
+
+    def __call__(self, *shape: int) -> torch.Tensor:
+        n = 1
+        for size in shape:
+            n *= size
+        view = self.workspace[self.used : self.used + n].view(*shape)
+        self.used += n
+        return view

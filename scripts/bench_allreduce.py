@@ -8,8 +8,9 @@ For every N in ``--n``, every tensor size in ``--sizes-mb`` and every aggregator
 * ``nccl``  -- the process group's own ``dist.all_reduce`` (named as in the paper; on CPU the
   group is gloo, so this is gloo's all-reduce, recorded in the ``backend`` column);
 * ``ring``  -- ``cerar.ring_all_reduce``, the exact ring on the same transport as CERAR;
-* ``cerar`` -- ``cerar.all_reduce`` for each construction in ``--constructions`` and each c in
-  ``--c-mult`` x N (combinations the construction rejects are skipped and logged),
+* ``cerar`` -- ``cerar.all_reduce`` for each construction in ``--constructions``, each c in
+  ``--c-mult`` x N (combinations the construction rejects are skipped and logged) and each
+  storage choice in ``--storages`` (``cerar.rounds.STORAGE_CHOICES``),
 
 it times one float32 all-reduce across N real processes: ``--warmup`` untimed runs, then
 ``--repeats`` repeats in which the aggregators run *interleaved* (order rotated every repeat) so
@@ -24,6 +25,11 @@ shaped to R Mbit/s each way (needs root), so the time reflects the bytes moved.
 
 Why: to measure whether CERAR's smaller byte count (L*m values instead of 2(N-1)ceil(d/N)) beats
 its extra rounds and encode/decode arithmetic, and to feed ``cerar/costmodel.py``.
+
+Before and after: ``--code-dir DIR`` imports ``cerar`` from another checkout (e.g. a git worktree
+of an older commit) instead of this one; the rows record that checkout's commit in ``code_commit``,
+so two invocations back to back, each with its own all_reduce baseline, compare two versions of
+the library on the same machine and load. Storage is left to that version's default there.
 
 Figures (``--figures``; ``--figures-only`` redraws from the CSV): time vs size, saving vs c, and
 measured time vs the byte bound L*m*itemsize*8 / link rate, into ``reports/figures/``.
@@ -44,6 +50,7 @@ import json
 import math
 import os
 import platform
+import resource
 import socket
 import statistics
 import subprocess
@@ -66,6 +73,7 @@ EXTRA_COLUMNS = [
     "seconds_p25", "seconds_p75", "warmup", "backend", "itemsize", "bytes_sent", "bytes_received",
     "rounds", "byte_bound_seconds", "achieved_mbit", "seconds_encode", "seconds_comm", "seconds_decode",
     "peak_extra_bytes", "rel_error", "eps", "kappa", "run_id", "timestamp", "host", "torch",
+    "storage", "code_commit", "load_before", "pipeline_chunks", "cpu_seconds",
 ]  # fmt: skip
 DEFAULT_CSV = ROOT / "reports" / "data" / "allreduce.csv"
 DEFAULT_FIGURES = ROOT / "reports" / "figures"
@@ -107,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--constructions", type=_strs, default=None,
                     help="CERAR constructions (default: all of cerar.CONSTRUCTIONS)")  # fmt: skip
     ap.add_argument("--c-mult", type=_ints, default=[1, 2, 4], help="c = k*N for k in this list")
+    ap.add_argument("--storages", type=_strs, default=None,
+                    help="CERAR storage choices, e.g. spec,messages (default: the library's default)")
+    ap.add_argument("--pipeline-chunks", type=_ints, default=None,
+                    help="CERAR: most messages a round's block is cut into (cerar.rounds.PIPELINE_MAX_CHUNKS), "
+                         "e.g. 2,4 (default: the library's)")  # fmt: skip
+    ap.add_argument("--code-dir", type=Path, default=None,
+                    help="import cerar from this checkout (before/after comparisons); default: this one")
     ap.add_argument("--eps", type=float, default=None, help="code eps (default: the construction's)")
     ap.add_argument("--kappa-max", type=float, default=None, help="code kappa_max (default: the library's)")
     ap.add_argument("--repeats", type=int, default=5)
@@ -144,8 +159,12 @@ def worker(args) -> int:
     import torch
     import torch.distributed as dist
 
+    if args.code_dir is not None:
+        sys.path.insert(0, str(args.code_dir.resolve()))
     import cerar
 
+    if args.code_dir is not None and not Path(cerar.__file__).resolve().is_relative_to(args.code_dir.resolve()):
+        raise RuntimeError(f"--code-dir {args.code_dir}: imported cerar from {cerar.__file__} instead")
     if not hasattr(cerar, "all_reduce"):  # before cerar/__init__ exports the protocol
         import cerar.protocol as proto
 
@@ -156,12 +175,15 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     N = world
 
-    configs = []  # (aggregator, construction, c, code)
+    import cerar.rounds
+
+    default_chunks = cerar.rounds.PIPELINE_MAX_CHUNKS
+    configs = []  # (aggregator, construction, c, code, storage, pipeline chunks)
     skipped = []
     if "nccl" in args.aggregators:
-        configs.append(("nccl", "", None, None))
+        configs.append(("nccl", "", None, None, None, None))
     if "ring" in args.aggregators:
-        configs.append(("ring", "", None, None))
+        configs.append(("ring", "", None, None, None, None))
     if "cerar" in args.aggregators:
         for cons in args.constructions or list(cerar.CONSTRUCTIONS):
             for k in args.c_mult:
@@ -171,13 +193,15 @@ def worker(args) -> int:
                 except ValueError as e:
                     skipped.append(f"{cons} c={c}: {e}")
                     continue
-                configs.append(("cerar", cons, c, code))
+                for storage in args.storages or [None]:
+                    for chunks in args.pipeline_chunks or [default_chunks]:
+                        configs.append(("cerar", cons, c, code, storage, chunks))
     if rank == 0:
         for s in skipped:
             print(f"bench: skipped {s}", flush=True)
 
     def run_one(cfg, buf):
-        agg, _, _, code = cfg
+        agg, _, _, code, storage, chunks = cfg
         ct = args.collective_timeout
         if agg == "nccl":
             work = dist.all_reduce(buf, async_op=True)
@@ -185,7 +209,10 @@ def worker(args) -> int:
             return None
         if agg == "ring":
             return cerar.ring_all_reduce(buf, timeout=ct)
-        return cerar.all_reduce(buf, code, timeout=ct)
+        cerar.rounds.PIPELINE_MAX_CHUNKS = chunks
+        if storage is None:  # the library's default (and the only choice of versions without the knob)
+            return cerar.all_reduce(buf, code, timeout=ct)
+        return cerar.all_reduce(buf, code, timeout=ct, storage=storage)
 
     rows = []
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -206,15 +233,17 @@ def worker(args) -> int:
                     e = float((buf.to(torch.float64) - exact).norm() / exact.norm())
                     errors[k], stats_of[k] = e, st
         times = torch.zeros(len(configs), args.repeats, dtype=torch.float64)
+        cpu = torch.zeros(len(configs), args.repeats, dtype=torch.float64)  # this rank's CPU seconds
         phases = torch.zeros(len(configs), args.repeats, 3, dtype=torch.float64)
         for rep in range(args.repeats):
             order = [(rep + j) % len(configs) for j in range(len(configs))]
             for k in order:
                 buf.copy_(src)
                 dist.barrier()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), _cpu_seconds()
                 st = run_one(configs[k], buf)
                 times[k, rep] = time.perf_counter() - t0
+                cpu[k, rep] = _cpu_seconds() - c0
                 if st is not None:
                     for p, name in enumerate(("seconds_encode", "seconds_comm", "seconds_decode")):
                         v = _stat(st, name)
@@ -222,10 +251,12 @@ def worker(args) -> int:
         # The time of a run is its slowest rank's; errors: the worst rank's.
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         dist.all_reduce(phases, op=dist.ReduceOp.MAX)
+        cpu = cpu.median(dim=1).values
+        dist.all_reduce(cpu)  # the ranks' mean CPU seconds per call, below
         err = torch.tensor([errors[k] for k in range(len(configs))], dtype=torch.float64)
         dist.all_reduce(err, op=dist.ReduceOp.MAX)
         if rank == 0:
-            for k, (agg, cons, c, code) in enumerate(configs):
+            for k, (agg, cons, c, code, storage, chunks) in enumerate(configs):
                 ts = sorted(times[k].tolist())
                 st = stats_of[k]
                 q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
@@ -237,6 +268,9 @@ def worker(args) -> int:
                     "itemsize": ITEMSIZE, "rel_error": float(err[k]),
                     "eps": "" if code is None or code.eps is None else code.eps,
                     "kappa": "" if code is None else code.kappa,
+                    "storage": "" if agg != "cerar" else (storage or _default_storage(cerar)),
+                    "code_commit": _commit_of(Path(cerar.__file__).resolve().parents[1]),
+                    "pipeline_chunks": "" if chunks is None else chunks, "cpu_seconds": float(cpu[k]) / N,
                 }  # fmt: skip
                 for name in ("bytes_sent", "bytes_received", "rounds", "peak_extra_bytes"):
                     v = _stat(st, name) if st is not None else None
@@ -251,6 +285,33 @@ def worker(args) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU time, user and system, all threads (gloo's transport threads included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _default_storage(cerar) -> str:
+    """The library's default storage choice; ``"-"`` for versions from before the knob."""
+    try:
+        from cerar.rounds import DEFAULT_STORAGE
+    except ImportError:
+        return "-"
+    return DEFAULT_STORAGE
+
+
+def _commit_of(checkout: Path) -> str:
+    """The checkout's commit, with ``+dirty`` when its cerar/ differs from it."""
+    try:
+        sha = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=12", "HEAD"],
+                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--", "cerar"],
+                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+    return sha + ("+dirty" if dirty else "")
 
 
 # --------------------------------------------------------------------------- launcher
@@ -271,6 +332,12 @@ def worker_argv(args, rows_out: Path, where: str, run_id: str) -> list[str]:
          "--collective-timeout", str(args.collective_timeout)]  # fmt: skip
     if args.constructions:
         a += ["--constructions", ",".join(args.constructions)]
+    if args.storages:
+        a += ["--storages", ",".join(args.storages)]
+    if args.pipeline_chunks:
+        a += ["--pipeline-chunks", ",".join(map(str, args.pipeline_chunks))]
+    if args.code_dir is not None:
+        a += ["--code-dir", str(args.code_dir.resolve())]
     if args.eps is not None:
         a += ["--eps", str(args.eps)]
     if args.kappa_max is not None:
@@ -341,7 +408,14 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
             header = next(csv.reader(f), [])
         if header[: len(CSV_COLUMNS)] != CSV_COLUMNS:
             raise ValueError(f"{csv_path}: header {header[: len(CSV_COLUMNS)]} does not start with {CSV_COLUMNS}")
-        fields = header
+        fields = header + [c for c in EXTRA_COLUMNS if c not in header]
+        if fields != header:  # columns added since the file was written: old rows get them empty
+            with open(csv_path, newline="") as f:
+                old = list(csv.DictReader(f))
+            with open(csv_path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields, restval="")
+                w.writeheader()
+                w.writerows(old)
     with open(csv_path, "a", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:
@@ -349,10 +423,11 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def finish_rows(rows: list[dict], where: str, rate: float | None, run_id: str) -> list[dict]:
+def finish_rows(rows: list[dict], where: str, rate: float | None, run_id: str, load_before: str) -> list[dict]:
     import torch
 
     for r in rows:
+        r["load_before"] = load_before
         r["where"] = where
         r["rate_mbit"] = "" if rate is None else f"{rate:g}"
         sent = r.get("bytes_sent")
@@ -366,23 +441,27 @@ def finish_rows(rows: list[dict], where: str, rate: float | None, run_id: str) -
 
 
 def print_summary(rows: list[dict]) -> None:
-    print(f"{'where':8} {'rate':>6} {'N':>3} {'MiB':>7} {'aggregator':22} {'median s':>10} "
-          f"{'min':>9} {'max':>9} {'sent MB':>8} {'Mbit/s':>7} {'bound s':>8} {'rel err':>8}")  # fmt: skip
+    print(f"{'where':8} {'rate':>6} {'N':>3} {'MiB':>7} {'aggregator':31} {'median s':>10} "
+          f"{'min':>9} {'max':>9} {'sent MB':>8} {'Mbit/s':>7} {'bound s':>8} {'rel err':>8} {'cpu s':>7}")  # fmt: skip
     for r in rows:
-        name = r["aggregator"] + (f"/{r['construction']}/c={r['c']}" if r["aggregator"] == "cerar" else "")
+        name = _label(r).replace(" ", "/")
         sent = r.get("bytes_sent")
-        print(f"{r['where']:8} {r['rate_mbit'] or '-':>6} {r['N']:>3} {r['bytes'] / 2**20:>7.2f} {name:22} "
+        print(f"{r['where']:8} {r['rate_mbit'] or '-':>6} {r['N']:>3} {r['bytes'] / 2**20:>7.2f} {name:31} "
               f"{r['seconds_median']:>10.4f} {r['seconds_min']:>9.4f} {r['seconds_max']:>9.4f} "
               f"{(sent / 1e6 if sent not in ('', None) else float('nan')):>8.2f} "
               f"{r.get('achieved_mbit') or math.nan:>7.1f} {r.get('byte_bound_seconds') or math.nan:>8.4f} "
-              f"{r['rel_error']:>8.1e}")  # fmt: skip
+              f"{r['rel_error']:>8.1e} {r.get('cpu_seconds', math.nan):>7.3f}")  # fmt: skip
 
 
 # --------------------------------------------------------------------------- figures
 
 
 def _label(r: dict) -> str:
-    return r["aggregator"] + (f" {r['construction']} c={r['c']}" if r["aggregator"] == "cerar" else "")
+    if r["aggregator"] != "cerar":
+        return r["aggregator"]
+    storage, chunks = r.get("storage") or "", str(r.get("pipeline_chunks") or "")
+    return (f"cerar {r['construction']} c={r['c']}" + (f" {storage}" if storage not in ("", "-", "spec") else "")
+            + (f" chunks={chunks}" if chunks not in ("", "2") else ""))  # fmt: skip
 
 
 def make_figures(csv_path: Path, out_dir: Path) -> list[Path]:
@@ -523,13 +602,14 @@ def main(argv=None) -> int:
         for N, rate in settings:
             rows_out = Path(tmp) / f"rows-N{N}-{rate}.jsonl"
             t0 = time.monotonic()
+            load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
             ok = (run_lab(args, N, rate, rows_out, run_id, log_dir) if args.lab
                   else run_loopback(args, N, rows_out, run_id, log_dir))  # fmt: skip
             if not ok or not rows_out.exists():
                 failures += 1
                 continue
             rows = [json.loads(x) for x in rows_out.read_text().splitlines() if x.strip()]
-            rows = finish_rows(rows, "lab" if args.lab else "loopback", rate, run_id)
+            rows = finish_rows(rows, "lab" if args.lab else "loopback", rate, run_id, load_before)
             append_rows(args.csv, rows)
             all_rows += rows
             if not args.quiet:
