@@ -367,9 +367,10 @@ def all_reduce(
         workspace = POOL.take(needed, flat.dtype, flat.device)  # back to the pool only after a clean call:
         me = CodedRingRank(matrices, flat, c, m, N, timer, storage, workspace)  # a failed one may still be written
         works = []
-        for worker in me.workers:  # round 1 of every chunk
+        for worker in me.workers:  # round 1 of every chunk on the link before any encoding
             with timer.phase("comm"):
                 works.append(ring.post(worker.message(), worker.receive_buffer(1)))
+        for worker in me.workers:
             worker.while_in_flight(1)
         for t in range(1, code.L + 1):
             for p, worker in enumerate(me.workers):

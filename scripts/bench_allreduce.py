@@ -73,7 +73,7 @@ EXTRA_COLUMNS = [
     "seconds_p25", "seconds_p75", "warmup", "backend", "itemsize", "bytes_sent", "bytes_received",
     "rounds", "byte_bound_seconds", "achieved_mbit", "seconds_encode", "seconds_comm", "seconds_decode",
     "peak_extra_bytes", "rel_error", "eps", "kappa", "run_id", "timestamp", "host", "torch",
-    "storage", "code_commit", "load_before", "pipeline_chunks", "cpu_seconds",
+    "storage", "code_commit", "load_before", "pipeline_chunks", "cpu_seconds", "cpu_system_seconds", "mtu",
 ]  # fmt: skip
 DEFAULT_CSV = ROOT / "reports" / "data" / "allreduce.csv"
 DEFAULT_FIGURES = ROOT / "reports" / "figures"
@@ -128,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--lab", action="store_true", help="run in a netlab lab (root) instead of loopback")
     ap.add_argument("--rate-mbit", type=_floats, default=[200.0], help="lab link rates, e.g. 100,400,2000")
+    ap.add_argument("--mtu", type=int, default=1500, help="lab link MTU (9000: jumbo frames)")
     ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     ap.add_argument("--figures", action="store_true", help="draw figures from the CSV after the run")
     ap.add_argument("--figures-only", action="store_true", help="only (re)draw figures from --csv")
@@ -233,17 +234,17 @@ def worker(args) -> int:
                     e = float((buf.to(torch.float64) - exact).norm() / exact.norm())
                     errors[k], stats_of[k] = e, st
         times = torch.zeros(len(configs), args.repeats, dtype=torch.float64)
-        cpu = torch.zeros(len(configs), args.repeats, dtype=torch.float64)  # this rank's CPU seconds
+        cpu = torch.zeros(len(configs), args.repeats, 2, dtype=torch.float64)  # this rank's CPU (all, system)
         phases = torch.zeros(len(configs), args.repeats, 3, dtype=torch.float64)
         for rep in range(args.repeats):
             order = [(rep + j) % len(configs) for j in range(len(configs))]
             for k in order:
                 buf.copy_(src)
                 dist.barrier()
-                t0, c0 = time.perf_counter(), _cpu_seconds()
+                t0, c0 = time.perf_counter(), torch.tensor(_cpu_seconds(), dtype=torch.float64)
                 st = run_one(configs[k], buf)
                 times[k, rep] = time.perf_counter() - t0
-                cpu[k, rep] = _cpu_seconds() - c0
+                cpu[k, rep] = torch.tensor(_cpu_seconds(), dtype=torch.float64) - c0
                 if st is not None:
                     for p, name in enumerate(("seconds_encode", "seconds_comm", "seconds_decode")):
                         v = _stat(st, name)
@@ -270,7 +271,8 @@ def worker(args) -> int:
                     "kappa": "" if code is None else code.kappa,
                     "storage": "" if agg != "cerar" else (storage or _default_storage(cerar)),
                     "code_commit": _commit_of(Path(cerar.__file__).resolve().parents[1]),
-                    "pipeline_chunks": "" if chunks is None else chunks, "cpu_seconds": float(cpu[k]) / N,
+                    "pipeline_chunks": "" if chunks is None else chunks, "cpu_seconds": float(cpu[k, 0]) / N,
+                    "cpu_system_seconds": float(cpu[k, 1]) / N,
                 }  # fmt: skip
                 for name in ("bytes_sent", "bytes_received", "rounds", "peak_extra_bytes"):
                     v = _stat(st, name) if st is not None else None
@@ -287,10 +289,11 @@ def worker(args) -> int:
     return 0
 
 
-def _cpu_seconds() -> float:
-    """This process's CPU time, user and system, all threads (gloo's transport threads included)."""
+def _cpu_seconds() -> tuple[float, float]:
+    """This process's CPU time (user + system, system), all threads: gloo's transport threads, and
+    the kernel's network stack (in the lab: veth, bridge and tbf) run on the sender's time."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    return usage.ru_utime + usage.ru_stime, usage.ru_stime
 
 
 def _default_storage(cerar) -> str:
@@ -386,7 +389,7 @@ def run_loopback(args, N: int, rows_out: Path, run_id: str, log_dir: Path) -> bo
 def run_lab(args, N: int, rate: float, rows_out: Path, run_id: str, log_dir: Path) -> bool:
     import netlab
 
-    with netlab.NetLab(hosts=N, rate_mbit=rate) as lab:
+    with netlab.NetLab(hosts=N, rate_mbit=rate, mtu=args.mtu) as lab:
         res = lab.run(worker_argv(args, rows_out, "lab", run_id), timeout=args.timeout,
                       out_dir=log_dir / f"lab-N{N}-r{rate:g}", echo=not args.quiet,
                       env={"OMP_NUM_THREADS": "1"})  # fmt: skip
@@ -423,12 +426,13 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def finish_rows(rows: list[dict], where: str, rate: float | None, run_id: str, load_before: str) -> list[dict]:
+def finish_rows(rows: list[dict], where: str, rate: float | None, run_id: str, load_before: str, mtu: int) -> list[dict]:
     import torch
 
     for r in rows:
         r["load_before"] = load_before
         r["where"] = where
+        r["mtu"] = mtu if where == "lab" else ""
         r["rate_mbit"] = "" if rate is None else f"{rate:g}"
         sent = r.get("bytes_sent")
         if sent not in ("", None) and r["seconds_median"] > 0:
@@ -609,7 +613,7 @@ def main(argv=None) -> int:
                 failures += 1
                 continue
             rows = [json.loads(x) for x in rows_out.read_text().splitlines() if x.strip()]
-            rows = finish_rows(rows, "lab" if args.lab else "loopback", rate, run_id, load_before)
+            rows = finish_rows(rows, "lab" if args.lab else "loopback", rate, run_id, load_before, args.mtu)
             append_rows(args.csv, rows)
             all_rows += rows
             if not args.quiet:

@@ -205,7 +205,7 @@ def _set_pdeathsig() -> None:
         pass
 
 
-def tbf_params(rate_mbit: float) -> tuple[int, int]:
+def tbf_params(rate_mbit: float, mtu: int = _MTU) -> tuple[int, int]:
     """(burst, limit) in bytes for a tbf at ``rate_mbit``.
 
     burst: about 1 ms of traffic, at least a few full frames (tbf needs burst >= MTU and splits
@@ -214,14 +214,14 @@ def tbf_params(rate_mbit: float) -> tuple[int, int]:
     20 ms of traffic and at least 64 KiB, so TCP keeps the link busy without adding much delay.
     """
     rate_bps = rate_mbit * 1e6 / 8
-    burst = max(4 * _MTU, int(rate_bps * 1e-3))
+    burst = max(4 * mtu, int(rate_bps * 1e-3))
     limit = max(64 * 1024, int(rate_bps * 20e-3))
     return burst, limit
 
 
-def shape(ns: str, dev: str, rate_mbit: float, delay_ms: float = 0.0) -> None:
+def shape(ns: str, dev: str, rate_mbit: float, delay_ms: float = 0.0, mtu: int = _MTU) -> None:
     """Shape the egress of ``dev`` in namespace ``ns`` to ``rate_mbit`` (+ optional netem delay)."""
-    burst, limit = tbf_params(rate_mbit)
+    burst, limit = tbf_params(rate_mbit, mtu)
     rate = f"{rate_mbit * 1e6:.0f}bit"
     tbf = ["tbf", "rate", rate, "burst", str(burst), "limit", str(limit)]
     if delay_ms > 0:
@@ -335,6 +335,10 @@ class NetLab:
     Use as a context manager; the lab is built on ``__enter__`` and always torn down on
     ``__exit__``, on SIGINT/SIGTERM/SIGHUP (handlers installed when entered from the main thread)
     and at interpreter exit. ``rate_mbit=None`` builds an unshaped lab (veth speed).
+
+    ``mtu``: the links' MTU (1500, Ethernet's default; 9000 for jumbo frames, common in clusters).
+    The emulated links cost the kernel CPU per packet, charged to the ranks; with many ranks on few
+    cores jumbo frames keep that cost from setting the time instead of the rate.
     """
 
     def __init__(
@@ -344,6 +348,7 @@ class NetLab:
         delay_ms: float = 0.0,
         master_port: int = DEFAULT_MASTER_PORT,
         install_signal_handlers: bool = True,
+        mtu: int = _MTU,
     ):
         if not isinstance(hosts, int) or not 1 <= hosts <= _MAX_HOSTS:
             raise NetLabError(f"hosts must be an integer in 1..{_MAX_HOSTS}, got {hosts!r}")
@@ -351,6 +356,8 @@ class NetLab:
             raise NetLabError(f"rate_mbit must be in (0, 100000] Mbit/s or None, got {rate_mbit!r}")
         if not delay_ms >= 0 or delay_ms > 10_000:
             raise NetLabError(f"delay_ms must be in [0, 10000], got {delay_ms!r}")
+        if not isinstance(mtu, int) or not 576 <= mtu <= 65535:
+            raise NetLabError(f"mtu must be an integer in 576..65535, got {mtu!r}")
         if not 1024 <= master_port <= 65535:
             raise NetLabError(f"master_port must be in 1024..65535, got {master_port!r}")
         global _seq
@@ -360,6 +367,7 @@ class NetLab:
         self.hosts = hosts
         self.rate_mbit = rate_mbit
         self.delay_ms = float(delay_ms)
+        self.mtu = mtu
         self.master_port = master_port
         self.lab_id = f"{os.getpid()}-{seq}"
         self.subnet_octet = (os.getpid() * 7 + seq) % 250 + 1
@@ -417,13 +425,15 @@ class NetLab:
             # Created inside the bridge namespace with its peer placed straight into the host's:
             # the pair never exists in the root namespace.
             _ip("-n", br, "link", "add", f"p{i}", "type", "veth", "peer", "name", LAB_IFNAME, "netns", ns)
+            _ip("-n", br, "link", "set", f"p{i}", "mtu", str(self.mtu))
+            _ip("-n", ns, "link", "set", LAB_IFNAME, "mtu", str(self.mtu))
             _ip("-n", br, "link", "set", f"p{i}", "master", "br0")
             _ip("-n", br, "link", "set", f"p{i}", "up")
             _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/24", "dev", LAB_IFNAME)
             _ip("-n", ns, "link", "set", LAB_IFNAME, "up")
             if self.rate_mbit is not None:
-                shape(ns, LAB_IFNAME, self.rate_mbit, self.delay_ms)  # host -> switch
-                shape(br, f"p{i}", self.rate_mbit, self.delay_ms)  # switch -> host
+                shape(ns, LAB_IFNAME, self.rate_mbit, self.delay_ms, self.mtu)  # host -> switch
+                shape(br, f"p{i}", self.rate_mbit, self.delay_ms, self.mtu)  # switch -> host
 
     def down(self) -> None:
         """Tear the lab down: kill its processes, delete its namespaces. Idempotent."""

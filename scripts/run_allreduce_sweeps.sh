@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The all-reduce measurements behind reports/README.md, in the order they were run.
-# Usage (root, from the repo root): scripts/run_allreduce_sweeps.sh PHASE...   PHASE: targets lab loopback loopback256
+# Usage (root, from the repo root): scripts/run_allreduce_sweeps.sh PHASE...
+#   PHASE: targets lab loopback loopback256 passes
 # Each bench command and the load average before/after it are logged to reports/logs/allreduce_runs.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -31,6 +32,23 @@ for phase in "$@"; do
     ;;
   loopback256)  # not run in the committed data (time budget)
     run --n 4 --sizes-mb 256 --c-mult 4 --constructions perturbation --repeats 2 --warmup 1
+    ;;
+  passes)  # fewer passes (the arithmetic off the critical path): before and after, back to back per setting
+    # "before" is the library at BEFORE (the last commit before the new arithmetic), imported from a worktree
+    # by the same bench script; each invocation measures its own all_reduce baseline side by side.
+    BEFORE=db37ec034d6d
+    BEFORE_DIR=${BEFORE_DIR:-/tmp/cerar-before-$BEFORE}
+    [ -d "$BEFORE_DIR" ] || git worktree add --detach "$BEFORE_DIR" "$BEFORE" >/dev/null
+    LOOP=(--n 4 --sizes-mb 64 --c-mult 4 --constructions optimized --aggregators nccl,cerar --repeats 5 --warmup 1)
+    run "${LOOP[@]}" --code-dir "$BEFORE_DIR"
+    run "${LOOP[@]}" --storages spec,messages
+    for mtu in 1500 9000; do
+      for N in 4 8; do
+        LAB=(--lab --rate-mbit 200 --n $N --mtu $mtu --sizes-mb 64 --c-mult 4 --constructions optimized --repeats 5 --warmup 1)
+        run "${LAB[@]}" --code-dir "$BEFORE_DIR"
+        run "${LAB[@]}" --storages spec,messages
+      done
+    done
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac

@@ -94,6 +94,23 @@ def test_shaped_tcp_transfer_is_rate_limited(tmp_path):
     _assert_gone(lab_id)
 
 
+@needs_lab
+def test_jumbo_frame_lab_keeps_the_rate(tmp_path):
+    """With mtu=9000 the links carry jumbo frames (fewer packets for the kernel to emulate) and the
+    shaped transfer is still held to the rate."""
+    script = tmp_path / "tcp.py"
+    script.write_text(TCP_SCRIPT + "\nprint(open('/sys/class/net/lab0/mtu').read().strip())\n")
+    nbytes, rate = 4_000_000, 40.0
+    with netlab.NetLab(hosts=2, rate_mbit=rate, mtu=9000) as lab:
+        res = lab.run([PY, str(script), str(nbytes)], timeout=60)
+    assert res.ok, res.describe() + res.ranks[0].stderr + res.ranks[1].stderr
+    got, seconds, mtu = res.ranks[0].stdout.split()
+    assert int(got) == nbytes and mtu == "9000" and res.ranks[1].stdout.split() == ["9000"]
+    assert float(seconds) >= nbytes * 8 / (rate * 1e6) / 1.3
+    with pytest.raises(netlab.NetLabError, match="mtu"):
+        netlab.NetLab(hosts=2, rate_mbit=rate, mtu=100)
+
+
 GLOO_SCRIPT = textwrap.dedent("""
     import datetime, os, torch, torch.distributed as dist
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
