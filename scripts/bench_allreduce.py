@@ -73,7 +73,7 @@ EXTRA_COLUMNS = [
     "seconds_p25", "seconds_p75", "warmup", "backend", "itemsize", "bytes_sent", "bytes_received",
     "rounds", "byte_bound_seconds", "achieved_mbit", "seconds_encode", "seconds_comm", "seconds_decode",
     "peak_extra_bytes", "rel_error", "eps", "kappa", "run_id", "timestamp", "host", "torch",
-    "storage", "code_commit", "load_before", "pipeline_chunks", "cpu_seconds", "cpu_system_seconds", "mtu",
+    "storage", "code_commit", "load_before", "pipeline_chunks", "cpu_seconds", "cpu_system_seconds", "mtu", "cpus",
 ]  # fmt: skip
 DEFAULT_CSV = ROOT / "reports" / "data" / "allreduce.csv"
 DEFAULT_FIGURES = ROOT / "reports" / "figures"
@@ -433,6 +433,7 @@ def finish_rows(rows: list[dict], where: str, rate: float | None, run_id: str, l
         r["load_before"] = load_before
         r["where"] = where
         r["mtu"] = mtu if where == "lab" else ""
+        r["cpus"] = os.cpu_count()
         r["rate_mbit"] = "" if rate is None else f"{rate:g}"
         sent = r.get("bytes_sent")
         if sent not in ("", None) and r["seconds_median"] > 0:

@@ -6,6 +6,10 @@
   with the byte-count ratio, CERAR's time against its byte bound (nominal: bytes_sent * 8 / rate;
   goodput-adjusted: divided by ``--goodput``, the TCP goodput fraction of a tbf link measured by
   scripts/netlab.py's ring test, 191 of 200 Mbit/s), per-phase medians and the run's load average;
+* before and after the arithmetic with fewer passes (``scripts/run_allreduce_sweeps.sh passes``): per setting,
+  the library before (``storage`` "-") and after ("spec", the default, and "messages"), each against the
+  all_reduce measured in the same invocation, with the CPU each rank spent per call and the share of the
+  machine's cores the N ranks kept busy (near 1: the CPU, not the link, sets the time);
 * every setting's rows (median, min..max, ratios to all_reduce and ring, bytes, phases).
 
 When a configuration was measured in several runs, every run is listed (newest last), so reruns under a
@@ -69,6 +73,54 @@ def run_load(run_id: str, loads: list[tuple[str, str]]) -> str:
     return best
 
 
+def _cpu_text(total, system) -> str:
+    if total is None:
+        return "-"
+    return f"{total:.3f}" + ("" if system is None else f" ({system:.3f})")
+
+
+def before_after(rows: list[dict], loads, goodput: float) -> list[str]:
+    """The 'passes' phase: rows that name the storage they ran with ("-": the library before the knob)."""
+    mine = [r for r in rows if r.get("storage") and r.get("code_commit")]
+    if not mine:
+        return []
+    L = ["## Before and after: the arithmetic with fewer passes (64 MiB, c = 4N, optimized)\n",
+         "Each line is one bench invocation's CERAR against the all_reduce of the same invocation; `before` "
+         "is the library at the commit named (imported from a worktree by the same bench script), run "
+         "back to back with `after`. CPU: seconds per call per rank (all threads; system: the kernel's, "
+         "which in the lab includes the emulated links); busy: N x CPU / (cores x time), the share of the "
+         "machine the ranks used (near 1: CPU-bound).\n",
+         "| where | rate | MTU | N | c | code | storage | load | t s | t_all_reduce s | **/ all_reduce** | / byte bound "
+         "(nominal, goodput) | CPU s (system) | all_reduce CPU s (system) | busy | encode / comm / decode s |",
+         "|" + " --- |" * 16]  # fmt: skip
+    nccl = {r["run_id"]: r for r in rows if r["aggregator"] == "nccl"}
+    key = lambda r: (r["where"], _f(r["rate_mbit"]) or 0, int(_f(r.get("mtu")) or 0), int(r["N"]), r["timestamp"])  # noqa: E731
+    for r in sorted((r for r in mine if r["aggregator"] == "cerar"), key=key):
+        base = nccl.get(r["run_id"])
+        if base is None:
+            continue
+        t, tn, N = float(r["seconds_median"]), float(base["seconds_median"]), int(r["N"])
+        bound = _f(r.get("byte_bound_seconds"))
+        cores = int(_f(r.get("cpus")) or 2)
+        cpu, cpu_sys = _f(r.get("cpu_seconds")), _f(r.get("cpu_system_seconds"))
+        ncpu, ncpu_sys = _f(base.get("cpu_seconds")), _f(base.get("cpu_system_seconds"))
+        phase_seconds = [_f(r.get(f"seconds_{p}")) for p in ("encode", "comm", "decode")]
+        phases = " / ".join("-" if x is None else f"{x:.3f}" for x in phase_seconds)
+        code = "before " if r["storage"] == "-" else "after "
+        storage = "(default)" if r["storage"] == "-" else r["storage"]
+        if r.get("pipeline_chunks") not in (None, "", "2"):
+            storage += f", {r['pipeline_chunks']} chunks"
+        L.append(
+            f"| {r['where']} | {r['rate_mbit'] or '-'} | {r.get('mtu') or '-'} | {N} | {r['c']} | {code}{r['code_commit'][:7]} | "
+            f"{storage} | {r.get('load_before') or run_load(r['run_id'], loads)} | {t:.3f} | {tn:.3f} | **{t / tn:.3f}** | "
+            f"{'-' if bound is None else f'{t / bound:.3f}, {t / (bound / goodput):.3f}'} | "
+            f"{_cpu_text(cpu, cpu_sys)} | {_cpu_text(ncpu, ncpu_sys)} | "
+            f"{'-' if cpu is None else f'{N * cpu / (cores * t):.2f}'} | "
+            f"{phases} |"
+        )  # fmt: skip
+    return L + [""]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--csv", type=Path, default=ROOT / "reports" / "data" / "allreduce.csv")
@@ -129,6 +181,7 @@ def main(argv=None) -> int:
                     f"{float(r['seconds_encode']):.2f} / {float(r['seconds_comm']):.2f} / {float(r['seconds_decode']):.2f} | {float(r['rel_error']):.1e} |"
                 )  # fmt: skip
     L.append("")
+    L += before_after(rows, loads, args.goodput)
     L.append("## Every setting\n")
     keyf = lambda r: (r["where"], float(r["rate_mbit"] or 0), int(r["N"]), int(r["bytes"]), r["run_id"])  # noqa: E731
     groups: dict[tuple, list[dict]] = {}
