@@ -2,14 +2,17 @@
 # The long-horizon fidelity study behind reports/fidelity.md (issue: does CERAR train like exact all-reduce?).
 # Usage (from the repo root): scripts/run_fidelity.sh A|B|C|D [OUT]   (halves run side by side on a 2-core box)
 # A and B are the first session's halves; they stopped for lack of session time after five runs, and C and D
-# are the settings they had not reached (run side by side in the next session).
+# are the settings they had not reached (run side by side in the next session). E measures the drift of the resync
+# run before each resync (the loop measured it right after the resync until then, so it read 0): the same run as
+# C's first, stopped after 1000 of its 3000 steps for machine time; it retraces that run's trajectory exactly.
 # N=4 ranks of model=tiny on the embedded corpus, 3000 optimizer steps per run, same data order and seed per
 # setting; validation loss every 100 steps, drift and aggregation error (with the SGD noise beside it) every 50.
 # Each half is one train/sweep.py launch (one process group, runs one after another); the load average before
 # and after is logged to reports/logs/fidelity_runs.log.
 set -u
 cd "$(dirname "$0")/.."
-half=${1:?usage: scripts/run_fidelity.sh A|B|C|D [OUT]}
+half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E [OUT]}
+STOP_AT=0  # >0: stop the launch once its run has logged this step (the schedule stays that of max_steps)
 OUT=${2:-reports/runs/fidelity}
 LOG=reports/logs/fidelity_runs.log
 COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=3000
@@ -34,10 +37,23 @@ C) RUNS=("cerar_c16_optimized_resync50_s1: aggregator=cerar_optimized c=16 train
     "fp16_s1: aggregator=fp16 seed=1") ;;
 D) RUNS=("cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1"
     "powersgd_s1: aggregator=powersgd seed=1") ;;
-*) echo "unknown half $half (A, B, C or D)" >&2; exit 2 ;;
+E) RUNS=("cerar_c16_optimized_resync50_drift_s1: aggregator=cerar_optimized c=16 trainer.resync_every=50 seed=1")
+  STOP_AT=1000 ;;
+*) echo "unknown half $half (A, B, C, D or E)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
-OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false .venv/bin/torchrun --standalone --nproc_per_node=4 \
-  train/sweep.py "$OUT" "${RUNS[@]}" -- "${COMMON[@]}" >>"$LOG.$half" 2>&1
+OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false setsid .venv/bin/torchrun --standalone --nproc_per_node=4 \
+  train/sweep.py "$OUT" "${RUNS[@]}" -- "${COMMON[@]}" >>"$LOG.$half" 2>&1 &
+launch=$!
+if [ "$STOP_AT" -gt 0 ]; then
+  metrics="$OUT/${RUNS[0]%%:*}/metrics.jsonl"
+  while kill -0 $launch 2>/dev/null; do
+    if [ -f "$metrics" ] && grep -q "\"step\": $STOP_AT," "$metrics"; then
+      kill -TERM -- -$launch; echo "=== $(date -Is) half $half stopped at step $STOP_AT as planned" >>"$LOG"; break
+    fi
+    sleep 5
+  done
+fi
+wait $launch
 echo "=== $(date -Is) half $half rc=$? ; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"

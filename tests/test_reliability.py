@@ -151,13 +151,14 @@ def test_non_finite_gradient_skips_the_step_on_every_rank(sweep, label):
 @pytest.mark.slow
 @pytest.mark.timeout(700)
 def test_cerar_drift_is_bounded_by_resync(sweep):
-    """c > N: replicas drift apart; resync every 4 steps, measured right after, leaves none, and at the end
-    every rank's parameters are bit-identical."""
+    """c > N: replicas drift apart; with resync every 4 steps the drift, measured before each resync, is what
+    4 steps build up from identical replicas (the first one the same as without resync: one trajectory so
+    far), and after the last resync every rank's parameters are bit-identical."""
     drift = [r["drift/max_abs"] for r in records_of(sweep / "cerar_drift") if "drift/max_abs" in r]
     resync = [r["drift/max_abs"] for r in records_of(sweep / "cerar_resync") if "drift/max_abs" in r]
     assert len(drift) == len(resync) == STEPS // 4
     assert max(drift) > 0 and drift[-1] > 0
-    assert resync == [0.0] * len(resync)
+    assert all(r > 0 for r in resync) and resync[0] == pytest.approx(drift[0], rel=1e-6)
     assert len(set(summary_of(sweep / "cerar_resync")["param_sha256_per_rank"])) == 1
     assert len(set(summary_of(sweep / "cerar_drift")["param_sha256_per_rank"])) == 2
 

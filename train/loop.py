@@ -11,7 +11,8 @@ Diagnostics of approximate aggregation, where replicas can differ (CERAR: only r
 - `val_loss` is the reference replica's loss on the whole validation set; `val_loss_worst_replica`
   the worst replica's (each rank then evaluates the whole set with its own parameters).
 - `drift/max_abs` and `drift/rel_l2` measure every replica against the reference replica:
-  max |theta_r - theta_ref| and ||theta_r - theta_ref|| / ||theta_ref||, worst rank.
+  max |theta_r - theta_ref| and ||theta_r - theta_ref|| / ||theta_ref||, worst rank; at a step that
+  also resyncs, before the resync (the most the replicas drifted apart in the interval).
 - every `trainer.measure_error_every` steps (overlap=false): `agg/rel_error_max`, the worst rank's
   ||g_hat_r - g_bar|| / ||g_bar|| against an exact all-reduce, beside the SGD noise the step already
   carries: `noise/rel_std_mean`, the estimated standard deviation of the averaged gradient g_bar
@@ -438,10 +439,14 @@ class Trainer:
             record = self.train_step()
             step = self.state.step
             step_seconds = time.perf_counter() - step_start
+            last = step == t.max_steps
+            logged = self._due(t.log_every, step) or last or self._due(t.eval_every, step)
+            drift = {}
+            if logged and self.world_size > 1 and self._due(t.drift_every, step):
+                drift = self.replica_drift()  # before a resync at this step: the drift its interval built up
             if self.world_size > 1 and self._due(t.resync_every, step):
                 self.resync_from_exact_rank()
-            last = step == t.max_steps
-            if self._due(t.log_every, step) or last or self._due(t.eval_every, step):
+            if logged:
                 local_loss = float(record.pop("train_loss_local"))  # the step's one host sync for the loss
                 (train_loss,) = all_reduce_mean([local_loss], self.device, "train-loss all_reduce")
                 out = {"step": step, "train_loss": train_loss}
@@ -449,8 +454,7 @@ class Trainer:
                 out["time/step"] = step_seconds
                 out["tokens_per_s"] = self.tokens_per_step / step_seconds
                 out.update({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()})
-                if self.world_size > 1 and self._due(t.drift_every, step):
-                    out.update(self.replica_drift())
+                out.update(drift)
                 if self._due(t.eval_every, step) or last:
                     evaluation = self.evaluate()
                     self.state.last_val_loss = evaluation["val_loss"]
