@@ -12,7 +12,6 @@
 set -u
 cd "$(dirname "$0")/.."
 half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E [OUT]}
-STOP_AT=0  # >0: stop the launch once its run has logged this step (the schedule stays that of max_steps)
 OUT=${2:-reports/runs/fidelity}
 LOG=reports/logs/fidelity_runs.log
 COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=3000
@@ -37,23 +36,12 @@ C) RUNS=("cerar_c16_optimized_resync50_s1: aggregator=cerar_optimized c=16 train
     "fp16_s1: aggregator=fp16 seed=1") ;;
 D) RUNS=("cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1"
     "powersgd_s1: aggregator=powersgd seed=1") ;;
-E) RUNS=("cerar_c16_optimized_resync50_drift_s1: aggregator=cerar_optimized c=16 trainer.resync_every=50 seed=1")
-  STOP_AT=1000 ;;
+E) RUNS=("cerar_c16_optimized_resync50_drift_s1: aggregator=cerar_optimized c=16 trainer.resync_every=50 seed=1 \
+    trainer.stop_after_step=1000") ;;  # the schedule stays that of max_steps=3000
 *) echo "unknown half $half (A, B, C, D or E)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
-OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false setsid .venv/bin/torchrun --standalone --nproc_per_node=4 \
-  train/sweep.py "$OUT" "${RUNS[@]}" -- "${COMMON[@]}" >>"$LOG.$half" 2>&1 &
-launch=$!
-if [ "$STOP_AT" -gt 0 ]; then
-  metrics="$OUT/${RUNS[0]%%:*}/metrics.jsonl"
-  while kill -0 $launch 2>/dev/null; do
-    if [ -f "$metrics" ] && grep -q "\"step\": $STOP_AT," "$metrics"; then
-      kill -TERM -- -$launch; echo "=== $(date -Is) half $half stopped at step $STOP_AT as planned" >>"$LOG"; break
-    fi
-    sleep 5
-  done
-fi
-wait $launch
+OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false .venv/bin/torchrun --standalone --nproc_per_node=4 \
+  train/sweep.py "$OUT" "${RUNS[@]}" -- "${COMMON[@]}" >>"$LOG.$half" 2>&1
 echo "=== $(date -Is) half $half rc=$? ; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
