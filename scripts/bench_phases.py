@@ -7,6 +7,12 @@ reads each run's metrics.jsonl and writes the median seconds of forward, backwar
 optimizer per step (the first `--warmup` steps of each run dropped), the bytes sent per step and the
 aggregation's relative error to reports/data/phases_cpu.csv and reports/phases_cpu.md.
 A benchmark, not a test: the figures depend on the machine and its load.
+
+    .venv/bin/python scripts/bench_phases.py --before /tmp/cerar-before   # before and after, back to back
+
+``--before DIR`` first runs the same launch from another checkout (its own train/ and cerar/, e.g. a
+worktree of the commit before the persistent flat gradient buffer and the new arithmetic), then this
+one, and reports both: what those changes did to each phase and to the step.
 """
 
 from __future__ import annotations
@@ -41,10 +47,25 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--csv", default=str(ROOT / "reports" / "data" / "phases_cpu.csv"))
     p.add_argument("--md", default=str(ROOT / "reports" / "phases_cpu.md"))
     p.add_argument("--no-run", action="store_true", help="rebuild the report from an earlier --work-dir")
+    p.add_argument("--before", default=None, help="another checkout to run first, for a before/after table")
     return p.parse_args()
 
 
-def launch(args: argparse.Namespace) -> list[tuple[str, str]]:
+def commit_of(checkout: Path) -> str:
+    out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or "?"
+
+
+def versions(args: argparse.Namespace) -> list[tuple[str, Path, Path]]:
+    """(label, checkout, work dir) in the order they run: before (if any), then this checkout."""
+    work = Path(args.work_dir)
+    if args.before is None:
+        return [("this", ROOT, work)]
+    before = Path(args.before).resolve()
+    return [(f"before {commit_of(before)}", before, work / "before"), (f"after {commit_of(ROOT)}", ROOT, work / "after")]
+
+
+def launch(args: argparse.Namespace, checkout: Path, work_dir: Path) -> list[tuple[str, str]]:
     runs = [(f"{name}_r{r}", o) for r in range(args.rounds) for name, o in AGGREGATORS.items()]
     common = [
         f"model={args.model}",
@@ -67,8 +88,8 @@ def launch(args: argparse.Namespace) -> list[tuple[str, str]]:
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={args.nproc}",
-        str(ROOT / "train" / "sweep.py"),
-        args.work_dir,
+        str(checkout / "train" / "sweep.py"),
+        str(work_dir),
         *(f"{label}: {o}" for label, o in runs),
         "--",
         *common,
@@ -76,28 +97,30 @@ def launch(args: argparse.Namespace) -> list[tuple[str, str]]:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     print(" ".join(cmd[2:]), flush=True)
     before = os.getloadavg()[0]
-    subprocess.run(cmd, check=True, cwd=ROOT, env=env)
+    subprocess.run(cmd, check=True, cwd=checkout, env=env)
     load = {"load_before": before, "load_after": os.getloadavg()[0]}
-    (Path(args.work_dir) / "load.json").write_text(json.dumps(load))
+    (work_dir / "load.json").write_text(json.dumps(load))
     return runs
 
 
-def collect(args: argparse.Namespace) -> list[dict]:
+def collect(args: argparse.Namespace, code: str, work_dir: Path) -> list[dict]:
     rows = []
+    load = json.loads((work_dir / "load.json").read_text()) if (work_dir / "load.json").exists() else {}
     for name in AGGREGATORS:
         records, finals = [], []
         for r in range(args.rounds):
-            lines = (Path(args.work_dir) / f"{name}_r{r}" / "metrics.jsonl").read_text().splitlines()
+            lines = (work_dir / f"{name}_r{r}" / "metrics.jsonl").read_text().splitlines()
             run = [json.loads(line) for line in lines]
             records += [rec for rec in run if rec["step"] > args.warmup]
             finals.append(run[-1])
-        row = {"aggregator": name, "model": args.model, "N": args.nproc, "steps_measured": len(records)}
+        row = {"code": code, "aggregator": name, "model": args.model, "N": args.nproc, "steps_measured": len(records)}
         for phase in PHASES:
             row[f"{phase}_s"] = statistics.median(rec[f"time/{phase}"] for rec in records)
         row["step_s"] = statistics.median(rec["time/step"] for rec in records)
         row["bytes_sent"] = statistics.median(rec["bytes_sent"] for rec in records)
         row["rel_error_max"] = max(f.get("agg/rel_error_max", 0.0) for f in finals)
         row["final_train_loss"] = statistics.mean(f["train_loss"] for f in finals)
+        row["load_before"], row["load_after"] = load.get("load_before", ""), load.get("load_after", "")
         rows.append(row)
     return rows
 
@@ -109,10 +132,13 @@ def write(args: argparse.Namespace, rows: list[dict]) -> None:
         writer.writeheader()
         writer.writerows(rows)
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, torch {torch.__version__}"
-    load_file = Path(args.work_dir) / "load.json"
-    if load_file.exists():
-        load = json.loads(load_file.read_text())
-        machine += f"; 1-minute load average {load['load_before']:.1f} before, {load['load_after']:.1f} after"
+    loads = "; ".join(
+        f"{r['code']}: {r['load_before']:.1f} before, {r['load_after']:.1f} after"
+        for r in rows
+        if r["aggregator"] == next(iter(AGGREGATORS)) and r["load_before"] != ""
+    )
+    if loads:
+        machine += f"; 1-minute load average {loads}"
     lines = [
         "# Per-phase step times on CPU: nccl (gloo) vs ring vs CERAR c=16",
         "",
@@ -123,13 +149,13 @@ def write(args: argparse.Namespace, rows: list[dict]) -> None:
         f"{rows[0]['steps_measured']} steps per aggregator ({args.rounds} interleaved runs of {args.steps} steps, "
         f"first {args.warmup} of each dropped). `nccl` is `torch.distributed.all_reduce` on gloo here.",
         "",
-        "| aggregator | forward s | backward s | aggregate s | optimizer s | step s | bytes sent / rank / step "
+        "| code | aggregator | forward s | backward s | aggregate s | optimizer s | step s | bytes sent / rank / step "
         "| worst rel. error | final train loss |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
-            f"| {r['aggregator']} | {r['forward_s']:.3f} | {r['backward_s']:.3f} | {r['aggregate_s']:.3f} | "
+            f"| {r['code']} | {r['aggregator']} | {r['forward_s']:.3f} | {r['backward_s']:.3f} | {r['aggregate_s']:.3f} | "
             f"{r['optimizer_s']:.3f} | {r['step_s']:.3f} | {r['bytes_sent'] / 1e6:.1f} MB | "
             f"{r['rel_error_max']:.2e} | {r['final_train_loss']:.3f} |"
         )
@@ -142,7 +168,9 @@ def write(args: argparse.Namespace, rows: list[dict]) -> None:
         "c + N - 2 = 18 rounds against 6, and pays encoding/decoding; the worst relative error is the "
         "aggregate of rank 0 against the exact average, measured once per run at its last step. "
         "`step s` is wall time per step: besides the four phases it holds the batch loading, the gradient "
-        "flattening and the all-reduce of the non-finite flag, which is where ranks wait for the slowest one.",
+        "flattening (before the persistent flat gradient buffer: a concatenation and a copy back per step) and "
+        "the all-reduce of the non-finite flag, which is where ranks wait for the slowest one. With a `before` "
+        "row the two launches ran back to back, the older checkout first.",
         "",
     ]
     Path(args.md).write_text("\n".join(lines))
@@ -151,9 +179,12 @@ def write(args: argparse.Namespace, rows: list[dict]) -> None:
 
 def main() -> None:
     args = parse_args()
-    if not args.no_run:
-        launch(args)
-    write(args, collect(args))
+    rows = []
+    for code, checkout, work_dir in versions(args):
+        if not args.no_run:
+            launch(args, checkout, work_dir)
+        rows += collect(args, code, work_dir)
+    write(args, rows)
 
 
 if __name__ == "__main__":

@@ -101,3 +101,27 @@ def test_bench_in_lab_rows(tmp_path):
             if int(r["bytes"]) == 2**20:
                 # a shaped link cannot beat its rate (a lower bound only; slack for the tbf burst)
                 assert float(r["seconds_min"]) >= bound / 1.3, r
+
+
+@needs_protocol
+def test_bench_measures_storages_and_another_checkout_side_by_side(tmp_path):
+    """--storages gives one row per storage choice; --code-dir runs another checkout's cerar (here a copy
+    whose default storage is "messages", so its rows say so); an older CSV gains the new columns and keeps
+    its rows; every row records the CPU each rank spent and the load it ran under."""
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(ROOT / "cerar", other / "cerar", ignore=shutil.ignore_patterns("__pycache__"))
+    rounds = other / "cerar" / "rounds.py"
+    rounds.write_text(rounds.read_text().replace('DEFAULT_STORAGE = "spec"', 'DEFAULT_STORAGE = "messages"'))
+    old = tmp_path / "allreduce.csv"
+    old.write_text(",".join(REQUIRED) + "\nloopback,,nccl,,2,,64,0.1,0.1,0.1,1\n")
+    common = ("--aggregators", "nccl,cerar", "--constructions", "perturbation", "--c-mult", "2")
+    _run(tmp_path, *common, "--storages", "spec,messages", sizes="0.25")
+    header, rows = _run(tmp_path, *common, "--code-dir", str(other), sizes="0.25")
+    assert header[: len(REQUIRED)] == REQUIRED and {"storage", "cpu_seconds", "load_before"} <= set(header)
+    assert rows[0]["seconds_median"] == "0.1" and rows[0]["storage"] == ""  # the older row, kept
+    cerar_rows = [r for r in rows if r["aggregator"] == "cerar"]
+    assert [r["storage"] for r in cerar_rows] == ["spec", "messages", "messages"]
+    assert all(float(r["cpu_seconds"]) > 0 and len(r["load_before"].split()) == 3 for r in rows[1:])
+    assert all(float(r["rel_error"]) < 1e-3 for r in cerar_rows)
