@@ -11,7 +11,7 @@
 # and after is logged to reports/logs/fidelity_runs.log.
 set -u
 cd "$(dirname "$0")/.."
-half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E [OUT]}
+half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E|F [OUT]}
 OUT=${2:-reports/runs/fidelity}
 LOG=reports/logs/fidelity_runs.log
 COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=3000
@@ -38,7 +38,8 @@ D) RUNS=("cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1"
     "powersgd_s1: aggregator=powersgd seed=1") ;;
 E) RUNS=("cerar_c16_optimized_resync50_drift_s1: aggregator=cerar_optimized c=16 trainer.resync_every=50 seed=1 \
     trainer.stop_after_step=1000") ;;  # the schedule stays that of max_steps=3000
-*) echo "unknown half $half (A, B, C, D or E)" >&2; exit 2 ;;
+F) RUNS=("fp16_s1: aggregator=fp16 seed=1") ;;  # C's last run, started beside it to finish in the session
+*) echo "unknown half $half (A, B, C, D, E or F)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
