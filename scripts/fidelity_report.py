@@ -138,8 +138,33 @@ def steps_to_reach(run: dict, target: float) -> int | None:
     return None
 
 
+def complete(runs: list[dict]) -> bool:
+    """A setting that ran the whole horizon (a shorter one only measures something along the way)."""
+    return any(last_step(r) >= HORIZON for r in runs)
+
+
+DRIFT_STEPS = (50, 100, 200, 500, 1000, 2000, 3000)
+
+
+def drift_growth(settings: dict[str, list[dict]]) -> list[dict]:
+    """Drift of every CERAR setting at DRIFT_STEPS (seed 1), where it was measured and not zeroed by a resync
+    just before the measurement (runs from before the loop measured drift ahead of the resync read 0)."""
+    rows = []
+    for name, runs in sorted(settings.items()):
+        run = next((r for r in runs if r["seed"] == 1), None)
+        if not name.startswith("cerar") or run is None:
+            continue
+        rel, peak = dict(series(run, "drift/rel_l2")), dict(series(run, "drift/max_abs"))
+        if not rel or not any(v > 0 for v in rel.values()):
+            continue
+        rows.append({"setting": name, "rel_l2": [rel.get(k) for k in DRIFT_STEPS],
+                     "max_abs": [peak.get(k) for k in DRIFT_STEPS]})  # fmt: skip
+    return rows
+
+
 def summarize(settings: dict[str, list[dict]]) -> list[dict]:
-    """One row per setting: losses, gaps, drift, error, noise."""
+    """One row per setting that ran the whole horizon: losses, gaps, drift, error, noise."""
+    settings = {name: runs for name, runs in settings.items() if complete(runs)}
     nccl = settings.get("nccl", [])
     nccl_final = statistics.mean(final(r, "val_loss") for r in nccl) if nccl else None
     rows = []
@@ -252,6 +277,8 @@ def render(
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
+        if re.search(r"resync\d+$", r["setting"]) and not r["drift_rel_l2"]:
+            r["drift_max_abs"] = r["drift_rel_l2"] = math.nan  # measured after the resync: see below
         error, noise = r["rel_error_median"], r["noise_median"]
         ratio = "-" if not (error and noise) else f"{error / noise:.3g}"
         pythia_noise = noise * math.sqrt(batch_tokens / PYTHIA_BATCH_TOKENS) if noise and batch_tokens else None
@@ -265,7 +292,27 @@ def render(
             f"| {r['setting']} | {r['drift_max_abs']:.3g} | {r['drift_rel_l2']:.3g} | {_f(error, '.3g')} | "
             f"{_f(noise, '.3g')} | {ratio} | {_f(pythia_noise, '.3g')} | {meet} |"
         )
-    resynced = [name for name in settings if re.search(r"resync(\d+)", name)]
+    growth = drift_growth(settings)
+    if growth:
+        out += [
+            "",
+            "nan: a resync run whose drift was measured right after each resync (it read 0); its drift comes from "
+            "the `_drift` run below, the same run (bit-identical validation losses) with drift measured before "
+            "each resync, stopped after 1000 steps.",
+            "",
+            "### Drift as the steps go, with and without resync (seed 1)",
+            "",
+            "With resync, each value is the most the replicas parted in the 50 steps since the last resync.",
+            "",
+            "| setting | " + " | ".join(f"rel_l2 @{k}" for k in DRIFT_STEPS) + " | max_abs @1000 | max_abs @3000 |",
+            "|" + " --- |" * (len(DRIFT_STEPS) + 3),
+            *(
+                f"| {g['setting']} | " + " | ".join(_f(v, ".3g") for v in g["rel_l2"])
+                + f" | {_f(g['max_abs'][DRIFT_STEPS.index(1000)], '.3g')} | {_f(g['max_abs'][-1], '.3g')} |"
+                for g in growth
+            ),
+        ]  # fmt: skip
+    resynced = [name for name in settings if re.search(r"resync(\d+)$", name)]
     for name in resynced:
         k = int(re.search(r"resync(\d+)", name)[1])
         run = settings[name][0]
@@ -353,10 +400,11 @@ def figures(settings: dict[str, list[dict]], out: Path, plane_csv: Path = PLANE_
     import matplotlib.pyplot as plt
 
     names, color = _style(settings)
+    whole = [name for name in names if complete(settings[name])]
     paths = []
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
-    for name in names:
+    for name in whole:
         for i, run in enumerate(settings[name]):
             label = name if i == 0 else None
             steps, values = zip(*series(run, "val_loss"), strict=True)
@@ -388,7 +436,7 @@ def figures(settings: dict[str, list[dict]], out: Path, plane_csv: Path = PLANE_
     paths.append(_save(fig, out / "fidelity_drift_vs_step.png"))
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for name in names:
+    for name in whole:
         for i, run in enumerate(settings[name]):
             error = [(s, v) for s, v in series(run, "agg/rel_error_max") if v > 0]
             if error:
