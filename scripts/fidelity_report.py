@@ -138,9 +138,11 @@ def steps_to_reach(run: dict, target: float) -> int | None:
     return None
 
 
-def complete(runs: list[dict]) -> bool:
-    """A setting that ran the whole horizon (a shorter one only measures something along the way)."""
-    return any(last_step(r) >= HORIZON for r in runs)
+def complete_settings(settings: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The settings that ran as far as the study's longest run (a shorter one only measures something
+    along the way, e.g. drift with another measurement order)."""
+    horizon = max((last_step(r) for runs in settings.values() for r in runs), default=0)
+    return {name: runs for name, runs in settings.items() if any(last_step(r) >= horizon for r in runs)}
 
 
 DRIFT_STEPS = (50, 100, 200, 500, 1000, 2000, 3000)
@@ -164,7 +166,7 @@ def drift_growth(settings: dict[str, list[dict]]) -> list[dict]:
 
 def summarize(settings: dict[str, list[dict]]) -> list[dict]:
     """One row per setting that ran the whole horizon: losses, gaps, drift, error, noise."""
-    settings = {name: runs for name, runs in settings.items() if complete(runs)}
+    settings = complete_settings(settings)
     nccl = settings.get("nccl", [])
     nccl_final = statistics.mean(final(r, "val_loss") for r in nccl) if nccl else None
     rows = []
@@ -400,7 +402,7 @@ def figures(settings: dict[str, list[dict]], out: Path, plane_csv: Path = PLANE_
     import matplotlib.pyplot as plt
 
     names, color = _style(settings)
-    whole = [name for name in names if complete(settings[name])]
+    whole = [name for name in names if name in complete_settings(settings)]
     paths = []
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)

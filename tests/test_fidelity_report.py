@@ -70,6 +70,16 @@ def test_report_states_gap_spread_separation_and_where_error_meets_noise(runs, t
     assert "| 16,384 |" in text
     assert "never (exact)" in text  # nccl
     assert "| fp16 | 0.500 | 0.0002 | 0.0003 |" in text  # the plane's rows, by bytes
+    # A run shorter than the study's horizon only measures along the way: out of the loss table, in the drift one.
+    short = runs / "cerar_c16_resync50_drift_s1"
+    write_run(short, {200: 6.0, 400: 5.0}, 0.2, 0.8, 0.3)
+    lines = (short / "metrics.jsonl").read_text().splitlines()
+    (short / "metrics.jsonl").write_text("\n".join(lines[:50]) + "\n")  # steps 10..500
+    assert fidelity_report.main(argv) == 0
+    assert "cerar_c16_resync50_drift" not in {r["setting"] for r in csv.DictReader(table.open())}
+    assert "| cerar_c16_resync50_drift | 0.03 | 0.03 | 0.03 | 0.03 | - | - | - | - | - |" in report.read_text()
+    short.rename(tmp_path / "elsewhere")
+    assert fidelity_report.main(argv) == 0
     # Findings written by hand above the marker survive a rebuild; the generated part is replaced.
     findings = "# Findings\nCERAR c=16 parts from nccl at step 600.\n"
     report.write_text(f"{findings}{fidelity_report.GENERATED_MARKER}\nstale\n")
