@@ -455,20 +455,31 @@ def summary(rows: Sequence[dict] | None, itemsize: int = 4) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Fit the CERAR vs ring cost model and print its projection.")
+def cli_parser(description: str) -> argparse.ArgumentParser:
+    """The options of every cost-model command: ``--csv`` (measured rows) and ``--itemsize``."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--csv", default=None, help="measured rows (reports/data/allreduce.csv)")
     ap.add_argument("--itemsize", type=int, default=4, help="bytes per gradient value (default 4, fp32)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def cli_rows(ap: argparse.ArgumentParser, args: argparse.Namespace, name: str) -> list[dict] | None:
+    """The rows ``--csv`` names (None without it), after checking ``--itemsize``; a bad value, a missing
+    file or missing columns end the command with status 2 and one line naming them."""
     if args.itemsize not in (1, 2, 4, 8):
         ap.error(f"--itemsize must be 1, 2, 4 or 8, got {args.itemsize}")
-    rows = None
-    if args.csv:
-        try:
-            rows = read_csv(args.csv)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"costmodel: {e}", file=sys.stderr)
-            return 2
+    if not args.csv:
+        return None
+    try:
+        return read_csv(args.csv)
+    except (FileNotFoundError, ValueError) as e:
+        ap.exit(2, f"{name}: {e}\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = cli_parser("Fit the CERAR vs ring cost model and print its projection.")
+    args = ap.parse_args(argv)
+    rows = cli_rows(ap, args, "costmodel")
     sys.stdout.write(summary(rows, args.itemsize))
     return 0
 

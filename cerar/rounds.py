@@ -305,7 +305,7 @@ class CodedRingRank:
     ):
         d = flat.numel()
         self.flat, self.d, self.c, self.m = flat, d, c, m
-        self.k = min(c, d // m) if m else c  # rows wholly inside the tensor
+        self.k = _whole_rows(d, c, m)
         self.rest = d - self.k * m  # values of row k that lie inside the tensor
         self.head = flat[: self.k * m].view(self.k, m)
         self.chunks = pipeline_chunks(m)
@@ -339,9 +339,8 @@ class CodedRingRank:
     def workspace_numel(d: int, c: int, m: int, N: int, L: int, storage: str = DEFAULT_STORAGE) -> int:
         """Values of working storage a rank needs: the padded tail, and per chunk its encodings and
         messages (c + R rows) and one injection row."""
-        k = min(c, d // m) if m else c
         rows = message_rows(N, L, storage)
-        return (c - k) * m + sum((c + rows + 1) * (b - a) for a, b in pipeline_chunks(m))
+        return (c - _whole_rows(d, c, m)) * m + sum((c + rows + 1) * (b - a) for a, b in pipeline_chunks(m))
 
     def extra_bytes(self) -> int:
         """Bytes of working storage this rank uses beyond its input: encodings and messages, injections, tail."""
@@ -356,6 +355,11 @@ class CodedRingRank:
         if out.data_ptr() != self.flat.data_ptr():
             out[: k * m].copy_(self.flat[: k * m])
         out[k * m : k * m + rest].copy_(self.tail.view(-1)[:rest])
+
+
+def _whole_rows(d: int, c: int, m: int) -> int:
+    """How many of the c rows of m values lie wholly inside a tensor of d values."""
+    return min(c, d // m) if m else c
 
 
 class _Carver:

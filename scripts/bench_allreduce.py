@@ -118,12 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="CERAR constructions (default: all of cerar.CONSTRUCTIONS)")  # fmt: skip
     ap.add_argument("--c-mult", type=_ints, default=[1, 2, 4], help="c = k*N for k in this list")
     ap.add_argument("--storages", type=_strs, default=None,
-                    help="CERAR storage choices, e.g. spec,messages (default: the library's default)")
+                    help="CERAR storage choices, e.g. spec,messages (default: the library's default)")  # fmt: skip
     ap.add_argument("--pipeline-chunks", type=_ints, default=None,
                     help="CERAR: most messages a round's block is cut into (cerar.rounds.PIPELINE_MAX_CHUNKS), "
                          "e.g. 2,4 (default: the library's)")  # fmt: skip
     ap.add_argument("--code-dir", type=Path, default=None,
-                    help="import cerar from this checkout (before/after comparisons); default: this one")
+                    help="import cerar from this checkout (before/after comparisons); default: this one")  # fmt: skip
     ap.add_argument("--eps", type=float, default=None, help="code eps (default: the construction's)")
     ap.add_argument("--kappa-max", type=float, default=None, help="code kappa_max (default: the library's)")
     ap.add_argument("--repeats", type=int, default=5)
@@ -271,7 +271,7 @@ def worker(args) -> int:
                     "itemsize": ITEMSIZE, "rel_error": float(err[k]),
                     "eps": "" if code is None or code.eps is None else code.eps,
                     "kappa": "" if code is None else code.kappa,
-                    "storage": "" if agg != "cerar" else (storage or _default_storage(cerar)),
+                    "storage": "" if agg != "cerar" else (storage or _default_storage()),
                     "code_commit": _commit_of(Path(cerar.__file__).resolve().parents[1]),
                     "pipeline_chunks": "" if chunks is None else chunks, "cpu_seconds": float(cpu[k, 0]) / N,
                     "cpu_system_seconds": float(cpu[k, 1]) / N,
@@ -298,7 +298,7 @@ def _cpu_seconds() -> tuple[float, float]:
     return usage.ru_utime + usage.ru_stime, usage.ru_stime
 
 
-def _default_storage(cerar) -> str:
+def _default_storage() -> str:
     """The library's default storage choice; ``"-"`` for versions from before the knob."""
     try:
         from cerar.rounds import DEFAULT_STORAGE
@@ -309,14 +309,13 @@ def _default_storage(cerar) -> str:
 
 def _commit_of(checkout: Path) -> str:
     """The checkout's commit, with ``+dirty`` when its cerar/ differs from it."""
-    try:
-        sha = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=12", "HEAD"],
-                             capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "--", "cerar"],
-                               capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
+    from provenance import checkout_state  # scripts/ is on sys.path
+
+    state = checkout_state(checkout, short=12)
+    if state is None:
         return ""
-    return sha + ("+dirty" if dirty else "")
+    commit, changed = state
+    return commit + ("+dirty" if changed else "")
 
 
 # --------------------------------------------------------------------------- launcher
@@ -428,7 +427,9 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
-def finish_rows(rows: list[dict], where: str, rate: float | None, run_id: str, load_before: str, mtu: int) -> list[dict]:
+def finish_rows(
+    rows: list[dict], where: str, rate: float | None, run_id: str, load_before: str, mtu: int
+) -> list[dict]:
     import torch
 
     for r in rows:

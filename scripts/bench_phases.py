@@ -52,8 +52,10 @@ def parse_args() -> argparse.Namespace:
 
 
 def commit_of(checkout: Path) -> str:
-    out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=7", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or "?"
+    from provenance import checkout_state  # scripts/ is on sys.path
+
+    state = checkout_state(checkout)
+    return "?" if state is None else state[0]
 
 
 def versions(args: argparse.Namespace) -> list[tuple[str, Path, Path]]:
@@ -62,7 +64,10 @@ def versions(args: argparse.Namespace) -> list[tuple[str, Path, Path]]:
     if args.before is None:
         return [("this", ROOT, work)]
     before = Path(args.before).resolve()
-    return [(f"before {commit_of(before)}", before, work / "before"), (f"after {commit_of(ROOT)}", ROOT, work / "after")]
+    return [
+        (f"before {commit_of(before)}", before, work / "before"),
+        (f"after {commit_of(ROOT)}", ROOT, work / "after"),
+    ]
 
 
 def launch(args: argparse.Namespace, checkout: Path, work_dir: Path) -> list[tuple[str, str]]:
@@ -155,7 +160,8 @@ def write(args: argparse.Namespace, rows: list[dict]) -> None:
     ]
     for r in rows:
         lines.append(
-            f"| {r['code']} | {r['aggregator']} | {r['forward_s']:.3f} | {r['backward_s']:.3f} | {r['aggregate_s']:.3f} | "
+            f"| {r['code']} | {r['aggregator']} | {r['forward_s']:.3f} | {r['backward_s']:.3f} | "
+            f"{r['aggregate_s']:.3f} | "
             f"{r['optimizer_s']:.3f} | {r['step_s']:.3f} | {r['bytes_sent'] / 1e6:.1f} MB | "
             f"{r['rel_error_max']:.2e} | {r['final_train_loss']:.3f} |"
         )

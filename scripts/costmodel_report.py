@@ -9,7 +9,6 @@ only renders it.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
@@ -33,11 +32,12 @@ from cerar.costmodel import (  # noqa: E402  (the repository root is on sys.path
     TOKENS_PER_WORKER,
     byte_ratio_limit,
     cerar_arithmetic,
+    cli_parser,
+    cli_rows,
     crossover_bandwidth,
     fit_groups,
     min_c_for_byte_saving,
     projection,
-    read_csv,
 )
 
 
@@ -243,20 +243,10 @@ def report(rows: Sequence[dict] | None, csv_path: str | None = None, itemsize: i
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Render reports/costmodel.md from cerar.costmodel.")
-    ap.add_argument("--csv", default=None, help="measured rows (reports/data/allreduce.csv)")
+    ap = cli_parser("Render reports/costmodel.md from cerar.costmodel.")
     ap.add_argument("--out", default=None, help="write the markdown report here (default: stdout)")
-    ap.add_argument("--itemsize", type=int, default=4, help="bytes per gradient value (default 4, fp32)")
     args = ap.parse_args(argv)
-    if args.itemsize not in (1, 2, 4, 8):
-        ap.error(f"--itemsize must be 1, 2, 4 or 8, got {args.itemsize}")
-    rows = None
-    if args.csv:
-        try:
-            rows = read_csv(args.csv)
-        except (FileNotFoundError, ValueError) as e:
-            print(f"costmodel_report: {e}", file=sys.stderr)
-            return 2
+    rows = cli_rows(ap, args, "costmodel_report")
     text = report(rows, args.csv, args.itemsize)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

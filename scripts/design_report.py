@@ -129,19 +129,12 @@ def plot_error_vs_kappa(rows: Sequence[DesignRow], path: Path) -> None:
 def _provenance() -> str:
     """The commit the numbers came from, and whether cerar/ differed from it (the measurement
     runs the simulator of the working tree)."""
-    import subprocess
+    from provenance import checkout_state  # scripts/ is on sys.path
 
-    root = ROOT
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "cerar"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.split("\n")
-    except (OSError, subprocess.CalledProcessError):
+    state = checkout_state(ROOT)
+    if state is None:
         return "not a git checkout"
-    changed = sorted({line[3:] for line in dirty if line.strip()})
+    commit, changed = state
     return f"commit {commit}" + (f", with uncommitted changes to {', '.join(changed)}" if changed else "")
 
 

@@ -402,7 +402,8 @@ def figures(settings: dict[str, list[dict]], out: Path, plane_csv: Path = PLANE_
     import matplotlib.pyplot as plt
 
     names, color = _style(settings)
-    whole = [name for name in names if name in complete_settings(settings)]
+    complete = complete_settings(settings)
+    whole = [name for name in names if name in complete]
     paths = []
 
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)

@@ -128,7 +128,8 @@ def test_validation_loss_is_the_reference_replicas_and_drift_is_measured_against
     # With resync the drift is measured before each resync: what the interval built up from identical replicas.
     # Up to the first resync both runs are one trajectory, so their first drift is the same.
     resynced = [r for r in resync if "drift/rel_l2" in r]
-    assert [r["step"] for r in resynced] == [r["step"] for r in drifted] and all(r["drift/rel_l2"] > 0 for r in resynced)
+    assert [r["step"] for r in resynced] == [r["step"] for r in drifted]
+    assert all(r["drift/rel_l2"] > 0 for r in resynced)
     assert resynced[0]["drift/rel_l2"] == pytest.approx(drifted[0]["drift/rel_l2"], rel=1e-6)
     # lr is the one the step used: warmup of 1% of 6 steps rounds to none, so step 1 runs at the peak lr.
     assert nccl[0]["lr"] == pytest.approx(3e-3)
