@@ -9,10 +9,16 @@
 # setting; validation loss every 100 steps, drift and aggregation error (with the SGD noise beside it) every 50.
 # Each half is one train/sweep.py launch (one process group, runs one after another); the load average before
 # and after is logged to reports/logs/fidelity_runs.log.
+# G, H and I rerun the study on the grown embedded corpus (v2: the World English Bible added, 1.79 M training
+# tokens, so 3000 steps read it 1.7 times instead of 3.8): three launches side by side, the settings that decide
+# the default first (nccl and optimized c=16 with two seeds, perturbation c=16, resync), the rest after.
 set -u
 cd "$(dirname "$0")/.."
-half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E|F [OUT]}
-OUT=${2:-reports/runs/fidelity}
+half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E|F|G|H|I [OUT]}
+case "$half" in
+G | H | I) OUT=${2:-reports/runs/fidelity-corpus-v2} ;;
+*) OUT=${2:-reports/runs/fidelity} ;;
+esac
 LOG=reports/logs/fidelity_runs.log
 COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=3000
   trainer.eval_every=100 trainer.eval_batches=16 trainer.drift_every=50 trainer.measure_error_every=50
@@ -39,7 +45,17 @@ D) RUNS=("cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1"
 E) RUNS=("cerar_c16_optimized_resync50_drift_s1: aggregator=cerar_optimized c=16 trainer.resync_every=50 seed=1 \
     trainer.stop_after_step=1000") ;;  # the schedule stays that of max_steps=3000
 F) RUNS=("fp16_s1: aggregator=fp16 seed=1") ;;  # C's last run, started beside it to finish in the session
-*) echo "unknown half $half (A, B, C, D, E or F)" >&2; exit 2 ;;
+G) RUNS=("nccl_s1: aggregator=nccl seed=1"
+    "nccl_s2: aggregator=nccl seed=2"
+    "fp16_s1: aggregator=fp16 seed=1") ;;
+H) RUNS=("cerar_c16_optimized_s1: aggregator=cerar_optimized c=16 seed=1"
+    "cerar_c16_optimized_s2: aggregator=cerar_optimized c=16 seed=2"
+    "powersgd_s1: aggregator=powersgd seed=1") ;;
+I) RUNS=("cerar_c16_perturbation_s1: aggregator=cerar_perturbation c=16 seed=1"
+    "cerar_c16_optimized_resync50_s1: aggregator=cerar_optimized c=16 trainer.resync_every=50 seed=1"
+    "cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1"
+    "cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1") ;;
+*) echo "unknown half $half (A to I)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"

@@ -61,7 +61,7 @@ def test_export_round_trips_through_from_pretrained(tmp_path, cache_dir, monkeyp
     exported = GPTNeoXForCausalLM.from_pretrained(out_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     # The tokenizer is the run's: the same ids as the BPE the run trained and cached.
-    cached = next(p for p in cache_dir.glob("embedded-bpe8192-*") if p.is_dir()) / "tokenizer.json"
+    cached = next(p for p in cache_dir.glob("embedded-*bpe8192-*") if p.is_dir()) / "tokenizer.json"
     ids = tokenizer(TEXT)["input_ids"]
     assert ids == Tokenizer.from_file(str(cached)).encode(TEXT).ids and len(ids) > 10
     assert tokenizer.decode(ids) == TEXT
