@@ -19,7 +19,8 @@ Figures (into ``reports/figures/``)
   the all-reduce CSV (``bench_allreduce.make_figures``);
 * ``error_vs_kappa.png``: worst-worker error against kappa (``cerar.design.plot_error_vs_kappa``);
 * ``fidelity_{val_loss,drift,error}_vs_step.png``, ``fidelity_noise_vs_error.png``: the long-horizon
-  runs under ``reports/runs/fidelity/`` (``scripts/fidelity_report.figures``);
+  runs under ``reports/runs/fidelity/`` (``scripts/fidelity_report.figures``), and
+  ``fidelity_corpus_v2_val_loss_vs_step.png`` from those on the grown corpus (``reports/runs/fidelity-corpus-v2/``);
 * ``saving_vs_N.png``: 1 - t_cerar / t_ref against N at c = 4N: measured (lab rows of the CSV, against
   the ring and against the backend all_reduce) and modelled (``cerar.costmodel`` fitted to the same
   setting's rows), with the byte-count bound.
@@ -292,6 +293,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "reports" / "runs" / "training")
     ap.add_argument("--wandb", metavar="ENTITY/PROJECT", default=None, help="read training runs from W&B")
     ap.add_argument("--fidelity-dir", type=Path, default=ROOT / "reports" / "runs" / "fidelity")
+    ap.add_argument("--fidelity-grown-corpus-dir", type=Path, default=ROOT / "reports" / "runs" / "fidelity-corpus-v2")
     ap.add_argument("--allreduce-csv", type=Path, default=ROOT / "reports" / "data" / "allreduce.csv")
     ap.add_argument("--design-csv", type=Path, default=ROOT / "reports" / "data" / "code_design.csv")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "figures")
@@ -337,7 +339,9 @@ def main(argv=None) -> int:
 
         fidelity_runs = fidelity_report.load_runs(args.fidelity_dir) if args.fidelity_dir.is_dir() else {}
         if fidelity_runs:
-            written += fidelity_report.figures(fidelity_runs, args.out)
+            grown = args.fidelity_grown_corpus_dir
+            grown_runs = fidelity_report.load_runs(grown) if grown.is_dir() else {}
+            written += fidelity_report.figures(fidelity_runs, args.out, grown=grown_runs)
         else:
             missing.append(f"fidelity runs ({args.fidelity_dir})")
     for p in written:

@@ -55,7 +55,7 @@ def test_report_states_gap_spread_separation_and_where_error_meets_noise(runs, t
     plane = tmp_path / "plane.csv"
     plane.write_text(PLANE)
     argv = ["--runs-dir", str(runs), "--report", str(report), "--csv", str(table), "--plane-csv", str(plane)]
-    argv += ["--log", str(tmp_path / "no-run-log")]
+    argv += ["--log", str(tmp_path / "no-run-log"), "--grown-corpus-runs-dir", str(tmp_path / "none")]
     assert fidelity_report.main(argv) == 0
     rows = {r["setting"]: r for r in csv.DictReader(table.open())}
     assert float(rows["nccl"]["val_loss"]) == pytest.approx(4.01)
@@ -87,6 +87,26 @@ def test_report_states_gap_spread_separation_and_where_error_meets_noise(runs, t
     rebuilt = report.read_text()
     assert rebuilt.startswith(findings) and "stale" not in rebuilt
     assert rebuilt.endswith(text.split("\n", 2)[2])  # all but the title, which the hand-written part carries
+
+
+def test_the_runs_on_the_grown_corpus_get_their_own_table(runs, tmp_path):
+    """The study rerun on another corpus: its gaps are stated beside the first study's, never mixed into them."""
+    grown = tmp_path / "grown"
+    steps = [200, 400, 600, 800, 1000]
+    write_run(grown / "nccl_s1", dict(zip(steps, [7.0, 6.0, 5.5, 5.2, 5.0], strict=True)), 0.0, 0.8, 0.0)
+    write_run(grown / "cerar_c16_s1", dict(zip(steps, [7.0, 6.0, 5.5, 5.2, 5.05], strict=True)), 0.2, 0.8, 0.05)
+    report, table, grown_table = tmp_path / "fidelity.md", tmp_path / "fidelity.csv", tmp_path / "grown.csv"
+    argv = ["--runs-dir", str(runs), "--report", str(report), "--csv", str(table), "--log", str(tmp_path / "no-log")]
+    argv += ["--plane-csv", str(tmp_path / "no-plane"), "--grown-corpus-runs-dir", str(grown)]
+    assert fidelity_report.main([*argv, "--grown-corpus-csv", str(grown_table)]) == 0
+    first = {r["setting"]: r for r in csv.DictReader(table.open())}
+    assert float(first["cerar_c16"]["gap_to_nccl_pct"]) == pytest.approx(2.5, abs=0.01)  # unchanged by the rerun
+    rows = {r["setting"]: r for r in csv.DictReader(grown_table.open())}
+    assert float(rows["cerar_c16"]["gap_to_nccl_pct"]) == pytest.approx(1.0)
+    section = report.read_text().split("### The same runs on the grown corpus")[1].split("## Drift")[0]
+    assert "| cerar_c16 | 1 | 1000 | 5.0500 | one seed | +1.00 % | +1.00 % |" in section
+    paths = fidelity_report.figures(fidelity_report.load_runs(runs), tmp_path, grown=fidelity_report.load_runs(grown))
+    assert "fidelity_corpus_v2_val_loss_vs_step.png" in [p.name for p in paths]
 
 
 def test_figures_are_drawn_from_the_run_folders(runs, tmp_path):
