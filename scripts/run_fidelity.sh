@@ -11,12 +11,14 @@
 # and after is logged to reports/logs/fidelity_runs.log.
 # G, H and I rerun the study on the grown embedded corpus (v2: the World English Bible added, 1.79 M training
 # tokens, so 3000 steps read it 1.7 times instead of 3.8): three launches side by side, the settings that decide
-# the default first (nccl and optimized c=16 with two seeds, perturbation c=16, resync), the rest after.
+# the default first (nccl and optimized c=16 with two seeds, perturbation c=16, resync), the rest after. J is
+# c=8 optimized, started in G's place once G's two nccl runs had ended (the gaps on v2 were larger than on v1, so
+# c = 2N mattered more than fp16); G, H and I were stopped after their first two runs for session time.
 set -u
 cd "$(dirname "$0")/.."
-half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E|F|G|H|I [OUT]}
+half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E|F|G|H|I|J [OUT]}
 case "$half" in
-G | H | I) OUT=${2:-reports/runs/fidelity-corpus-v2} ;;
+G | H | I | J) OUT=${2:-reports/runs/fidelity-corpus-v2} ;;
 *) OUT=${2:-reports/runs/fidelity} ;;
 esac
 LOG=reports/logs/fidelity_runs.log
@@ -55,7 +57,8 @@ I) RUNS=("cerar_c16_perturbation_s1: aggregator=cerar_perturbation c=16 seed=1"
     "cerar_c16_optimized_resync50_s1: aggregator=cerar_optimized c=16 trainer.resync_every=50 seed=1"
     "cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1"
     "cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1") ;;
-*) echo "unknown half $half (A to I)" >&2; exit 2 ;;
+J) RUNS=("cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1") ;;
+*) echo "unknown half $half (A to J)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
