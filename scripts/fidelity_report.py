@@ -421,6 +421,12 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
+def mean_before(points: list[tuple[int, float]], step: int, window: int = 100) -> float | None:
+    """Mean of the values logged in the `window` steps up to `step` (one step's train loss is too noisy)."""
+    values = [v for s, v in points if step - window < s <= step]
+    return statistics.mean(values) if values else None
+
+
 def val_loss_figure(settings: dict[str, list[dict]], path: Path, corpus: str = "") -> Path:
     """Validation loss against step for every setting that ran the whole horizon, with the val - train gap
     below it (memorisation shows there)."""
@@ -441,13 +447,14 @@ def val_loss_figure(settings: dict[str, list[dict]], path: Path, corpus: str = "
             worst = series(run, "val_loss_worst_replica")
             if worst and name.startswith("cerar"):
                 top.plot(*zip(*worst, strict=True), color=color[name], linewidth=0.8, linestyle=":")
-            train = dict(series(run, "train_loss"))
-            gap = [(s, v - train[s]) for s, v in series(run, "val_loss") if s in train]
+            train = series(run, "train_loss")
+            gap = [(s, v - mean_before(train, s)) for s, v in series(run, "val_loss") if mean_before(train, s)]
             bottom.plot(*zip(*gap, strict=True), color=color[name], linewidth=0.8, alpha=0.7, label=label)
     title = f"{corpus}validation loss (solid: reference replica, dotted: worst replica)"
     top.set(ylabel="validation loss", title=title)
     top.set_ylim(top=min(top.get_ylim()[1], 6.5))
-    bottom.set(xlabel="step", ylabel="val - train loss", title="generalisation gap (memorisation shows here)")
+    gap_title = "val - train loss, train averaged over the 100 steps before (memorisation shows here)"
+    bottom.set(xlabel="step", ylabel="val - train loss", title=gap_title)
     for ax in (top, bottom):
         ax.grid(True, alpha=0.3)
     top.legend(fontsize=7)
