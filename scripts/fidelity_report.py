@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from compare_training import read_metrics  # noqa: E402  (scripts/ is on sys.path)
 
 RUNS_DIR = ROOT / "reports" / "runs" / "fidelity"
-# The same study rerun on the grown embedded corpus (v2; scripts/run_fidelity.sh G-I)
+# The same study rerun on the grown embedded corpus (v2; scripts/run_fidelity.sh G-J)
 GROWN_CORPUS_RUNS_DIR = ROOT / "reports" / "runs" / "fidelity-corpus-v2"
 LAB_CSV = ROOT / "reports" / "data" / "training_100mbit.csv"
 PLANE_CSV = ROOT / "reports" / "data" / "aggregator_plane.csv"  # scripts/aggregator_plane.py
@@ -41,8 +41,11 @@ _RUN = re.compile(r"^(?P<setting>.*)_s(?P<seed>\d+)$")
 
 
 def load_runs(runs_dir: Path) -> dict[str, list[dict]]:
-    """setting -> its runs (seed, metrics, summary), from folders named <setting>_s<seed>."""
+    """setting -> its runs (seed, metrics, summary), from folders named <setting>_s<seed>; none when
+    `runs_dir` does not exist (a study not run yet)."""
     settings: dict[str, list[dict]] = {}
+    if not Path(runs_dir).is_dir():
+        return settings
     for folder in sorted(p for p in Path(runs_dir).iterdir() if p.is_dir()):
         match = _RUN.match(folder.name)
         metrics = read_metrics(folder)
@@ -285,7 +288,7 @@ def render(
             "",
             "The study above read the embedded corpus v1 (the gensim text alone). Version 2 adds the World English "
             "Bible (`configs/data/embedded.yaml`) and spreads the evaluated windows over the whole validation split "
-            "(v1 evaluated its first windows); `scripts/run_fidelity.sh G|H|I` reran these settings on it with "
+            "(v1 evaluated its first windows); `scripts/run_fidelity.sh G|H|I|J` reran these settings on it with "
             "everything else the same (run data under `reports/runs/fidelity-corpus-v2/`, figure "
             "`fidelity_corpus_v2_val_loss_vs_step.png`). Losses of the two corpora are not comparable; gaps are.",
             "",
@@ -448,7 +451,8 @@ def val_loss_figure(settings: dict[str, list[dict]], path: Path, corpus: str = "
             if worst and name.startswith("cerar"):
                 top.plot(*zip(*worst, strict=True), color=color[name], linewidth=0.8, linestyle=":")
             train = series(run, "train_loss")
-            gap = [(s, v - mean_before(train, s)) for s, v in series(run, "val_loss") if mean_before(train, s)]
+            val_train = [(s, v, mean_before(train, s)) for s, v in series(run, "val_loss")]
+            gap = [(s, v - t) for s, v, t in val_train if t is not None]
             bottom.plot(*zip(*gap, strict=True), color=color[name], linewidth=0.8, alpha=0.7, label=label)
     title = f"{corpus}validation loss (solid: reference replica, dotted: worst replica)"
     top.set(ylabel="validation loss", title=title)
@@ -609,7 +613,7 @@ def main(argv=None) -> int:
         return 1
     rows = summarize(settings)
     write_csv(rows, args.csv)
-    grown = load_runs(args.grown_corpus_runs_dir) if args.grown_corpus_runs_dir.is_dir() else {}
+    grown = load_runs(args.grown_corpus_runs_dir)
     grown_rows = summarize(grown) if grown else None
     if grown_rows:
         write_csv(grown_rows, args.grown_corpus_csv)

@@ -337,10 +337,9 @@ def main(argv=None) -> int:
     if "fidelity" in groups:
         import fidelity_report
 
-        fidelity_runs = fidelity_report.load_runs(args.fidelity_dir) if args.fidelity_dir.is_dir() else {}
+        fidelity_runs = fidelity_report.load_runs(args.fidelity_dir)
         if fidelity_runs:
-            grown = args.fidelity_grown_corpus_dir
-            grown_runs = fidelity_report.load_runs(grown) if grown.is_dir() else {}
+            grown_runs = fidelity_report.load_runs(args.fidelity_grown_corpus_dir)
             written += fidelity_report.figures(fidelity_runs, args.out, grown=grown_runs)
         else:
             missing.append(f"fidelity runs ({args.fidelity_dir})")
