@@ -1,46 +1,65 @@
 #!/usr/bin/env python3
-"""netlab: a low-bandwidth network lab built from Linux network namespaces.
+"""netlab: a low-bandwidth network lab built from Linux network namespaces, one or two tiers.
 
 What it is
 ----------
-A lab of N "hosts" (network namespaces) joined through a learning bridge that lives in a
-namespace of its own, so the host's network (the root namespace) is never touched: no link,
-address, route or qdisc is created outside the lab's namespaces. Each host has one interface,
-``lab0``, with an address in a private /24 (``10.77.<k>.0/24``; host i is ``.i+1``). One rank of a
-command runs in each host namespace (``ip netns exec``) with a torch.distributed-style
-rendezvous on host 0's lab address.
+A lab of ``hosts`` "hosts" (network namespaces) joined through learning bridges that live in a
+namespace of their own, so the host's network (the root namespace) is never touched: no link,
+address, route or qdisc is created outside the lab's namespaces. Each host runs
+``ranks_per_host`` ranks (G; torchrun's LOCAL_WORLD_SIZE) of a command (``ip netns exec``) with a
+torch.distributed-style rendezvous on host 0's lab address. Ranks are numbered host-major, as
+torchrun numbers them: rank r runs on host r // G as local rank r % G.
+
+Two tiers, as a cluster has them:
+
+* between the ranks of one host: the host's own addresses, which the kernel delivers over its
+  loopback device. Nothing shapes it: memory speed, like NVLink or PCIe next to a slow network;
+* between hosts: the host's network interface(s), shaped to ``rate_mbit`` each way.
+
+Interfaces: by default each host has one NIC, ``lab0``, shared by all its ranks (a host with one
+network card), with an address in a private /24 (``10.77.<k>.0/24``; host i is ``.i+1``). With
+``rails=True`` each local rank has a NIC of its own, ``lab<j>`` for local rank j, on rail j: a
+bridge and a /24 of its own (``10.<77+j>.<k>.0/24``), shaped like the single NIC; so the ranks with
+the same local rank on different hosts (a rail ring: Horovod's torus all-reduce, ZeRO++'s qgZ) use
+rail j's links alone, and the host has G times the bandwidth. Traffic between ranks of different
+local ranks on different hosts goes over a rail of one of them.
 
 Why
 ---
 CERAR trades fewer bytes per worker for more rounds and more arithmetic. Whether that pays off
 depends on the link rate, which on a single machine is memory-bandwidth fast over loopback. The
 lab gives every rank a real, rate-limited TCP link so an all-reduce's wall-clock time reflects
-the bytes it moves, as it would between machines.
+the bytes it moves, as it would between machines; with several ranks per host it reproduces the
+two tiers a hierarchical all-reduce is built for.
 
 Link model
 ----------
-Star topology: every host is attached to an ideal (infinitely fast, non-blocking) switch by a
-full-duplex link of ``rate`` Mbit/s in *each* direction:
+Star topology per rail: every host NIC is attached to an ideal (infinitely fast, non-blocking)
+switch by a full-duplex link of ``rate`` Mbit/s in *each* direction:
 
-* host -> switch: ``tbf`` on the host's ``lab0`` egress (in the host namespace);
-* switch -> host: ``tbf`` on the bridge port's egress (``p<i>`` in the bridge namespace).
+* host -> switch: ``tbf`` on the host's ``lab<j>`` egress (in the host namespace);
+* switch -> host: ``tbf`` on the bridge port's egress (``p<i>`` for rail 0, ``p<i>r<j>`` for rail
+  j, in the bridge namespace).
 
 So a host can send at ``rate`` and receive at ``rate`` at the same time (as a ring all-reduce
-does), and traffic of two senders to one receiver shares that receiver's downlink. Rates are
-IP-layer rates as ``tbf`` counts them (Ethernet payload plus headers); TCP goodput is a few
-percent lower. With ``delay_ms`` > 0, ``netem`` adds that one-way delay on *both* ends of every
-link, so the one-way host-to-host latency is ``2 * delay_ms`` and the RTT ``4 * delay_ms``
-(plus well under 0.1 ms of kernel overhead). ``netem`` is the root qdisc with ``tbf`` as its
-child: a packet is delayed first, then shaped.
+does), and traffic of two senders to one receiver shares that receiver's downlink; the G ranks of
+a host with one NIC share its ``rate``. Rates are IP-layer rates as ``tbf`` counts them (Ethernet
+payload plus headers); TCP goodput is a few percent lower. Each rank can read the bytes its host's
+NICs sent and received from ``/sys/class/net/<nic>/statistics/{tx,rx}_bytes`` (``LAB_NICS`` names
+them): a count of what crossed the shaped tier, loopback traffic excluded. With ``delay_ms`` > 0,
+``netem`` adds that one-way delay on *both* ends of every link, so the one-way host-to-host latency
+is ``2 * delay_ms`` and the RTT ``4 * delay_ms`` (plus well under 0.1 ms of kernel overhead).
+``netem`` is the root qdisc with ``tbf`` as its child: a packet is delayed first, then shaped
+(kernels without ``netem`` refuse ``delay_ms`` > 0 with a message naming it).
 
 Naming, ownership and cleanup
 -----------------------------
 Namespaces are called ``cerarlab-<pid>-<seq>-br`` and ``cerarlab-<pid>-<seq>-h<i>`` where
 ``<pid>`` is the owning process and ``<seq>`` a per-process counter (the *lab id* is
 ``<pid>-<seq>``). Veth pairs are created directly inside the lab namespaces, so their short
-names (``lab0``, ``p<i>``) never appear in the root namespace and vanish with the namespaces.
-Teardown kills every process still inside a lab namespace and deletes the namespaces; it runs
-from ``finally``/``__exit__``, on SIGINT/SIGTERM/SIGHUP (via handlers that raise) and from
+names (``lab<j>``, ``p<i>``, ``p<i>r<j>``) never appear in the root namespace and vanish with the
+namespaces. Teardown kills every process still inside a lab namespace and deletes the namespaces;
+it runs from ``finally``/``__exit__``, on SIGINT/SIGTERM/SIGHUP (via handlers that raise) and from
 ``atexit``. A lab whose owner was SIGKILLed is removed by the next lab's start-up (or by
 ``--cleanup``): any ``cerarlab-*`` namespace whose owner pid is no longer alive is stale.
 
@@ -48,20 +67,26 @@ Usage
 -----
 CLI (needs root)::
 
-    python scripts/netlab.py --hosts 4 --rate-mbit 200 [--delay-ms 0.5] [--timeout 600] \
-        [--out DIR] -- python my_script.py --arg {rank}
+    python scripts/netlab.py --hosts 4 --rate-mbit 200 [--ranks-per-host 2 [--rails]] [--mtu 9000] \
+        [--delay-ms 0.5] [--timeout 600] [--out DIR] -- python my_script.py --arg {rank}
 
-``{rank}`` and ``{world_size}`` in the command are replaced per rank. Each rank gets the
-environment variables RANK, LOCAL_RANK=0, WORLD_SIZE, LOCAL_WORLD_SIZE=1, MASTER_ADDR (host 0's
-lab address), MASTER_PORT, LAB_RATE_MBIT, LAB_DELAY_MS, LAB_ID and GLOO_SOCKET_IFNAME=lab0
-(gloo must bind to the lab interface). The exit status is 0 only if every rank exits 0.
-``python scripts/netlab.py --cleanup`` removes stale labs and exits.
+``{rank}``, ``{world_size}``, ``{local_rank}``, ``{local_world_size}``, ``{host}``, ``{hosts}``,
+``{master_addr}`` and ``{master_port}`` in the command are replaced per rank. Each rank gets the
+environment variables torchrun gives a worker: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+GROUP_RANK (its host), GROUP_WORLD_SIZE (hosts), ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR (host 0's
+lab address), MASTER_PORT; and LAB_RATE_MBIT, LAB_DELAY_MS, LAB_ID, LAB_HOST, LAB_ADDR (the
+address of the rank's NIC), LAB_NICS (its host's NICs, comma-separated), LAB_RAILS (0 or 1) and
+GLOO_SOCKET_IFNAME (its NIC: gloo must bind to the lab interface). ``--per-host`` runs one process
+per host instead (for a launcher such as ``torchrun --nnodes={hosts} --nproc_per_node=
+{local_world_size} --node_rank={host} --rdzv_backend=c10d --rdzv_endpoint={master_addr}:
+{master_port}``), with the same variables less the per-rank ones. The exit status is 0 only if
+every process exits 0. ``python scripts/netlab.py --cleanup`` removes stale labs and exits.
 
 Library::
 
     from netlab import NetLab            # with scripts/ on sys.path
-    with NetLab(hosts=4, rate_mbit=200) as lab:
-        result = lab.run([sys.executable, "bench.py"], timeout=300)
+    with NetLab(hosts=4, rate_mbit=200, ranks_per_host=2, mtu=9000) as lab:
+        result = lab.run([sys.executable, "bench.py"], timeout=300)   # 8 ranks, 2 per host
         assert result.ok
 """
 
@@ -72,6 +97,7 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -88,6 +114,7 @@ LAB_IFNAME = "lab0"
 DEFAULT_MASTER_PORT = 29500
 _NS_RE = re.compile(rf"^{PREFIX}-(\d+)-(\d+)-(br|h\d+)$")
 _MAX_HOSTS = 250
+_MAX_RANKS_PER_HOST = 64
 _MTU = 1500
 
 _seq_lock = threading.Lock()
@@ -196,6 +223,14 @@ def cleanup_stale(all_labs: bool = False) -> list[str]:
     return stale
 
 
+def _sysctl(ns: str, key: str, value: int) -> None:
+    """Set ``/proc/sys/<key>`` inside namespace ``ns`` (its own network settings)."""
+    cmd = ["ip", "netns", "exec", ns, "sh", "-c", f"echo {int(value)} > /proc/sys/{key}"]
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=20)
+    if cp.returncode != 0:
+        raise NetLabError(f"command failed ({cp.returncode}): {' '.join(cmd)}: {cp.stderr.strip()}")
+
+
 def _set_pdeathsig() -> None:
     """preexec_fn: SIGKILL the child if the netlab process dies (e.g. is SIGKILLed itself)."""
     try:
@@ -262,6 +297,7 @@ class RankResult:
     stdout_path: Path | None = None
     stderr_path: Path | None = None
     killed: bool = False
+    host: int = 0  # the host it ran on (with ``per_host``, ``rank`` is that host too)
 
 
 @dataclasses.dataclass
@@ -288,8 +324,11 @@ class RunResult:
                 return rc if 0 < rc < 256 else 128 + (-rc if rc < 0 else 1)
         return 0
 
+    per_host: bool = False
+
     def describe(self) -> str:
-        parts = [f"rank {r.rank}: rc={r.returncode}{' (killed)' if r.killed else ''}" for r in self.ranks]
+        unit = "host" if self.per_host else "rank"
+        parts = [f"{unit} {r.rank}: rc={r.returncode}{' (killed)' if r.killed else ''}" for r in self.ranks]
         return ("TIMEOUT; " if self.timed_out else "") + ", ".join(parts)
 
 
@@ -330,7 +369,8 @@ class _Pump(threading.Thread):
 
 
 class NetLab:
-    """A lab of ``hosts`` namespaces behind a bridge, each link shaped to ``rate_mbit`` each way.
+    """A lab of ``hosts`` namespaces behind a bridge, each link shaped to ``rate_mbit`` each way,
+    running ``ranks_per_host`` ranks per host (unshaped between them: the host's loopback).
 
     Use as a context manager; the lab is built on ``__enter__`` and always torn down on
     ``__exit__``, on SIGINT/SIGTERM/SIGHUP (handlers installed when entered from the main thread)
@@ -339,6 +379,9 @@ class NetLab:
     ``mtu``: the links' MTU (1500, Ethernet's default; 9000 for jumbo frames, common in clusters).
     The emulated links cost the kernel CPU per packet, charged to the ranks; with many ranks on few
     cores jumbo frames keep that cost from setting the time instead of the rate.
+
+    ``rails``: one NIC (and shaped link, on a bridge of its own) per local rank instead of one NIC
+    shared by the host's ranks.
     """
 
     def __init__(
@@ -349,9 +392,15 @@ class NetLab:
         master_port: int = DEFAULT_MASTER_PORT,
         install_signal_handlers: bool = True,
         mtu: int = _MTU,
+        ranks_per_host: int = 1,
+        rails: bool = False,
     ):
         if not isinstance(hosts, int) or not 1 <= hosts <= _MAX_HOSTS:
             raise NetLabError(f"hosts must be an integer in 1..{_MAX_HOSTS}, got {hosts!r}")
+        if not isinstance(ranks_per_host, int) or not 1 <= ranks_per_host <= _MAX_RANKS_PER_HOST:
+            raise NetLabError(f"ranks_per_host must be an integer in 1..{_MAX_RANKS_PER_HOST}, got {ranks_per_host!r}")
+        if not isinstance(rails, bool):
+            raise NetLabError(f"rails must be True or False, got {rails!r}")
         if rate_mbit is not None and not (rate_mbit > 0 and rate_mbit <= 100_000):
             raise NetLabError(f"rate_mbit must be in (0, 100000] Mbit/s or None, got {rate_mbit!r}")
         if not delay_ms >= 0 or delay_ms > 10_000:
@@ -365,6 +414,8 @@ class NetLab:
             _seq += 1
             seq = _seq
         self.hosts = hosts
+        self.ranks_per_host = ranks_per_host
+        self.rails = rails
         self.rate_mbit = rate_mbit
         self.delay_ms = float(delay_ms)
         self.mtu = mtu
@@ -373,7 +424,12 @@ class NetLab:
         self.subnet_octet = (os.getpid() * 7 + seq) % 250 + 1
         self.bridge_ns = f"{PREFIX}-{self.lab_id}-br"
         self.host_ns = [f"{PREFIX}-{self.lab_id}-h{i}" for i in range(hosts)]
-        self.addrs = [f"10.77.{self.subnet_octet}.{i + 1}" for i in range(hosts)]
+        # one NIC per host, or one per local rank (rail j: its own bridge and /24)
+        self.nics = [f"lab{j}" for j in range(ranks_per_host if rails else 1)]
+        self.rail_addrs = [
+            [f"10.{77 + j}.{self.subnet_octet}.{i + 1}" for i in range(hosts)] for j in range(len(self.nics))
+        ]
+        self.addrs = self.rail_addrs[0]
         self._install_handlers = install_signal_handlers
         self._old_handlers: dict[int, object] = {}
         self._up = False
@@ -386,6 +442,19 @@ class NetLab:
     @property
     def master_addr(self) -> str:
         return self.addrs[0]
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the lab: hosts x ranks_per_host."""
+        return self.hosts * self.ranks_per_host
+
+    def host_of(self, rank: int) -> int:
+        """The host rank ``rank`` runs on (host-major numbering, as torchrun's)."""
+        return rank // self.ranks_per_host
+
+    def nic_of(self, rank: int) -> str:
+        """The NIC rank ``rank`` binds to: its rail's with ``rails``, else the host's one NIC."""
+        return self.nics[rank % self.ranks_per_host if self.rails else 0]
 
     # ---- lifecycle
 
@@ -417,23 +486,31 @@ class NetLab:
         br = self.bridge_ns
         _ip("netns", "add", br)
         _ip("-n", br, "link", "set", "lo", "up")
-        _ip("-n", br, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0")
-        _ip("-n", br, "link", "set", "br0", "up")
+        for j in range(len(self.nics)):  # one switch per rail
+            _ip("-n", br, "link", "add", f"br{j}", "type", "bridge", "stp_state", "0", "forward_delay", "0")
+            _ip("-n", br, "link", "set", f"br{j}", "up")
         for i, ns in enumerate(self.host_ns):
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-            # Created inside the bridge namespace with its peer placed straight into the host's:
-            # the pair never exists in the root namespace.
-            _ip("-n", br, "link", "add", f"p{i}", "type", "veth", "peer", "name", LAB_IFNAME, "netns", ns)
-            _ip("-n", br, "link", "set", f"p{i}", "mtu", str(self.mtu))
-            _ip("-n", ns, "link", "set", LAB_IFNAME, "mtu", str(self.mtu))
-            _ip("-n", br, "link", "set", f"p{i}", "master", "br0")
-            _ip("-n", br, "link", "set", f"p{i}", "up")
-            _ip("-n", ns, "addr", "add", f"{self.addrs[i]}/24", "dev", LAB_IFNAME)
-            _ip("-n", ns, "link", "set", LAB_IFNAME, "up")
-            if self.rate_mbit is not None:
-                shape(ns, LAB_IFNAME, self.rate_mbit, self.delay_ms, self.mtu)  # host -> switch
-                shape(br, f"p{i}", self.rate_mbit, self.delay_ms, self.mtu)  # switch -> host
+            if len(self.nics) > 1:
+                # A rank bound to rail j may reach a rank of rail k != j over rail k and hear back over
+                # rail j: no reverse-path filter may drop that, and ARP must speak from the rail's address.
+                for key, value in (("all/rp_filter", 0), ("default/rp_filter", 0), ("all/arp_announce", 2)):
+                    _sysctl(ns, f"net/ipv4/conf/{key}", value)
+            for j, nic in enumerate(self.nics):
+                port = f"p{i}" if j == 0 else f"p{i}r{j}"
+                # Created inside the bridge namespace with its peer placed straight into the host's:
+                # the pair never exists in the root namespace.
+                _ip("-n", br, "link", "add", port, "type", "veth", "peer", "name", nic, "netns", ns)
+                _ip("-n", br, "link", "set", port, "mtu", str(self.mtu))
+                _ip("-n", ns, "link", "set", nic, "mtu", str(self.mtu))
+                _ip("-n", br, "link", "set", port, "master", f"br{j}")
+                _ip("-n", br, "link", "set", port, "up")
+                _ip("-n", ns, "addr", "add", f"{self.rail_addrs[j][i]}/24", "dev", nic)
+                _ip("-n", ns, "link", "set", nic, "up")
+                if self.rate_mbit is not None:
+                    shape(ns, nic, self.rate_mbit, self.delay_ms, self.mtu)  # host -> switch
+                    shape(br, port, self.rate_mbit, self.delay_ms, self.mtu)  # switch -> host
 
     def down(self) -> None:
         """Tear the lab down: kill its processes, delete its namespaces. Idempotent."""
@@ -457,34 +534,85 @@ class NetLab:
                 if old_mask is not None:
                     signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
+    def nic_counters(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """Bytes each host NIC has sent and received so far: ``{(host, nic): (tx, rx)}``.
+
+        The shaped tier's traffic, headers included; traffic between ranks of one host never
+        appears here (it stays on the host's loopback)."""
+        if not self._up:
+            raise NetLabError("the lab is not up (use it as a context manager or call up())")
+        out = {}
+        for host, ns in enumerate(self.host_ns):
+            for nic in self.nics:
+                cp = _ip("-n", ns, "-s", "-j", "link", "show", "dev", nic)
+                stats = json.loads(cp.stdout)[0]["stats64"]
+                out[(host, nic)] = (int(stats["tx"]["bytes"]), int(stats["rx"]["bytes"]))
+        return out
+
     def leftovers(self) -> list[str]:
         """This lab's namespaces that still exist (empty after a proper teardown)."""
         return [ns for ns in list_lab_namespaces() if ns in self.namespaces]
 
     # ---- running
 
-    def rank_env(self, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """Environment of rank ``rank``: ours plus the rendezvous and lab variables."""
+    def host_env(self, host: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment of a process on host ``host``: ours plus the rendezvous and lab variables.
+
+        GLOO_SOCKET_IFNAME is the host's first NIC (``rank_env`` gives each rank its own rail's)."""
         env = dict(os.environ)
         env.update(extra or {})
         env.update(
             {
-                "RANK": str(rank),
-                "LOCAL_RANK": "0",
-                "WORLD_SIZE": str(self.hosts),
-                "LOCAL_WORLD_SIZE": "1",
+                "GROUP_RANK": str(host),
+                "GROUP_WORLD_SIZE": str(self.hosts),
+                "LOCAL_WORLD_SIZE": str(self.ranks_per_host),
+                "WORLD_SIZE": str(self.world_size),
                 "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(self.master_port),
                 "LAB_RATE_MBIT": "" if self.rate_mbit is None else f"{self.rate_mbit:g}",
                 "LAB_DELAY_MS": f"{self.delay_ms:g}",
                 "LAB_ID": self.lab_id,
-                "LAB_ADDR": self.addrs[rank],
-                "GLOO_SOCKET_IFNAME": LAB_IFNAME,
-                "TP_SOCKET_IFNAME": LAB_IFNAME,
+                "LAB_HOST": str(host),
+                "LAB_ADDR": self.addrs[host],
+                "LAB_NICS": ",".join(self.nics),
+                "LAB_RAILS": "1" if self.rails else "0",
+                "GLOO_SOCKET_IFNAME": self.nics[0],
+                "TP_SOCKET_IFNAME": self.nics[0],
                 "PYTHONUNBUFFERED": "1",
             }
         )
         return env
+
+    def rank_env(self, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """Environment of rank ``rank``: the host's plus the per-rank variables torchrun sets."""
+        host, local = self.host_of(rank), rank % self.ranks_per_host
+        nic = self.nic_of(rank)
+        env = self.host_env(host, extra)
+        env.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(local),
+                "ROLE_RANK": str(rank),
+                "ROLE_WORLD_SIZE": str(self.world_size),
+                "LAB_ADDR": self.rail_addrs[self.nics.index(nic)][host],
+                "GLOO_SOCKET_IFNAME": nic,
+                "TP_SOCKET_IFNAME": nic,
+            }
+        )
+        return env
+
+    def _placeholders(self, rank: int | None, host: int) -> dict[str, str]:
+        values = {
+            "{world_size}": str(self.world_size),
+            "{local_world_size}": str(self.ranks_per_host),
+            "{hosts}": str(self.hosts),
+            "{host}": str(host),
+            "{master_addr}": self.master_addr,
+            "{master_port}": str(self.master_port),
+        }
+        if rank is not None:
+            values.update({"{rank}": str(rank), "{local_rank}": str(rank % self.ranks_per_host)})
+        return values
 
     def run(
         self,
@@ -494,45 +622,59 @@ class NetLab:
         echo: bool = False,
         grace: float = 10.0,
         env: dict[str, str] | None = None,
-        hosts: Sequence[int] | None = None,
+        ranks: Sequence[int] | None = None,
         per_rank: Sequence[Sequence[str]] | None = None,
         stream=None,
+        per_host: bool = False,
+        hosts: Sequence[int] | None = None,
     ) -> RunResult:
-        """Run one rank of ``command`` in each host namespace and wait for all of them.
+        """Run one rank of ``command`` per rank (``ranks_per_host`` in each host namespace) and wait
+        for all of them; with ``per_host``, one process per host (a launcher such as torchrun).
 
-        ``{rank}``/``{world_size}`` in arguments are substituted. ``per_rank`` gives each rank its
-        own command instead. Output goes to ``out_dir/rank<i>.{out,err}`` if given, is kept in
-        memory (last MiB) and, with ``echo``, printed prefixed with ``[rank i]``. If a rank exits
-        non-zero the others get ``grace`` seconds, then are killed; at ``timeout`` all are killed.
+        The placeholders of the module's CLI (``{rank}``, ``{local_rank}``, ``{host}``, ...) in
+        arguments are substituted. ``ranks`` runs a subset (with ``per_host``: ``hosts``, which
+        without ``per_host`` is the former name of ``ranks``). ``per_rank`` gives each process its
+        own command instead. Output goes to ``out_dir/rank<i>.{out,err}`` (``host<i>`` with
+        ``per_host``) if given, is kept in memory (last MiB) and, with ``echo``, printed prefixed
+        with ``[rank i]``. If a process exits non-zero the others get ``grace`` seconds, then are
+        killed; at ``timeout`` all are killed.
         """
         if not self._up:
             raise NetLabError("the lab is not up (use it as a context manager or call up())")
         if timeout is None or not timeout > 0:
             raise NetLabError(f"timeout must be a positive number of seconds, got {timeout!r}")
-        ranks = list(range(self.hosts)) if hosts is None else list(hosts)
+        if ranks is not None and hosts is not None:
+            raise NetLabError("give ranks or hosts, not both")
+        unit = "host" if per_host else "rank"
+        limit = self.hosts if per_host else self.world_size
+        chosen = ranks if ranks is not None else hosts
+        units = list(range(limit)) if chosen is None else list(chosen)
+        for u in units:
+            if not isinstance(u, int) or not 0 <= u < limit:
+                raise NetLabError(f"{unit} {u!r} is outside this lab's {limit} {unit}s")
         if per_rank is not None:
-            if len(per_rank) != len(ranks) or any(len(c) == 0 for c in per_rank):
-                raise NetLabError(f"per_rank must hold one non-empty command per rank ({len(ranks)})")
+            if len(per_rank) != len(units) or any(len(c) == 0 for c in per_rank):
+                raise NetLabError(f"per_rank must hold one non-empty command per {unit} ({len(units)})")
             commands = [list(c) for c in per_rank]
         else:
             if not command:
                 raise NetLabError("no command given to run in the lab")
-            commands = [list(command) for _ in ranks]
-        for r in ranks:
-            if not 0 <= r < self.hosts:
-                raise NetLabError(f"rank {r} is outside this {self.hosts}-host lab")
+            commands = [list(command) for _ in units]
         out = Path(out_dir) if out_dir is not None else None
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
         stream = stream or sys.stdout
-        procs, pumps = [], []
+        procs, pumps, host_of = [], [], []
         t0 = time.monotonic()
         try:
-            for r, cmd in zip(ranks, commands, strict=True):
-                cmd = [a.replace("{rank}", str(r)).replace("{world_size}", str(self.hosts)) for a in cmd]
+            for u, cmd in zip(units, commands, strict=True):
+                host = u if per_host else self.host_of(u)
+                values = self._placeholders(None if per_host else u, host)
+                for key, value in values.items():
+                    cmd = [a.replace(key, value) for a in cmd]
                 p = subprocess.Popen(
-                    ["ip", "netns", "exec", self.host_ns[r], *cmd],
-                    env=self.rank_env(r, env),
+                    ["ip", "netns", "exec", self.host_ns[host], *cmd],
+                    env=self.host_env(host, env) if per_host else self.rank_env(u, env),
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
@@ -540,11 +682,12 @@ class NetLab:
                     preexec_fn=_set_pdeathsig,
                 )
                 procs.append(p)
+                host_of.append(host)
                 for name, pipe in (("out", p.stdout), ("err", p.stderr)):
                     pump = _Pump(
                         pipe,
-                        out / f"rank{r}.{name}" if out else None,
-                        f"[rank {r}{'' if name == 'out' else ' err'}] " if echo else None,
+                        out / f"{unit}{u}.{name}" if out else None,
+                        f"[{unit} {u}{'' if name == 'out' else ' err'}] " if echo else None,
                         stream,
                     )
                     pump.start()
@@ -561,10 +704,12 @@ class NetLab:
             for pump in pumps:
                 pump.join(timeout=5)
         results = []
-        for k, (r, p) in enumerate(zip(ranks, procs, strict=True)):
+        for k, (u, p) in enumerate(zip(units, procs, strict=True)):
             o, e = pumps[2 * k], pumps[2 * k + 1]
-            results.append(RankResult(r, p.returncode, o.text(), e.text(), o.path, e.path, killed=k in killed))
-        return RunResult(results, timed_out, time.monotonic() - t0)
+            results.append(
+                RankResult(u, p.returncode, o.text(), e.text(), o.path, e.path, killed=k in killed, host=host_of[k])
+            )
+        return RunResult(results, timed_out, time.monotonic() - t0, per_host=per_host)
 
     @staticmethod
     def _wait(procs, deadline: float, grace: float) -> tuple[bool, set[int]]:
@@ -621,10 +766,23 @@ def _teardown_all() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        description="Run one rank of a command in each host of a rate-limited namespace lab.",
-        epilog="Example: netlab.py --hosts 4 --rate-mbit 200 -- python train.py --rank {rank}",
+        description="Run the ranks of a command in the hosts of a rate-limited namespace lab.",
+        epilog="Example: netlab.py --hosts 4 --ranks-per-host 2 --rate-mbit 200 -- python train.py --rank {rank}",
     )
-    ap.add_argument("--hosts", type=int, default=2, help="number of hosts (ranks), default 2")
+    ap.add_argument("--hosts", type=int, default=2, help="number of hosts, default 2")
+    ap.add_argument(
+        "--ranks-per-host",
+        type=int,
+        default=1,
+        help="ranks per host (LOCAL_WORLD_SIZE), default 1; between them traffic is unshaped",
+    )
+    ap.add_argument("--rails", action="store_true", help="one shaped NIC per local rank instead of one per host")
+    ap.add_argument("--mtu", type=int, default=_MTU, help="link MTU (9000: jumbo frames), default 1500")
+    ap.add_argument(
+        "--per-host",
+        action="store_true",
+        help="run one process per host (a launcher such as torchrun) instead of one per rank",
+    )
     ap.add_argument(
         "--rate-mbit",
         type=float,
@@ -668,18 +826,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not cmd:
         ap.error("no command given; put it after --")
     try:
-        lab = NetLab(args.hosts, args.rate_mbit, args.delay_ms, args.master_port)
+        lab = NetLab(
+            args.hosts,
+            args.rate_mbit,
+            args.delay_ms,
+            args.master_port,
+            mtu=args.mtu,
+            ranks_per_host=args.ranks_per_host,
+            rails=args.rails,
+        )
     except NetLabError as e:
         ap.error(str(e))
     try:
         with lab:
             print(
-                f"netlab: lab {lab.lab_id}: {args.hosts} hosts {', '.join(lab.addrs)}; "
-                f"rate {args.rate_mbit or 'unshaped'} Mbit/s, delay {args.delay_ms} ms per link end",
+                f"netlab: lab {lab.lab_id}: {args.hosts} hosts {', '.join(lab.addrs)} x {args.ranks_per_host} "
+                f"ranks ({len(lab.nics)} NIC(s) each, mtu {args.mtu}); rate {args.rate_mbit or 'unshaped'} "
+                f"Mbit/s, delay {args.delay_ms} ms per link end",
                 file=sys.stderr,
                 flush=True,
             )
-            res = lab.run(cmd, timeout=args.timeout, out_dir=args.out, echo=not args.quiet, grace=args.grace)
+            res = lab.run(
+                cmd,
+                timeout=args.timeout,
+                out_dir=args.out,
+                echo=not args.quiet,
+                grace=args.grace,
+                per_host=args.per_host,
+            )
             print(f"netlab: {res.describe()} in {res.seconds:.1f}s", file=sys.stderr, flush=True)
             return res.returncode
     except KeyboardInterrupt:

@@ -306,3 +306,193 @@ def test_run_requires_lab_up():
     with pytest.raises(netlab.NetLabError, match="not up"):
         lab.run(["true"])
     assert os.getpid() == int(lab.lab_id.split("-")[0])
+
+
+# --------------------------------------------------------------------------- two tiers
+
+PAIRS_SCRIPT = textwrap.dedent("""
+    # Each argument "src>dst@addr:port=nbytes" sends nbytes from rank src to rank dst, which listens
+    # on addr:port; all transfers run at once. A receiver prints "got <port> <bytes> <seconds>".
+    import os, socket, sys, threading, time
+    rank = int(os.environ["RANK"])
+    jobs = []
+    for spec in sys.argv[1:]:
+        route, n = spec.split("=")
+        pair, where = route.split("@")
+        src, dst = (int(x) for x in pair.split(">"))
+        addr, port = where.rsplit(":", 1)
+        jobs.append((src, dst, addr, int(port), int(n)))
+
+    def receive(addr, port, n):
+        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((addr, port)); s.listen(1); s.settimeout(30)
+        c, _ = s.accept(); c.settimeout(30)
+        got, t0 = 0, time.perf_counter()
+        while got < n:
+            b = c.recv(1 << 20)
+            if not b:
+                break
+            got += len(b)
+        print("got", port, got, time.perf_counter() - t0, flush=True)
+
+    def send(addr, port, n):
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                c = socket.create_connection((addr, port), timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        c.sendall(b"x" * n)
+        c.close()
+
+    threads = [threading.Thread(target=receive, args=(a, p, n)) for s, d, a, p, n in jobs if d == rank]
+    threads += [threading.Thread(target=send, args=(a, p, n)) for s, d, a, p, n in jobs if s == rank]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+""")
+
+
+def _transfer(lab, tmp_path, jobs: list[tuple[int, int, int]], timeout: float = 90):
+    """Run the byte transfers ``(src rank, dst rank, nbytes)`` at once; return {dst port: (bytes, seconds)}
+    and the NIC counters' increase over the run, {(host, nic): (tx, rx)}."""
+    script = tmp_path / "pairs.py"
+    script.write_text(PAIRS_SCRIPT)
+    specs = []
+    for k, (src, dst, n) in enumerate(jobs):
+        host, nic = lab.host_of(dst), lab.nic_of(dst)
+        specs.append(f"{src}>{dst}@{lab.rail_addrs[lab.nics.index(nic)][host]}:{29700 + k}={n}")
+    before = lab.nic_counters()
+    res = lab.run([PY, str(script), *specs], timeout=timeout)
+    after = lab.nic_counters()
+    assert res.ok, res.describe() + "".join(r.stderr for r in res.ranks)
+    got = {}
+    for r in res.ranks:
+        for line in r.stdout.splitlines():
+            _, port, nbytes, seconds = line.split()
+            got[int(port) - 29700] = (int(nbytes), float(seconds))
+    delta = {key: (after[key][0] - before[key][0], after[key][1] - before[key][1]) for key in after}
+    return got, delta
+
+
+def _crossed(delta_bytes: int, payload: int) -> bool:
+    """The NIC carried the payload: TCP/IP and Ethernet headers add a few percent (1500-byte frames)."""
+    return payload <= delta_bytes <= 1.1 * payload + 65536
+
+
+QUIET = 64 * 1024  # a NIC that carried none of a transfer: at most ARP and stray packets
+
+
+@needs_lab
+def test_two_tier_lab_shapes_between_hosts_only(tmp_path):
+    """2 hosts x 2 ranks on one shared NIC each: a transfer between ranks of one host leaves the NIC's
+    counters untouched (the host's loopback carries it, unshaped); one between hosts crosses both NICs
+    byte for byte and is held to the rate."""
+    n, rate = 3_000_000, 40.0
+    with netlab.NetLab(hosts=2, rate_mbit=rate, ranks_per_host=2) as lab:
+        assert lab.world_size == 4 and lab.nics == ["lab0"] and [lab.host_of(r) for r in range(4)] == [0, 0, 1, 1]
+        got, local = _transfer(lab, tmp_path, [(0, 1, n), (3, 2, n)])  # inside host 0 and inside host 1
+        assert got == {0: (n, got[0][1]), 1: (n, got[1][1])}
+        for (host, nic), (tx, rx) in local.items():
+            assert tx < QUIET and rx < QUIET, (host, nic, tx, rx)
+        got, remote = _transfer(lab, tmp_path, [(1, 2, n)])  # host 0 -> host 1
+        assert got[0][0] == n
+        assert _crossed(remote[(0, "lab0")][0], n) and _crossed(remote[(1, "lab0")][1], n), remote
+        # the other direction carries only TCP's acknowledgements: a few percent of the payload
+        assert remote[(0, "lab0")][1] < 0.05 * n and remote[(1, "lab0")][0] < 0.05 * n
+        lab_id = lab.lab_id
+    assert got[0][1] >= n * 8 / (rate * 1e6) / 1.3  # a shaped link cannot beat its rate
+    _assert_gone(lab_id)
+
+
+@needs_lab
+def test_rails_give_each_local_rank_its_own_shaped_link(tmp_path):
+    """With rails, local rank j of every host talks to local rank j of the others over NIC lab<j> and its
+    own bridge: two rail transfers at once land on their own NICs, each shaped; local traffic on none."""
+    n, rate = 2_000_000, 40.0
+    with netlab.NetLab(hosts=2, rate_mbit=rate, ranks_per_host=2, rails=True) as lab:
+        assert lab.nics == ["lab0", "lab1"] and [lab.nic_of(r) for r in range(4)] == ["lab0", "lab1"] * 2
+        assert len({a for rail in lab.rail_addrs for a in rail}) == 4
+        for ns in lab.host_ns:
+            for nic in lab.nics:
+                qdiscs = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "show", "dev", nic],
+                                        capture_output=True, text=True, check=True).stdout  # fmt: skip
+                assert "tbf" in qdiscs and "40Mbit" in qdiscs, qdiscs
+        got, rails = _transfer(lab, tmp_path, [(0, 2, n), (1, 3, 2 * n)])  # rail 0 and rail 1, host 0 -> 1
+        assert got[0][0] == n and got[1][0] == 2 * n
+        assert _crossed(rails[(0, "lab0")][0], n) and _crossed(rails[(1, "lab0")][1], n), rails
+        assert _crossed(rails[(0, "lab1")][0], 2 * n) and _crossed(rails[(1, "lab1")][1], 2 * n), rails
+        _, local = _transfer(lab, tmp_path, [(0, 1, n), (3, 2, n)])
+        assert all(tx < QUIET and rx < QUIET for tx, rx in local.values()), local
+        lab_id = lab.lab_id
+    assert got[1][1] >= 2 * n * 8 / (rate * 1e6) / 1.3
+    _assert_gone(lab_id)
+
+
+HIER_GLOO_SCRIPT = textwrap.dedent("""
+    # The three steps of a hierarchical all-reduce, with torch's own collectives: sum inside the host,
+    # sum over the rail (ranks with this local rank), and the result everywhere.
+    import datetime, os, torch, torch.distributed as dist
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    r, w = dist.get_rank(), dist.get_world_size()
+    G = int(os.environ["LOCAL_WORLD_SIZE"]); hosts = w // G
+    local = [dist.new_group(list(range(h * G, (h + 1) * G))) for h in range(hosts)]
+    rails = [dist.new_group(list(range(j, w, G))) for j in range(G)]
+    t = torch.arange(1000, dtype=torch.float64) * (r + 1)
+    dist.all_reduce(t, group=local[r // G])
+    dist.all_reduce(t, group=rails[r % G])
+    expect = torch.arange(1000, dtype=torch.float64) * (w * (w + 1) / 2)
+    print("OK" if torch.equal(t, expect) else f"BAD {t[:4].tolist()}", os.environ["GLOO_SOCKET_IFNAME"],
+          os.environ["LOCAL_RANK"], os.environ["GROUP_RANK"])
+    dist.destroy_process_group()
+""")
+
+
+@needs_lab
+@pytest.mark.parametrize("rails", [False, True])
+def test_gloo_groups_inside_hosts_and_along_rails(tmp_path, rails):
+    """A real 2 hosts x 2 ranks gloo job: subgroups of one host and of one rail give the exact sum, each
+    rank bound to its own NIC."""
+    script = tmp_path / "hier.py"
+    script.write_text(HIER_GLOO_SCRIPT)
+    with netlab.NetLab(hosts=2, rate_mbit=500, ranks_per_host=2, rails=rails) as lab:
+        res = lab.run([PY, str(script)], timeout=120)
+        lab_id = lab.lab_id
+    assert res.ok, res.describe() + "".join(r.stderr for r in res.ranks)
+    for r in res.ranks:
+        nic = f"lab{r.rank % 2}" if rails else "lab0"
+        assert r.stdout.split() == ["OK", nic, str(r.rank % 2), str(r.rank // 2)], r.stdout
+    _assert_gone(lab_id)
+
+
+@needs_lab
+def test_per_host_launch_and_placeholders(tmp_path):
+    """per_host runs one process per host (a launcher's place) with the launcher's variables and the
+    placeholders a torchrun command line needs; per-rank runs substitute {rank} and {local_rank}."""
+    code = (
+        "import os; print('{host}', '{hosts}', '{local_world_size}', '{master_addr}', '{master_port}', "
+        "*[os.environ.get(k, '-') for k in ('GROUP_RANK', 'LOCAL_WORLD_SIZE', 'WORLD_SIZE', 'RANK')])"
+    )
+    with netlab.NetLab(hosts=2, rate_mbit=100, ranks_per_host=3, master_port=29556) as lab:
+        hosts = lab.run([PY, "-c", code], timeout=30, per_host=True, out_dir=tmp_path)
+        ranks = lab.run([PY, "-c", "print('{rank}', '{local_rank}', '{host}', '{world_size}')"], timeout=30)
+        master = lab.master_addr
+    assert hosts.ok and ranks.ok, hosts.describe() + ranks.describe()
+    assert [r.stdout.split() for r in hosts.ranks] == [
+        [str(h), "2", "3", master, "29556", str(h), "3", "6", "-"] for h in range(2)
+    ]
+    assert (tmp_path / "host1.out").exists() and "host 0: rc=0" in hosts.describe()
+    assert [r.stdout.split() for r in ranks.ranks] == [[str(r), str(r % 3), str(r // 3), "6"] for r in range(6)]
+
+
+def test_two_tier_arguments_are_named():
+    for kwargs, word in [
+        ({"hosts": 2, "rate_mbit": 10, "ranks_per_host": 0}, "ranks_per_host"),
+        ({"hosts": 2, "rate_mbit": 10, "ranks_per_host": 2, "rails": "yes"}, "rails"),
+    ]:
+        with pytest.raises(netlab.NetLabError, match=word):
+            netlab.NetLab(**kwargs)
