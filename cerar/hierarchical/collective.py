@@ -1,0 +1,224 @@
+"""The two-tier all-reduce: exact inside each node, CERAR (or the exact ring) between the nodes.
+
+For a tensor of d values on N = n G ranks (n nodes of G ranks, ``NodeLayout``):
+
+1. inside each node, an exact ring reduce-scatter: local rank l ends with the node's sum of shard
+   l, s = ceil(d/G) values (the tensor zero-padded to G s);
+2. between the nodes, rail l (local rank l of every node, rail rank i = node i) all-reduces shard l:
+   CERAR with a code for n workers, or the exact ring;
+3. inside each node, an exact ring all-gather: every rank of a node ends with the same vector.
+
+So node i holds what the spec's protocol gives worker i on the node sums, shard by shard; the
+last node's ranks hold the exact sum under the closed-form constructions. With G = 1 there is
+nothing to do inside a node and the call is today's flat ``cerar.all_reduce`` on a ring of every
+rank in rank order (the same code, the same operations, bit for bit); with n = 1 the call is
+exact.
+
+Per rank and call (s = ceil(d/G), m = ceil(s/c), L = c + n - 2):
+
+===========================  ===========================  =========================
+                             ``hierarchical_all_reduce``  ``hierarchical_ring_all_reduce``
+===========================  ===========================  =========================
+rounds inside the node       2 (G - 1)                    2 (G - 1)
+values sent inside the node  2 (G - 1) s                  2 (G - 1) s
+rounds between nodes         L                            2 (n - 1)
+values sent between nodes    L m ~ (1 + (n-2)/c) s        2 (n - 1) ceil(s/n)
+per node, between nodes      ~ (1 + (n-2)/c) d            ~ 2 (n-1)/n d
+===========================  ===========================  =========================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cerar.codes import Code
+from cerar.hierarchical.inter_node import RAIL_METHODS, rail_method, reduce_on_rail
+from cerar.hierarchical.intra_node import all_gather, reduce_scatter
+from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups, tier_groups
+from cerar.matrices import check_transport_dtype
+from cerar.protocol import (
+    PROTOCOL_VERSION,
+    AllReduceStats,
+    _as_timedelta,
+    _check_op,
+    _check_tensor,
+    _Ring,
+    check_agreement,
+)
+from cerar.rounds import DEFAULT_STORAGE, PhaseTimer, check_storage
+
+
+@dataclass
+class HierarchicalStats:
+    """What one call cost this rank, per tier. ``intra_node``: the reduce-scatter and all-gather
+    inside the node (its seconds_decode: the additions); ``inter_node``: the rail's call, as
+    ``cerar.all_reduce`` or ``cerar.ring_all_reduce`` reports it. ``inter_node_method`` says what ran
+    between the nodes ("cerar", "exact ring", or "none" on one node)."""
+
+    layout: NodeLayout
+    inter_node_method: str
+    exact: bool
+    """Whether every rank received the exact result (up to floating-point rounding)."""
+    intra_node: AllReduceStats = field(default_factory=AllReduceStats)
+    inter_node: AllReduceStats = field(default_factory=AllReduceStats)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.intra_node.bytes_sent + self.inter_node.bytes_sent
+
+    @property
+    def bytes_received(self) -> int:
+        return self.intra_node.bytes_received + self.inter_node.bytes_received
+
+    @property
+    def rounds(self) -> int:
+        return self.intra_node.rounds + self.inter_node.rounds
+
+    @property
+    def seconds_total(self) -> float:
+        return self.intra_node.seconds_total + self.inter_node.seconds_total
+
+
+def hierarchical_all_reduce(
+    tensor: torch.Tensor,
+    code: Code,
+    layout: NodeLayout | TierGroups | None = None,
+    op: str = "sum",
+    timeout=None,
+    storage: str = DEFAULT_STORAGE,
+    *,
+    coded_on_two_nodes: bool = False,
+    timed: bool = True,
+) -> HierarchicalStats:
+    """Approximate all-reduce of ``tensor`` in place: exact inside each node, CERAR between nodes.
+
+    Like ``dist.all_reduce`` and ``cerar.all_reduce``: every rank calls it with a tensor of the same
+    shape; op "sum" or "avg"; any shape, contiguity and length. ``code`` is built for the number of
+    NODES, ``cerar.make_code(layout.nodes, c, ...)``. ``layout``: a ``NodeLayout`` (its groups are made
+    on first use and cached: a collective call), the ``TierGroups`` to use, or None for
+    ``NodeLayout.from_env()`` (torchrun's LOCAL_WORLD_SIZE). ``timeout`` bounds every round, as for
+    ``cerar.all_reduce``; ``storage`` and ``timed`` are passed to it.
+
+    On one node the call is exact, and on two nodes it runs the exact ring between them (CERAR would
+    send the same bytes and add its error), each said once by a ``HierarchicalWarning``;
+    ``coded_on_two_nodes=True`` runs the code on two nodes anyway. ``HierarchicalStats`` records
+    what ran. Raises ValueError for bad input and CollectiveError when a peer fails, stalls past the
+    timeout, or disagrees on the layout, the code, the op or the length (on every rank)."""
+    operation = "cerar.hierarchical_all_reduce"
+    _check_tensor(tensor, operation)
+    _check_op(op, operation)
+    if not isinstance(code, Code):
+        raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
+    check_transport_dtype(tensor.dtype, code, "tensor")
+    check_storage(storage)
+    groups = _groups(layout, timeout, operation)
+    nodes = groups.layout.nodes
+    if nodes != code.N:
+        raise ValueError(
+            f"{operation}: the code was built for N={code.N} workers but the layout has {nodes} nodes "
+            f"({groups.layout}): the code runs between the nodes, use cerar.make_code({nodes}, c, ...)"
+        )
+    method = rail_method(nodes, True, coded_on_two_nodes, operation)
+    code_fields = (
+        {"c": code.c, "construction": code.construction, "eps": code.eps, "kappa_max": code.kappa_max}
+        if method == "cerar"
+        else {}
+    )
+    return _two_tiers(tensor, groups, method, code, code_fields, op, timeout, storage, timed, operation)
+
+
+def hierarchical_ring_all_reduce(
+    tensor: torch.Tensor,
+    layout: NodeLayout | TierGroups | None = None,
+    op: str = "sum",
+    timeout=None,
+    *,
+    timed: bool = True,
+) -> HierarchicalStats:
+    """Exact all-reduce of ``tensor`` in place on the same two tiers: reduce-scatter inside each node,
+    the exact ring (``cerar.ring_all_reduce``) on the rails, all-gather inside each node. The
+    baseline hierarchical CERAR is measured against. Arguments as for ``hierarchical_all_reduce``."""
+    operation = "cerar.hierarchical_ring_all_reduce"
+    _check_tensor(tensor, operation)
+    _check_op(op, operation)
+    groups = _groups(layout, timeout, operation)
+    method = rail_method(groups.layout.nodes, False, False, operation)
+    return _two_tiers(tensor, groups, method, None, {}, op, timeout, DEFAULT_STORAGE, timed, operation)
+
+
+def _groups(layout, timeout, operation: str) -> TierGroups:
+    if isinstance(layout, TierGroups):
+        return layout
+    if layout is None or isinstance(layout, NodeLayout):
+        return tier_groups(layout, timeout)
+    raise ValueError(f"{operation}: layout must be a NodeLayout, TierGroups or None, got {type(layout).__name__}")
+
+
+def _two_tiers(
+    tensor: torch.Tensor,
+    groups: TierGroups,
+    method: str,
+    code: Code | None,
+    code_fields: dict,
+    op: str,
+    timeout,
+    storage: str,
+    timed: bool,
+    operation: str,
+) -> HierarchicalStats:
+    assert method in RAIL_METHODS
+    layout, G = groups.layout, groups.layout.local_size
+    d = tensor.numel()
+    check_agreement(
+        _Ring.of(groups.all_ranks, _as_timedelta(timeout), operation),
+        {
+            "hierarchical layout version": LAYOUT_VERSION,
+            "cerar protocol version": PROTOCOL_VERSION,
+            "node layout (nodes x local size)": str(layout),
+            "method between the nodes": method,
+            **code_fields,
+            "op": op,
+            "tensor length d": d,
+            "dtype": str(tensor.dtype),
+        },
+    )
+    exact = method != "cerar" or code.is_exact
+    stats = HierarchicalStats(layout, method, exact)
+    if d == 0:
+        return stats
+    rail_args = (method, code, groups.rail, op, timeout, storage, timed, operation, groups.local_rank)
+    if G == 1:  # nothing inside a node: the rail is every rank in rank order, the call flat CERAR's own
+        stats.inter_node = reduce_on_rail(tensor, *rail_args)
+        return stats
+
+    timer = PhaseTimer(tensor.device, enabled=timed)
+    ring = _Ring.of(groups.intra_node, _as_timedelta(timeout), f"{operation}: inside node {groups.node}")
+    s = -(-d // G)
+    in_place = tensor.is_contiguous() and d == G * s
+    flat = tensor.view(-1) if in_place else tensor.new_zeros(G * s)
+    if not in_place:
+        flat[:d] = tensor.reshape(-1)
+    shards = flat.view(G, s)
+    incoming = flat.new_empty(s)
+    with torch.no_grad():
+        reduce_scatter(shards, ring, incoming, timer)
+        mine = shards[groups.local_rank]
+        if op == "avg":  # the rail divides by n, for 1 / (n G) in all
+            with timer.phase("decode"):
+                mine.div_(G)
+        stats.inter_node = reduce_on_rail(mine, *rail_args)
+        all_gather(shards, ring, timer)
+        if not in_place:
+            tensor.copy_(flat[:d].view(tensor.shape))
+    seconds = timer.totals()
+    stats.intra_node = AllReduceStats(
+        bytes_sent=ring.bytes_sent,
+        bytes_received=ring.bytes_received,
+        rounds=2 * (G - 1),
+        seconds_comm=seconds.get("comm", 0.0),
+        seconds_decode=seconds.get("decode", 0.0),
+        peak_extra_bytes=(incoming.numel() + (0 if in_place else flat.numel())) * flat.element_size(),
+    )
+    return stats

@@ -1,0 +1,80 @@
+"""Hierarchical CERAR (or the exact hierarchy) as a DDP communication hook.
+
+    state = HierarchicalHookState(c=16, construction="optimized")   # layout: torchrun's, or layout=...
+    ddp_model.register_comm_hook(state, hierarchical_hook)
+
+Each gradient bucket is averaged with ``hierarchical_all_reduce`` (a code for n = nodes, built once
+per bucket length) or, with ``exact_ring=True``, ``hierarchical_ring_all_reduce``. It runs as the
+flat hook does (``cerar.ddp``): on a thread of its own, one bucket at a time in DDP's order, on CUDA
+on a stream of its own after the bucket's gradients are written, with the rounds' deadlines kept on
+the hook's thread. Its messages travel on process groups of its own (``new_tier_groups``, made when
+the state is created: a collective call on every rank), so they never mix with the collectives
+other threads issue meanwhile. ``last_stats`` collects each bucket's ``HierarchicalStats``.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from cerar.codes import Code, make_code
+from cerar.ddp import CerarHookState
+from cerar.hierarchical.collective import HierarchicalStats, hierarchical_all_reduce, hierarchical_ring_all_reduce
+from cerar.hierarchical.layout import NodeLayout, TierGroups, new_tier_groups
+from cerar.protocol import _as_timedelta
+
+
+@dataclass
+class HierarchicalHookState(CerarHookState):
+    """Configuration and per-step record of the hierarchical hook: ``CerarHookState``'s fields (c,
+    construction, eps, kappa_max, exact_ring, timeout) plus the node layout (default: from the
+    launcher), ``coded_on_two_nodes`` (as for ``hierarchical_all_reduce``) and the hook's own groups
+    (made at creation when not given). DDP's process group must be the default group: the layout
+    spans every rank."""
+
+    layout: NodeLayout | None = None
+    coded_on_two_nodes: bool = False
+    groups: TierGroups | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.groups is not None:
+            self.layout = self.groups.layout
+        elif self.layout is None:
+            self.layout = NodeLayout.from_env()
+        if self.process_group is not None and dist.get_world_size(self.process_group) != self.layout.world_size:
+            raise ValueError(
+                f"HierarchicalHookState: DDP's process group has {dist.get_world_size(self.process_group)} ranks "
+                f"but the layout ({self.layout}) spans {self.layout.world_size}"
+            )
+        if not self.exact_ring:
+            self.code_for(1)  # validate the arguments now, not inside backward
+        _as_timedelta(self.timeout)
+        if self.groups is None and dist.is_initialized():
+            self.groups = new_tier_groups(self.layout, self.timeout)
+
+    def code_for(self, bucket_numel: int) -> Code:
+        """The code for a bucket of this length: one for n = nodes workers (one per length, cached)."""
+        if bucket_numel not in self._codes:
+            self._codes[bucket_numel] = make_code(
+                self.layout.nodes, self.c, self.construction, eps=self.eps, kappa_max=self.kappa_max
+            )
+        return self._codes[bucket_numel]
+
+    def _reduce(self, tensor: torch.Tensor) -> HierarchicalStats:
+        if self.exact_ring:
+            return hierarchical_ring_all_reduce(tensor, self.groups, op="avg", timeout=self.timeout, timed=False)
+        code = self.code_for(tensor.numel())
+        return hierarchical_all_reduce(
+            tensor,
+            code,
+            self.groups,
+            op="avg",
+            timeout=self.timeout,
+            coded_on_two_nodes=self.coded_on_two_nodes,
+            timed=False,
+        )
+
+
+def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the bucket with hierarchical CERAR (or the exact hierarchy)."""
+    return state.submit(bucket.buffer())
