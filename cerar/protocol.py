@@ -335,13 +335,8 @@ def all_reduce(
     check_storage(storage)
     check_no_tf32_override(tensor.device)
     ring = _Ring.of(group, timeout, operation)
-    if ring.size != code.N:
-        raise ValueError(
-            f"{operation}: the code was built for N={code.N} workers but the group has {ring.size} ranks; "
-            f"use cerar.make_code({ring.size}, c, ...)"
-        )
     d = tensor.numel()
-    check_agreement(
+    check_agreement(  # first, so that a rank whose code is for another N stops its peers too, at once
         ring,
         {
             "N": code.N,
@@ -354,6 +349,11 @@ def all_reduce(
             "dtype": str(tensor.dtype),
         },
     )
+    if ring.size != code.N:
+        raise ValueError(
+            f"{operation}: the code was built for N={code.N} workers but the group has {ring.size} ranks; "
+            f"use cerar.make_code({ring.size}, c, ...)"
+        )
     stats = AllReduceStats(rounds=code.L)
     if code.N == 1 or d == 0:
         return stats
