@@ -19,6 +19,24 @@ time is the slowest rank's. Rows (median, min, max, quartiles, per-phase medians
 rounds, worst relative error vs the exact sum) are appended to ``--csv``
 (default ``reports/data/allreduce.csv``) with the columns ``CSV_COLUMNS`` first, extras after.
 
+Two tiers (issue 20): ``--ranks-per-host G`` runs N = hosts x G ranks, G per host (torchrun's
+LOCAL_WORLD_SIZE, node-major ranks), and adds the hierarchical aggregators of ``cerar.hierarchical``:
+
+* ``hier_ring``   -- ``hierarchical_ring_all_reduce``: exact reduce-scatter inside each host, the
+  exact ring on each rail (the ranks with one local rank), exact all-gather: the baseline;
+* ``hier_cerar``  -- ``hierarchical_all_reduce``, CERAR on the rails with a code for the n = N/G
+  hosts, for each construction and each c in ``--hier-c`` (default ``--c-mult`` x n);
+* ``hier_ring16`` -- ``hier_ring`` on a ``--half-dtype`` copy (16-bit messages on both tiers, the
+  casts included in the time; torch's fp16 compression hook does the same on a flat ring): the peer
+  to beat on bytes.
+
+In the lab the ranks of one host talk over its loopback (unshaped) and the hosts over one shared
+NIC per host (``--rails``: one NIC per local rank); every row then records the bytes the busiest
+NIC carried per call (``nic_tx_bytes_link_max``, read from the NICs' counters around the first
+warm-up call; headers included, as ``tbf`` counts them), and ``byte_bound_seconds`` is that count
+over the rate: what the shaper alone allows, for every aggregator alike (gloo's own included).
+Rows go to the CSV with ``where`` = ``lab-<hosts>x<G>[-rails][-mtu<mtu>]``.
+
 Where: ``--where loopback`` spawns N local processes on 127.0.0.1 (memory speed, CPU bound);
 ``--lab --rate-mbit R[,R2..]`` runs each rank in a host of ``scripts/netlab.py`` whose links are
 shaped to R Mbit/s each way (needs root), so the time reflects the bytes moved. ``--mtu 9000`` gives
@@ -76,7 +94,12 @@ EXTRA_COLUMNS = [
     "rounds", "byte_bound_seconds", "achieved_mbit", "seconds_encode", "seconds_comm", "seconds_decode",
     "peak_extra_bytes", "rel_error", "eps", "kappa", "run_id", "timestamp", "host", "torch",
     "storage", "code_commit", "load_before", "pipeline_chunks", "cpu_seconds", "cpu_system_seconds", "mtu", "cpus",
+    "hosts", "ranks_per_host", "rails", "inter_node_method", "bytes_sent_intra", "bytes_sent_inter", "rounds_intra",
+    "rounds_inter", "seconds_intra", "seconds_inter", "nic_tx_bytes", "nic_tx_bytes_link_max", "half_dtype",
+    "load_after",
 ]  # fmt: skip
+AGGREGATORS = ("nccl", "ring", "cerar", "hier_ring", "hier_cerar", "hier_ring16")
+HIERARCHICAL = ("hier_ring", "hier_cerar", "hier_ring16")
 DEFAULT_CSV = ROOT / "reports" / "data" / "allreduce.csv"
 DEFAULT_FIGURES = ROOT / "reports" / "figures"
 ITEMSIZE = 4  # float32
@@ -113,10 +136,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--sizes-mb", type=_floats, default=[1, 4, 16, 64, 256],
                     help="tensor sizes in MiB (float32), e.g. 1,16,256")  # fmt: skip
     ap.add_argument("--aggregators", type=_strs, default=["nccl", "ring", "cerar"],
-                    help="subset of nccl,ring,cerar")  # fmt: skip
+                    help=f"subset of {','.join(AGGREGATORS)}")  # fmt: skip
     ap.add_argument("--constructions", type=_strs, default=None,
                     help="CERAR constructions (default: all of cerar.CONSTRUCTIONS)")  # fmt: skip
     ap.add_argument("--c-mult", type=_ints, default=[1, 2, 4], help="c = k*N for k in this list")
+    ap.add_argument("--ranks-per-host", type=int, default=1,
+                    help="ranks per host G (LOCAL_WORLD_SIZE; N must be a multiple): two tiers when > 1")  # fmt: skip
+    ap.add_argument("--rails", action="store_true", help="lab: one NIC per local rank instead of one per host")
+    ap.add_argument("--hier-c", type=_ints, default=None,
+                    help="hier_cerar: c values, e.g. 8,16 (default: --c-mult times the number of hosts)")  # fmt: skip
+    ap.add_argument("--half-dtype", choices=["float16", "bfloat16"], default="float16",
+                    help="hier_ring16: the 16-bit message type (default float16, as torch's fp16 hook)")  # fmt: skip
     ap.add_argument("--storages", type=_strs, default=None,
                     help="CERAR storage choices, e.g. spec,messages (default: the library's default)")  # fmt: skip
     ap.add_argument("--pipeline-chunks", type=_ints, default=None,
@@ -181,24 +211,39 @@ def worker(args) -> int:
     import cerar.rounds
 
     default_chunks = cerar.rounds.PIPELINE_MAX_CHUNKS
+    G = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    hosts = N // G
+    tiers = None
+    if any(a in HIERARCHICAL for a in args.aggregators):
+        from cerar import hierarchical
+
+        # the node and rail groups, made once (a collective call) before anything is timed
+        tiers = hierarchical.tier_groups(hierarchical.NodeLayout.from_env(), args.collective_timeout)
+    half = getattr(torch, args.half_dtype)
     configs = []  # (aggregator, construction, c, code, storage, pipeline chunks)
     skipped = []
     if "nccl" in args.aggregators:
         configs.append(("nccl", "", None, None, None, None))
     if "ring" in args.aggregators:
         configs.append(("ring", "", None, None, None, None))
-    if "cerar" in args.aggregators:
+    if "hier_ring" in args.aggregators:
+        configs.append(("hier_ring", "", None, None, None, None))
+    if "hier_ring16" in args.aggregators:
+        configs.append(("hier_ring16", "", None, None, None, None))
+    coded = [("cerar", N, [k * N for k in args.c_mult])] if "cerar" in args.aggregators else []
+    if "hier_cerar" in args.aggregators:  # the code runs between the hosts: built for n = hosts
+        coded.append(("hier_cerar", hosts, args.hier_c or [k * hosts for k in args.c_mult]))
+    for agg, workers, cs in coded:
         for cons in args.constructions or list(cerar.CONSTRUCTIONS):
-            for k in args.c_mult:
-                c = k * N
+            for c in cs:
                 try:
-                    code = cerar.make_code(N, c, construction=cons, eps=args.eps, kappa_max=args.kappa_max)
+                    code = cerar.make_code(workers, c, construction=cons, eps=args.eps, kappa_max=args.kappa_max)
                 except ValueError as e:
-                    skipped.append(f"{cons} c={c}: {e}")
+                    skipped.append(f"{agg} {cons} c={c}: {e}")
                     continue
                 for storage in args.storages or [None]:
                     for chunks in args.pipeline_chunks or [default_chunks]:
-                        configs.append(("cerar", cons, c, code, storage, chunks))
+                        configs.append((agg, cons, c, code, storage, chunks))
     if rank == 0:
         for s in skipped:
             print(f"bench: skipped {s}", flush=True)
@@ -212,10 +257,25 @@ def worker(args) -> int:
             return None
         if agg == "ring":
             return cerar.ring_all_reduce(buf, timeout=ct)
+        if agg == "hier_ring":
+            return hierarchical.hierarchical_ring_all_reduce(buf, tiers, timeout=ct)
+        if agg == "hier_ring16":
+            message = buf.to(half)
+            st = hierarchical.hierarchical_ring_all_reduce(message, tiers, timeout=ct)
+            buf.copy_(message)
+            return st
         cerar.rounds.PIPELINE_MAX_CHUNKS = chunks
-        if storage is None:  # the library's default (and the only choice of versions without the knob)
-            return cerar.all_reduce(buf, code, timeout=ct)
-        return cerar.all_reduce(buf, code, timeout=ct, storage=storage)
+        kw = {} if storage is None else {"storage": storage}  # None: the library's default (older versions: no knob)
+        if agg == "hier_cerar":
+            return hierarchical.hierarchical_all_reduce(buf, code, tiers, timeout=ct, **kw)
+        return cerar.all_reduce(buf, code, timeout=ct, **kw)
+
+    nics = [n for n in os.environ.get("LAB_NICS", "").split(",") if n]
+    reads_nics = bool(nics) and int(os.environ.get("LOCAL_RANK", "0")) == 0  # one reader per host
+
+    def nic_tx() -> list[int]:
+        """Bytes this host's NICs have sent so far (one entry per NIC)."""
+        return [int(Path(f"/sys/class/net/{n}/statistics/tx_bytes").read_text()) for n in nics]
 
     rows = []
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -227,17 +287,27 @@ def worker(args) -> int:
         dist.all_reduce(exact)
         buf = torch.empty_like(src)
         errors, stats_of = {}, {}
+        # per config: the bytes the host's busiest NIC and all its NICs together sent in one call
+        nic_bytes = torch.zeros(len(configs), 2, dtype=torch.float64)
         for k, cfg in enumerate(configs):
             for w in range(max(args.warmup, 1)):
+                counting = bool(nics) and w == 0  # the same on every rank
                 buf.copy_(src)
                 dist.barrier()
+                before = nic_tx() if counting and reads_nics else None
                 st = run_one(cfg, buf)
                 if w == 0:
                     e = float((buf.to(torch.float64) - exact).norm() / exact.norm())
                     errors[k], stats_of[k] = e, st
+                if counting:
+                    dist.barrier()  # every rank of the host is done sending
+                if before is not None:
+                    sent = [b - a for a, b in zip(before, nic_tx(), strict=True)]
+                    nic_bytes[k] = torch.tensor([max(sent), sum(sent)], dtype=torch.float64)
+        dist.all_reduce(nic_bytes, op=dist.ReduceOp.MAX)  # the busiest host's
         times = torch.zeros(len(configs), args.repeats, dtype=torch.float64)
         cpu = torch.zeros(len(configs), args.repeats, 2, dtype=torch.float64)  # this rank's CPU (all, system)
-        phases = torch.zeros(len(configs), args.repeats, 3, dtype=torch.float64)
+        phases = torch.zeros(len(configs), args.repeats, 5, dtype=torch.float64)  # encode comm decode intra inter
         for rep in range(args.repeats):
             order = [(rep + j) % len(configs) for j in range(len(configs))]
             for k in order:
@@ -248,9 +318,7 @@ def worker(args) -> int:
                 times[k, rep] = time.perf_counter() - t0
                 cpu[k, rep] = torch.tensor(_cpu_seconds(), dtype=torch.float64) - c0
                 if st is not None:
-                    for p, name in enumerate(("seconds_encode", "seconds_comm", "seconds_decode")):
-                        v = _stat(st, name)
-                        phases[k, rep, p] = float(v) if v is not None else float("nan")
+                    phases[k, rep] = torch.tensor(_phases(st), dtype=torch.float64)
         # The time of a run is its slowest rank's; errors: the worst rank's.
         dist.all_reduce(times, op=dist.ReduceOp.MAX)
         dist.all_reduce(phases, op=dist.ReduceOp.MAX)
@@ -274,12 +342,22 @@ def worker(args) -> int:
                     "storage": "" if agg != "cerar" else (storage or _default_storage()),
                     "code_commit": _commit_of(Path(cerar.__file__).resolve().parents[1]),
                     "pipeline_chunks": "" if chunks is None else chunks, "cpu_seconds": float(cpu[k, 0]) / N,
-                    "cpu_system_seconds": float(cpu[k, 1]) / N,
+                    "cpu_system_seconds": float(cpu[k, 1]) / N, "hosts": hosts, "ranks_per_host": G,
+                    "half_dtype": args.half_dtype if agg == "hier_ring16" else "",
                 }  # fmt: skip
+                if agg in ("cerar", "hier_cerar"):
+                    row["storage"] = storage or _default_storage()
+                if nics:
+                    row["nic_tx_bytes_link_max"], row["nic_tx_bytes"] = (int(x) for x in nic_bytes[k].tolist())
                 for name in ("bytes_sent", "bytes_received", "rounds", "peak_extra_bytes"):
                     v = _stat(st, name) if st is not None else None
                     row[name] = "" if v is None else int(v)
-                for p, name in enumerate(("seconds_encode", "seconds_comm", "seconds_decode")):
+                if agg in HIERARCHICAL:
+                    row["peak_extra_bytes"] = st.intra_node.peak_extra_bytes + st.inter_node.peak_extra_bytes
+                    row["inter_node_method"] = st.inter_node_method
+                    for tier, part in (("intra", st.intra_node), ("inter", st.inter_node)):
+                        row[f"bytes_sent_{tier}"], row[f"rounds_{tier}"] = part.bytes_sent, part.rounds
+                for p, name in enumerate(PHASE_COLUMNS):
                     v = phases[k, :, p]
                     row[name] = "" if st is None or torch.isnan(v).all() else float(v.median())
                 rows.append(row)
@@ -289,6 +367,21 @@ def worker(args) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+PHASE_COLUMNS = ("seconds_encode", "seconds_comm", "seconds_decode", "seconds_intra", "seconds_inter")
+
+
+def _phases(st) -> list[float]:
+    """A call's seconds per phase (``PHASE_COLUMNS``; NaN where the stats do not say): for a hierarchical
+    call, encode is the rail's, comm and decode add both tiers', intra and inter are each tier's total."""
+    nan = float("nan")
+    if hasattr(st, "intra_node"):
+        a, b = st.intra_node, st.inter_node
+        return [b.seconds_encode, a.seconds_comm + b.seconds_comm, a.seconds_decode + b.seconds_decode,
+                a.seconds_total, b.seconds_total]  # fmt: skip
+    flat = [_stat(st, name) for name in PHASE_COLUMNS[:3]]
+    return [nan if v is None else float(v) for v in flat] + [nan, nan]
 
 
 def _cpu_seconds() -> tuple[float, float]:
@@ -342,6 +435,10 @@ def worker_argv(args, rows_out: Path, where: str, run_id: str) -> list[str]:
         a += ["--pipeline-chunks", ",".join(map(str, args.pipeline_chunks))]
     if args.code_dir is not None:
         a += ["--code-dir", str(args.code_dir.resolve())]
+    if args.hier_c:
+        a += ["--hier-c", ",".join(map(str, args.hier_c))]
+    if "hier_ring16" in args.aggregators:
+        a += ["--half-dtype", args.half_dtype]
     if args.eps is not None:
         a += ["--eps", str(args.eps)]
     if args.kappa_max is not None:
@@ -353,9 +450,10 @@ def run_loopback(args, N: int, rows_out: Path, run_id: str, log_dir: Path) -> bo
     """Spawn N local ranks (torchrun-like: env rendezvous on 127.0.0.1); kill all on failure/timeout."""
     port = _free_port()
     procs = []
+    G = args.ranks_per_host if args.ranks_per_host > 1 else N  # loopback: one host, or G-rank "hosts"
     for r in range(N):
-        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(N), LOCAL_WORLD_SIZE=str(N),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
+        env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r % G), WORLD_SIZE=str(N), LOCAL_WORLD_SIZE=str(G),
+                   GROUP_RANK=str(r // G), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # fmt: skip
         out = open(log_dir / f"N{N}-rank{r}.log", "wb")  # noqa: SIM115
         procs.append((subprocess.Popen(worker_argv(args, rows_out, "loopback", run_id), env=env, stdout=out,
@@ -390,7 +488,8 @@ def run_loopback(args, N: int, rows_out: Path, run_id: str, log_dir: Path) -> bo
 def run_lab(args, N: int, rate: float, rows_out: Path, run_id: str, log_dir: Path) -> bool:
     import netlab
 
-    with netlab.NetLab(hosts=N, rate_mbit=rate, mtu=args.mtu) as lab:
+    G = args.ranks_per_host
+    with netlab.NetLab(hosts=N // G, rate_mbit=rate, mtu=args.mtu, ranks_per_host=G, rails=args.rails) as lab:
         res = lab.run(worker_argv(args, rows_out, "lab", run_id), timeout=args.timeout,
                       out_dir=log_dir / f"lab-N{N}-r{rate:g}", echo=not args.quiet,
                       env={"OMP_NUM_THREADS": "1"})  # fmt: skip
@@ -427,20 +526,37 @@ def append_rows(csv_path: Path, rows: list[dict]) -> None:
         w.writerows(rows)
 
 
+def setting_name(where: str, mtu: int, ranks_per_host: int = 1, hosts: int = 0, rails: bool = False) -> str:
+    """The ``where`` of a row: ``loopback``, ``lab``, or the lab's shape: ``lab-<hosts>x<G>[-rails]``, with
+    ``-mtu<mtu>`` for jumbo frames. Settings are never mixed by figures, fits and tables."""
+    if where != "lab":
+        return where if ranks_per_host == 1 else f"{where}-{hosts}x{ranks_per_host}"
+    name = "lab" if ranks_per_host == 1 else f"lab-{hosts}x{ranks_per_host}" + ("-rails" if rails else "")
+    return name if mtu == 1500 else f"{name}-mtu{mtu}"
+
+
 def finish_rows(
-    rows: list[dict], where: str, rate: float | None, run_id: str, load_before: str, mtu: int
-) -> list[dict]:
+    rows: list[dict], where: str, rate: float | None, run_id: str, load_before: str, mtu: int,
+    ranks_per_host: int = 1, rails: bool = False, load_after: str = "",
+) -> list[dict]:  # fmt: skip
     import torch
 
     for r in rows:
-        r["load_before"] = load_before
-        # jumbo-frame labs are a setting of their own: figures, fits and tables never mix them with 1500-byte links
-        r["where"] = where if where != "lab" or mtu == 1500 else f"lab-mtu{mtu}"
+        r["load_before"], r["load_after"] = load_before, load_after
+        G = ranks_per_host  # as launched (a flat loopback run is one host of N ranks to the library)
+        r["where"] = setting_name(where, mtu, G, int(r["N"]) // G, rails)
         r["mtu"] = mtu if where == "lab" else ""
+        r["rails"] = int(rails) if where == "lab" and G > 1 else ""
         r["cpus"] = os.cpu_count()
         r["rate_mbit"] = "" if rate is None else f"{rate:g}"
         sent = r.get("bytes_sent")
-        if sent not in ("", None) and r["seconds_median"] > 0:
+        link = r.get("nic_tx_bytes_link_max")
+        if G > 1 and link not in ("", None) and rate is not None:
+            # two tiers: what the busiest shaped link carried (measured), not what one rank sent
+            r["byte_bound_seconds"] = link * 8 / (rate * 1e6)
+            if r["seconds_median"] > 0:
+                r["achieved_mbit"] = link * 8 / r["seconds_median"] / 1e6
+        elif sent not in ("", None) and r["seconds_median"] > 0:
             r["achieved_mbit"] = sent * 8 / r["seconds_median"] / 1e6
             if rate is not None:
                 r["byte_bound_seconds"] = sent * 8 / (rate * 1e6)
@@ -466,10 +582,13 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def _label(r: dict) -> str:
-    if r["aggregator"] != "cerar":
+    if r["aggregator"] == "hier_ring16":
+        return f"hier_ring16 {r.get('half_dtype') or ''}".strip()
+    if r["aggregator"] not in ("cerar", "hier_cerar"):
         return r["aggregator"]
     storage, chunks = r.get("storage") or "", str(r.get("pipeline_chunks") or "")
-    return (f"cerar {r['construction']} c={r['c']}" + (f" {storage}" if storage not in ("", "-", "spec") else "")
+    return (f"{r['aggregator']} {r['construction']} c={r['c']}"
+            + (f" {storage}" if storage not in ("", "-", "spec") else "")
             + (f" chunks={chunks}" if chunks not in ("", "2") else ""))  # fmt: skip
 
 
@@ -580,17 +699,26 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.warmup < 0:
         ap.error("--repeats must be >= 1 and --warmup >= 0")
-    bad = [a for a in args.aggregators if a not in ("nccl", "ring", "cerar")]
+    bad = [a for a in args.aggregators if a not in AGGREGATORS]
     if bad:
-        ap.error(f"unknown aggregator(s) {bad}: choose from nccl, ring, cerar")
+        ap.error(f"unknown aggregator(s) {bad}: choose from {', '.join(AGGREGATORS)}")
     if any(N < 2 for N in args.n):
         ap.error("--n values must be >= 2 (an all-reduce needs at least two workers)")
+    if args.ranks_per_host < 1 or any(N % args.ranks_per_host for N in args.n):
+        ap.error(f"--ranks-per-host {args.ranks_per_host} must be >= 1 and divide every --n value {args.n}")
+    if args.rails and not args.lab:
+        ap.error("--rails is a lab option (one NIC per local rank): add --lab")
     if args.worker:
         try:
-            return worker(args)
+            rc = worker(args)
         except Exception:
             traceback.print_exc()
-            return 1
+            rc = 1
+        # Measured, written and the groups destroyed: leave without the interpreter's finalisation, where
+        # gloo's threads can still hold tensors and abort the process (once in about ten 2x2 runs here).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
     if args.figures_only:
         for p in make_figures(args.csv, args.figures_dir):
             print(f"bench: wrote {p}")
@@ -614,11 +742,17 @@ def main(argv=None) -> int:
             load_before = " ".join(f"{x:.2f}" for x in os.getloadavg())
             ok = (run_lab(args, N, rate, rows_out, run_id, log_dir) if args.lab
                   else run_loopback(args, N, rows_out, run_id, log_dir))  # fmt: skip
-            if not ok or not rows_out.exists():
+            if not ok:
                 failures += 1
+            if not rows_out.exists():
                 continue
+            if not ok:  # rank 0 wrote every row before the failure (at exit): the measurements stand
+                print(f"bench: N={N} rate={rate}: a rank failed after the rows were written; keeping them",
+                      file=sys.stderr)  # fmt: skip
+            load_after = " ".join(f"{x:.2f}" for x in os.getloadavg())
             rows = [json.loads(x) for x in rows_out.read_text().splitlines() if x.strip()]
-            rows = finish_rows(rows, "lab" if args.lab else "loopback", rate, run_id, load_before, args.mtu)
+            rows = finish_rows(rows, "lab" if args.lab else "loopback", rate, run_id, load_before, args.mtu,
+                               args.ranks_per_host, args.rails, load_after)  # fmt: skip
             append_rows(args.csv, rows)
             all_rows += rows
             if not args.quiet:

@@ -1,0 +1,133 @@
+"""scripts/bench_allreduce.py on hosts of several ranks (issue 20): the hierarchical rows, their bytes per tier
+against the two tiers' closed forms (written here from the layout, not taken from the library), and in the lab
+the bytes each host's NIC carried, counted by the kernel. Tiny sizes, real gloo processes; no speed asserted
+beyond a shaped link's lower bound."""
+
+from __future__ import annotations
+
+import csv
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cerar
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "bench_allreduce.py"
+sys.path.insert(0, str(ROOT / "scripts"))
+import netlab  # noqa: E402
+
+try:
+    import cerar.hierarchical  # noqa: F401
+
+    HAVE_HIERARCHICAL = True
+except ImportError:
+    HAVE_HIERARCHICAL = False
+needs_hierarchical = pytest.mark.skipif(not HAVE_HIERARCHICAL, reason="cerar.hierarchical is not available")
+PROBLEM = netlab.requirements_problem()
+needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+U32 = 2.0**-24  # float32 unit roundoff
+U16 = 2.0**-11  # float16 unit roundoff
+
+
+def _bench(tmp_path, *args, timeout=400) -> list[dict]:
+    csv_path = tmp_path / "two_tier.csv"
+    cmd = [sys.executable, str(SCRIPT), "--repeats", "2", "--warmup", "1", "--csv", str(csv_path),
+           "--timeout", "300", "--collective-timeout", "60", "--log-dir", str(tmp_path / "logs"), "--quiet",
+           *args]  # fmt: skip
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    logs = "".join(p.read_text(errors="replace")[-2000:] for p in sorted((tmp_path / "logs").rglob("*.*")))
+    assert cp.returncode == 0, cp.stdout + cp.stderr + logs
+    with open(csv_path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _tiers(d: int, nodes: int, G: int, c: int | None, itemsize: int = 4) -> tuple[int, int, int, int]:
+    """(rounds, bytes) each rank sends inside its node and between nodes: reduce-scatter and all-gather of
+    s = ceil(d/G) over G ranks, then the shard over the rail of n nodes: the exact ring's 2(n-1) blocks of
+    ceil(s/n), or CERAR's L = c + n - 2 blocks of ceil(s/c) (the spec's figures)."""
+    s = -(-d // G)
+    intra = (2 * (G - 1), 2 * (G - 1) * s * itemsize)
+    if c is None:
+        inter = (2 * (nodes - 1), 2 * (nodes - 1) * -(-s // nodes) * itemsize)
+    else:
+        inter = (c + nodes - 2, (c + nodes - 2) * -(-s // c) * itemsize)
+    return (*intra, *inter)
+
+
+def _exact_bound(N: int, u: float, casts: int = 0) -> float:
+    """Relative error an exact all-reduce of N Gaussian vectors may show: N - 1 additions and ``casts``
+    roundings, each at most u of the running sum's size, sqrt(N) of which the sum's norm absorbs."""
+    return (N - 1 + casts) * u * math.sqrt(N) * 4
+
+
+@needs_hierarchical
+def test_hierarchical_rows_on_loopback_hosts(tmp_path):
+    """3 "hosts" x 2 ranks on loopback: every aggregator's row, bytes and rounds per tier as the closed forms
+    say; hier_cerar runs the code between the 3 hosts; the exact rows agree with the float64 sum to rounding."""
+    d = 65536
+    rows = _bench(tmp_path, "--n", "6", "--ranks-per-host", "2", "--sizes-mb", f"{d * 4 / 2**20:g}",
+                  "--aggregators", "nccl,hier_ring,hier_cerar,hier_ring16", "--constructions", "perturbation",
+                  "--hier-c", "6")  # fmt: skip
+    by = {r["aggregator"]: r for r in rows}
+    assert set(by) == {"nccl", "hier_ring", "hier_cerar", "hier_ring16"}
+    for r in rows:
+        assert r["where"] == "loopback-3x2" and r["N"] == "6" and r["hosts"] == "3" and r["ranks_per_host"] == "2"
+        assert 0 < float(r["seconds_min"]) <= float(r["seconds_median"]) <= float(r["seconds_max"])
+    code = cerar.make_code(3, 6, "perturbation")
+    for agg, c, itemsize in (("hier_ring", None, 4), ("hier_cerar", 6, 4), ("hier_ring16", None, 2)):
+        r = by[agg]
+        rounds_intra, bytes_intra, rounds_inter, bytes_inter = _tiers(d, 3, 2, c, itemsize)
+        assert (int(r["rounds_intra"]), int(r["bytes_sent_intra"])) == (rounds_intra, bytes_intra), agg
+        assert (int(r["rounds_inter"]), int(r["bytes_sent_inter"])) == (rounds_inter, bytes_inter), agg
+        assert int(r["bytes_sent"]) == bytes_intra + bytes_inter and int(r["rounds"]) == rounds_intra + rounds_inter
+        assert r["inter_node_method"] == ("cerar" if agg == "hier_cerar" else "exact ring")
+        assert float(r["seconds_intra"]) > 0 and float(r["seconds_inter"]) > 0
+    assert by["hier_ring16"]["half_dtype"] == "float16" and by["hier_cerar"]["construction"] == "perturbation"
+    assert float(by["hier_ring"]["rel_error"]) <= _exact_bound(6, U32)
+    assert float(by["nccl"]["rel_error"]) <= _exact_bound(6, U32)
+    assert float(by["hier_ring16"]["rel_error"]) <= _exact_bound(6, U16, casts=2)
+    # the code's error on the node sums, plus its transport rounding amplified by kappa
+    assert float(by["hier_cerar"]["rel_error"]) <= 2 * code.predicted_error() + 16 * code.kappa * U32
+
+
+@needs_hierarchical
+def test_two_nodes_run_the_exact_rail_and_say_so(tmp_path):
+    """On 2 hosts the coded rail would send d per node like the exact ring: the row records the exact ring."""
+    rows = _bench(tmp_path, "--n", "4", "--ranks-per-host", "2", "--sizes-mb", "0.0625", "--aggregators",
+                  "hier_ring,hier_cerar", "--constructions", "perturbation", "--hier-c", "4")  # fmt: skip
+    by = {r["aggregator"]: r for r in rows}
+    assert by["hier_cerar"]["inter_node_method"] == "exact ring"
+    assert by["hier_cerar"]["bytes_sent_inter"] == by["hier_ring"]["bytes_sent_inter"]
+    assert float(by["hier_cerar"]["rel_error"]) <= _exact_bound(4, U32)
+
+
+@needs_hierarchical
+@needs_lab
+@pytest.mark.netlab
+@pytest.mark.parametrize("rails", [False, True])
+def test_lab_rows_count_the_bytes_each_nic_carried(tmp_path, rails):
+    """3 hosts x 2 ranks at 400 Mbit/s: the busiest NIC carried the rails' bytes (both rails' on one shared NIC,
+    one rail's each with rails), headers included; the byte bound is that count over the rate and no row beats it."""
+    d, rate = 2**18, 400.0
+    extra = ["--rails"] if rails else []
+    rows = _bench(tmp_path, "--lab", "--rate-mbit", f"{rate:g}", "--mtu", "9000", "--n", "6", "--ranks-per-host", "2",
+                  "--sizes-mb", "1", "--aggregators", "nccl,hier_ring,hier_cerar", "--constructions", "perturbation",
+                  "--hier-c", "6", *extra)  # fmt: skip
+    by = {r["aggregator"]: r for r in rows}
+    for agg, c in (("hier_ring", None), ("hier_cerar", 6)):
+        r = by[agg]
+        assert r["where"] == ("lab-3x2-rails-mtu9000" if rails else "lab-3x2-mtu9000") and r["rails"] == str(int(rails))
+        per_rank = _tiers(d, 3, 2, c)[3]
+        link, host = int(r["nic_tx_bytes_link_max"]), int(r["nic_tx_bytes"])
+        on_link = per_rank if rails else 2 * per_rank
+        assert on_link <= link <= 1.05 * on_link + 65536, (agg, link, on_link)  # + TCP/IP headers, acks
+        assert 2 * per_rank <= host <= 1.05 * 2 * per_rank + 65536, (agg, host)
+        assert float(r["byte_bound_seconds"]) == pytest.approx(link * 8 / (rate * 1e6))
+    for r in rows:
+        assert float(r["seconds_min"]) >= float(r["byte_bound_seconds"]) / 1.3, r  # a shaped link's lower bound
+    # gloo's own all-reduce is counted too: any all-reduce must send the other hosts' (n-1)/n of a host's sum
+    assert int(by["nccl"]["nic_tx_bytes"]) >= 2 / 3 * d * 4
