@@ -16,7 +16,8 @@ Constructions (all with rates L = c + N - 2 rounds, (1 + (N-2)/c) d values sent 
 - ``vandermonde``  all c points real and clustered at 1: a^N = 1 + eps*b_k. Error O(eps), kappa O(eps^-(c-1)).
 - ``perturbation`` q = ceil(c/N) levels of N-th roots scaled by rho_s, rho_s^N = 1 + eps*b_s.
                    Error O(eps), kappa O(eps^-(q-1)).
-- ``optimized``    the condition-number-constrained design (see ``cerar.optimize``).
+- ``optimized``    the condition-number-constrained design (see ``cerar.optimize``), read from the
+                   table shipped with the package where it holds the shape (``cerar.stored_codes``).
 
 ``eps`` is normalised so that it is the largest |a^N - 1| over the points: the worst factor by which
 any component's wrapped partial sum is mis-weighted. It must lie in (0, 1). When it is omitted it is
@@ -49,7 +50,7 @@ from cerar.closed_forms import (
     smallest_feasible,
     vandermonde_points,
 )
-from cerar.optimize import optimized_code
+from cerar.stored_codes import optimized_code
 
 __all__ = [
     "CONSTRUCTIONS",

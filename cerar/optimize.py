@@ -1,4 +1,4 @@
-"""The condition-number-constrained design (construction ``"optimized"``).
+"""The condition-number-constrained design (construction ``"optimized"``): the search.
 
 The specification poses it as
 
@@ -21,15 +21,22 @@ with E_h(A) the L x c matrix holding A in rows h..h+c-1. We solve it in two nest
 
 The result is the best of: the perturbation code tuned to kappa_max with its own decoders, the
 same encoders with least-squares decoders, and the searched patterns with least-squares decoders.
-It is therefore never worse than the closed form it starts from. Everything is deterministic.
+It is therefore never worse than the closed form it starts from. Everything is deterministic, and a
+result is fully described by its points and its kind of decoder (``matrices_from_points``): that is
+what the table shipped with the package (``cerar.stored_codes``) keeps.
+
+``SEARCH_CODE_VERSION`` digests this module and the closed forms it starts from, so that codes
+searched by other code (the host cache, the shipped table) are recognised as such.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import math
-import os
+import tokenize
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 from scipy.optimize import minimize
@@ -37,9 +44,10 @@ from scipy.optimize import minimize
 from cerar import closed_forms
 from cerar.closed_forms import (
     DEFAULT_KAPPA_MAX,
-    Code,
+    _real_part,
     closed_form_code,
     code_from_matrices,
+    decoders,
     encoders,
     max_condition,
     ordered_points,
@@ -47,7 +55,31 @@ from cerar.closed_forms import (
     smallest_feasible,
 )
 
-_PATTERN_SEARCH_ITERATIONS = 120
+SEARCH_PARAMETERS = {
+    "pattern_iterations": 120,
+    "pattern_xatol": 1e-4,
+    "pattern_fatol": 1e-6,
+    "pattern_start_signs": (1.0, -1.0),
+    "pattern_round_decimals": 8,
+    "pinv_rcond": 1e-13,
+}
+"""The knobs of the search (Nelder-Mead's budget and tolerances for the pattern's shape, its two
+mirrored starts, the rounding of its result, the pseudo-inverse's cut-off). The shipped table records
+them beside each code."""
+
+DECODER_KINDS = ("polynomial", "least_squares")
+"""D_i = F^-1 diag(a^-(i-1)) V_L (the specification's), or the least-squares fit to the encoders."""
+
+
+class Found(NamedTuple):
+    """One candidate of the search: its worst worker's predicted error and how to rebuild it."""
+
+    error: float
+    points: np.ndarray
+    A: np.ndarray
+    D: np.ndarray
+    decoders: str
+    origin: str  # "perturbation", "perturbation+least_squares" or "pattern"
 
 
 def least_squares_decoders(A: np.ndarray, N: int) -> np.ndarray:
@@ -60,69 +92,51 @@ def least_squares_decoders(A: np.ndarray, N: int) -> np.ndarray:
         M = np.zeros((L, (N - 1) * c))
         for h in range(1, N):
             M[h - 1 : h - 1 + c, (h - 1) * c : h * c] = A[(i - h) % N]
-        D[i] = target @ np.linalg.pinv(M, rcond=1e-13)
+        D[i] = target @ np.linalg.pinv(M, rcond=SEARCH_PARAMETERS["pinv_rcond"])
     return D
 
 
-def _search_code_version() -> str:
-    """A digest of the source that decides a search's result (this module and the closed forms it
-    starts from): a changed search never reads an older one's cached codes."""
-    digest = hashlib.sha256()
-    for module in (__file__, closed_forms.__file__):
-        digest.update(Path(module).read_bytes())
-    return digest.hexdigest()[:12]
+def matrices_from_points(points: np.ndarray, N: int, decoder_kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(points in canonical order, A, D) of the polynomial encoders at ``points`` with the decoders of
+    ``decoder_kind``: the one way every candidate of the search is built, so that the points and the
+    kind rebuild a searched code bit for bit. Raises ValueError for points that are not distinct,
+    non-zero and closed under conjugation."""
+    if decoder_kind not in DECODER_KINDS:
+        raise ValueError(f"decoder kind must be one of {DECODER_KINDS}, got {decoder_kind!r}")
+    points = ordered_points(points)
+    if decoder_kind == "polynomial":  # as the closed forms build them, imaginary parts checked
+        kappa_V = np.linalg.cond(np.vander(points, len(points), increasing=True))
+        A = _real_part(encoders(points, N), "A_j", kappa_V)
+        D = _real_part(decoders(points, N), "D_i", kappa_V)
+    else:  # the decoders fit whatever real encoders the points give
+        A = np.ascontiguousarray(encoders(points, N).real)
+        D = least_squares_decoders(A, N)
+    return points, A, D
 
 
-SEARCH_CODE_VERSION = _search_code_version()
+def budget(N: int, c: int, eps: float | None, kappa_max: float | None) -> float:
+    """The kappa budget the search meets: ``kappa_max``; without it, the kappa of the perturbation
+    code at ``eps`` when eps is given, else DEFAULT_KAPPA_MAX."""
+    if kappa_max is not None:
+        return kappa_max
+    return closed_form_code(N, c, "perturbation", eps, None).kappa if eps is not None else DEFAULT_KAPPA_MAX
 
 
-def cache_dir() -> Path:
-    """Where searched codes are kept: ``$CERAR_CACHE_DIR``, default ``~/.cache/cerar``."""
-    return Path(os.environ.get("CERAR_CACHE_DIR", Path.home() / ".cache" / "cerar"))
+def search(N: int, c: int, kappa_max: float) -> Found:
+    """The best candidate with kappa <= kappa_max (see module docstring), for N >= 2 and c > N.
 
-
-def _cache_path(N: int, c: int, kappa_max: float) -> Path:
-    return cache_dir() / f"optimized-{SEARCH_CODE_VERSION}-N{N}-c{c}-k{kappa_max!r}.npz"
-
-
-def optimized_code(N: int, c: int, eps: float | None = None, kappa_max: float | None = None) -> Code:
-    """The best code found with kappa <= kappa_max (see module docstring).
-
-    Without kappa_max the budget is the kappa of the perturbation code at ``eps`` when eps is
-    given, else DEFAULT_KAPPA_MAX. The search takes seconds, so its result is kept on disk
-    (``cache_dir()``) under a key that carries ``SEARCH_CODE_VERSION``, and shared by every process
-    of a host.
+    Raises ValueError naming kappa_max when no candidate meets it.
     """
-    if kappa_max is None:
-        kappa_max = closed_form_code(N, c, "perturbation", eps, None).kappa if eps is not None else DEFAULT_KAPPA_MAX
-    path = _cache_path(N, c, kappa_max)
-    try:
-        with np.load(path) as saved:
-            points, A, D = saved["points"], saved["A"], saved["D"]
-    except (OSError, KeyError, ValueError):
-        points, A, D = _search(N, c, kappa_max)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp.npz")
-            np.savez(tmp, points=points, A=A, D=D)
-            os.replace(tmp, path)
-        except OSError:
-            pass  # a read-only home only costs the search again
-    eps_reached = float(np.abs(points**N - 1).max())
-    return code_from_matrices(N, c, "optimized", eps_reached, kappa_max, points, A.copy(), D.copy())
-
-
-def _search(N: int, c: int, kappa_max: float):
-    """(points, A, D) of the best candidate."""
     candidates = []
     try:
         start = closed_form_code(N, c, "perturbation", None, kappa_max)
-        candidates += [
-            (start.predicted_error(), start.points, start.A, start.D),
-            _with_least_squares_decoders(start.points, start.A, N),
-        ]
     except ValueError:
         pass  # the closed form cannot meet this budget; the pattern search may
+    else:
+        candidates += [
+            _candidate(start.points, N, "polynomial", "perturbation"),
+            _candidate(start.points, N, "least_squares", "perturbation+least_squares"),
+        ]
     if c % N == 0:
         candidates += _pattern_search(N, c, kappa_max)
     if not candidates:
@@ -130,13 +144,12 @@ def _search(N: int, c: int, kappa_max: float):
             f"kappa_max={kappa_max:g} is unreachable for construction 'optimized' at N={N}, c={c}; "
             "raise kappa_max or lower c"
         )
-    _, points, A, D = min(candidates, key=lambda cand: cand[0])
-    return points, A, D
+    return min(candidates, key=lambda cand: cand.error)
 
 
-def _with_least_squares_decoders(points, A, N):
-    D = least_squares_decoders(A, N)
-    return _worst_error(A, D, N), points, A, D
+def _candidate(points, N: int, decoder_kind: str, origin: str) -> Found:
+    points, A, D = matrices_from_points(points, N, decoder_kind)
+    return Found(_worst_error(A, D, N), points, A, D, decoder_kind, origin)
 
 
 def _worst_error(A, D, N) -> float:
@@ -167,7 +180,7 @@ def _smallest_feasible_size(N, params, n_real, kappa_max) -> float | None:
     return smallest_feasible(kappa, kappa_max)
 
 
-def _pattern_search(N: int, c: int, kappa_max: float):
+def _pattern_search(N: int, c: int, kappa_max: float) -> list[Found]:
     q = c // N
     n_pairs = (q - 1) // 2
     n_real = (q - 1) - 2 * n_pairs
@@ -178,25 +191,98 @@ def _pattern_search(N: int, c: int, kappa_max: float):
         size = _smallest_feasible_size(N, params, n_real, kappa_max)
         if size is None:
             return None
-        points = ordered_points(_pattern_points(N, params, n_real, size))
-        A = np.ascontiguousarray(encoders(points, N).real)
-        return _with_least_squares_decoders(points, A, N)
+        return _candidate(_pattern_points(N, params, n_real, size), N, "least_squares", "pattern")
 
     def objective(params):
         found = evaluate(params)
-        return 10.0 if found is None else found[0]
+        return 10.0 if found is None else found.error
 
     results = []
-    for sign in (1.0, -1.0):
+    for sign in SEARCH_PARAMETERS["pattern_start_signs"]:
         pairs = np.column_stack([sign * np.linspace(0.8, 0.3, n_pairs), np.full(n_pairs, 0.8)])
         start = np.concatenate([np.ones(n_real), pairs.ravel()])
         fit = minimize(
             objective,
             start,
             method="Nelder-Mead",
-            options={"maxiter": _PATTERN_SEARCH_ITERATIONS, "xatol": 1e-4, "fatol": 1e-6},
+            options={
+                "maxiter": SEARCH_PARAMETERS["pattern_iterations"],
+                "xatol": SEARCH_PARAMETERS["pattern_xatol"],
+                "fatol": SEARCH_PARAMETERS["pattern_fatol"],
+            },
         )
-        found = evaluate(np.round(fit.x, 8))
+        found = evaluate(np.round(fit.x, SEARCH_PARAMETERS["pattern_round_decimals"]))
         if found is not None:
             results.append(found)
     return results
+
+
+# ---------------------------------------------------------------------------------------------
+# The search code's version
+# ---------------------------------------------------------------------------------------------
+
+_LAYOUT_TOKENS = {tokenize.NEWLINE: "<newline>", tokenize.INDENT: "<indent>", tokenize.DEDENT: "<dedent>"}
+_STATEMENT_STARTS = (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING)
+
+
+def search_code_digest(sources: list[str]) -> str:
+    """A digest of Python sources that ignores what cannot change a result: comments, docstrings
+    (and every other statement that is a lone string), blank lines, spacing and line breaks inside
+    brackets. Any other edit changes it. Built on tokens, not on the AST, so that every Python
+    version gives the same digest for the same source."""
+    digest = hashlib.sha256()
+    for source in sources:
+        for text in _code_tokens(source):
+            digest.update(text.encode())
+            digest.update(b"\x00")
+        digest.update(b"\x01")
+    return digest.hexdigest()[:12]
+
+
+def _code_tokens(source: str) -> list[str]:
+    lines = source.splitlines(keepends=True)
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    kept: list[tuple[int, str]] = []  # (token type, text)
+    k = 0
+    while k < len(tokens):
+        tok = tokens[k]
+        name = tokenize.tok_name.get(tok.type, "")
+        if name.endswith("STRING_START"):  # an f-string split into parts (Python 3.12+): one token
+            depth, end = 0, k
+            while True:
+                kind = tokenize.tok_name.get(tokens[end].type, "")
+                depth += kind.endswith("STRING_START") - kind.endswith("STRING_END")
+                if depth == 0:
+                    break
+                end += 1
+            text = _source_span(lines, tok.start, tokens[end].end)
+            kept.append((tokenize.STRING, text))
+            k = end + 1
+            continue
+        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.ENCODING, tokenize.ENDMARKER):
+            k += 1
+            continue
+        kept.append((tok.type, _LAYOUT_TOKENS.get(tok.type, tok.string)))
+        k += 1
+    # Drop statements that are one string (docstrings): a STRING between two statement boundaries.
+    out = []
+    for index, (kind, text) in enumerate(kept):
+        before = kept[index - 1][0] if index else tokenize.NEWLINE
+        after = kept[index + 1][0] if index + 1 < len(kept) else tokenize.NEWLINE
+        if kind == tokenize.STRING and before in _STATEMENT_STARTS and after == tokenize.NEWLINE:
+            continue
+        out.append(text)
+    return out
+
+
+def _source_span(lines: list[str], start: tuple[int, int], end: tuple[int, int]) -> str:
+    (row0, col0), (row1, col1) = start, end
+    if row0 == row1:
+        return lines[row0 - 1][col0:col1]
+    return lines[row0 - 1][col0:] + "".join(lines[row0 : row1 - 1]) + lines[row1 - 1][:col1]
+
+
+SEARCH_CODE_MODULES = (Path(__file__), Path(closed_forms.__file__))
+"""The sources that decide a search's result: this module and the closed forms it starts from."""
+
+SEARCH_CODE_VERSION = search_code_digest([path.read_text(encoding="utf-8") for path in SEARCH_CODE_MODULES])

@@ -1,4 +1,9 @@
-"""The CERAR codes and the single-process oracle, checked against the specification's figures."""
+"""The CERAR codes and the single-process oracle, checked against the specification's figures.
+
+Where a result should be exact, the bound is the rounding the code itself predicts (``rounding_bound``:
+the transport's unit roundoff times kappa), not a fixed number that holds only while two paths round
+alike.
+"""
 
 from pathlib import Path
 
@@ -8,6 +13,16 @@ import torch
 
 import cerar
 from cerar.codes import real_to_points, ring_rounds
+from tests.spec_reference import spec_all_reduce
+
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
+def rounding_bound(code, dtype: torch.dtype) -> float:
+    """The relative error the transport's rounding may add to a worker's result: the dtype's unit
+    roundoff amplified by kappa (the spec's "Numerics") and by sqrt(c + L) + N, the sums of c + L
+    coded terms and of the N workers' values in every block (as tests/test_spec_reference.py)."""
+    return max(code.kappa, 1.0) * UNIT_ROUNDOFF[dtype] * (np.sqrt(code.c + code.L) + code.N)
 
 
 def relative_errors(G: torch.Tensor, code) -> torch.Tensor:
@@ -28,7 +43,7 @@ def test_exact_codes_are_exact_in_float32_for_every_c_up_to_N(N):
     for c in range(1, N + 1):
         code = cerar.make_code(N, c, "exact")
         assert code.is_exact
-        assert relative_errors(gaussian(N, 1000 + c), code).max() <= 1e-6, (N, c)
+        assert relative_errors(gaussian(N, 1000 + c), code).max() <= rounding_bound(code, torch.float32), (N, c)
 
 
 def test_exact_code_at_c_equal_N_is_perfectly_conditioned_up_to_F():
@@ -78,7 +93,7 @@ def test_level_zero_components_are_exact_on_every_worker():
     error = (cerar.simulate(G, code) - G.sum(0)).reshape(N, c, -1)
     level0 = np.abs(np.abs(code.points) - 1) < 1e-12  # the points on the unit circle
     assert level0.sum() == N
-    assert error[:, level0].abs().max() <= 1e-10
+    assert error[:, level0].abs().max() <= rounding_bound(code, torch.float64) * G.sum(0).abs().max()
     assert error[0, ~level0].abs().max() > 1e-4  # the other level does err
 
 
@@ -135,7 +150,8 @@ def test_a_ring_of_one_is_the_identity():
 
 def test_two_workers_and_a_single_component():
     for N, c in [(2, 1), (2, 2), (5, 1)]:
-        assert relative_errors(gaussian(N, 101), cerar.make_code(N, c)).max() <= 1e-6
+        code = cerar.make_code(N, c)
+        assert relative_errors(gaussian(N, 101), code).max() <= rounding_bound(code, torch.float32)
 
 
 def test_gradients_shorter_than_c_and_not_a_multiple_of_c():
@@ -144,22 +160,28 @@ def test_gradients_shorter_than_c_and_not_a_multiple_of_c():
         G = gaussian(N, d)
         result = cerar.simulate(G, code)
         assert result.shape == (N, d)
-        bound = 1e-6 if code.is_exact else 0.2
+        bound = rounding_bound(code, torch.float32) if code.is_exact else 0.2
         assert relative_errors(G, code).max() <= bound
 
 
 def test_simulate_works_in_float64_and_keeps_the_dtype():
     G = gaussian(4, 200, torch.float64)
-    result = cerar.simulate(G, cerar.make_code(4, 4))
+    code = cerar.make_code(4, 4)
+    result = cerar.simulate(G, code)
     assert result.dtype == torch.float64
-    assert (result - G.sum(0)).abs().max() <= 1e-12
+    assert (result - G.sum(0)).abs().max() <= rounding_bound(code, torch.float64) * G.sum(0).abs().max()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
 def test_simulate_on_cuda_matches_the_cpu():
+    """Both devices within float32 rounding of the spec's protocol run in float64: the two may round
+    differently (kappa ~ 1e5 here amplifies every difference), so neither is the other's reference."""
     G = gaussian(4, 4096)
     code = cerar.make_code(4, 16, "perturbation", eps=0.05)
-    assert torch.allclose(cerar.simulate(G.cuda(), code).cpu(), cerar.simulate(G, code), rtol=1e-4, atol=1e-5)
+    reference = torch.from_numpy(spec_all_reduce(G.double().numpy(), code.A, code.D))
+    for result in (cerar.simulate(G.cuda(), code).cpu(), cerar.simulate(G, code)):
+        errors = (result.double() - reference).norm(dim=1) / reference.norm(dim=1)
+        assert errors.max() <= rounding_bound(code, torch.float32), errors
 
 
 # --- determinism ---------------------------------------------------------------------------------
@@ -195,18 +217,15 @@ def test_codes_are_bit_identical_in_another_process():
 
 
 def test_searched_codes_are_kept_in_the_suites_cache_under_the_search_codes_version(cerar_code_cache):
-    """tests/conftest.py points $CERAR_CACHE_DIR at the pytest cache; the file name carries a digest of
-    the search's source, so an edited search never reads its predecessor's codes."""
-    import hashlib
-    from pathlib import Path
+    """tests/conftest.py points $CERAR_CACHE_DIR at the pytest cache; the file name carries the search
+    code's version (tests/test_shipped_codes.py checks what changes it), so an edited search never
+    reads its predecessor's codes. (3, 5) at kappa_max 2e3 is outside the shipped table: searched."""
+    from cerar import optimize, stored_codes
 
-    from cerar import closed_forms, optimize
-
-    cerar.make_code(4, 8, "optimized", kappa_max=1e3)
-    digest = hashlib.sha256(Path(optimize.__file__).read_bytes() + Path(closed_forms.__file__).read_bytes())
-    assert digest.hexdigest()[:12] == optimize.SEARCH_CODE_VERSION
-    assert optimize.cache_dir() == Path(cerar_code_cache)
-    assert (Path(cerar_code_cache) / f"optimized-{optimize.SEARCH_CODE_VERSION}-N4-c8-k1000.0.npz").is_file()
+    assert (3, 5, 2e3) not in stored_codes.shipped_entries()
+    cerar.make_code(3, 5, "optimized", kappa_max=2e3)
+    assert stored_codes.cache_dir() == Path(cerar_code_cache)
+    assert (Path(cerar_code_cache) / f"optimized-{optimize.SEARCH_CODE_VERSION}-N3-c5-k2000.0.npz").is_file()
 
 
 def test_the_optimiser_and_the_closed_forms_do_not_import_each_other_in_a_circle():
@@ -248,12 +267,12 @@ def test_optimized_is_never_worse_than_its_closed_form_start(N, c, kappa_max):
     optimized = cerar.make_code(N, c, "optimized", kappa_max=kappa_max)
     assert optimized.kappa <= kappa_max * (1 + 1e-9)
     assert optimized.predicted_error() <= start.predicted_error() + 1e-12
-    assert optimized.worker_errors()[N - 1] <= 1e-9  # the last worker stays exact
+    assert optimized.worker_errors()[N - 1] <= rounding_bound(optimized, torch.float64)  # the last worker: exact
 
 
 def test_optimized_makes_two_workers_exact():
     code = cerar.make_code(2, 8, "optimized")
-    assert relative_errors(gaussian(2, 800, torch.float64), code).max() <= 1e-9
+    assert relative_errors(gaussian(2, 800, torch.float64), code).max() <= rounding_bound(code, torch.float64)
 
 
 # --- bad arguments -------------------------------------------------------------------------------
@@ -300,4 +319,4 @@ def test_sixteen_bit_transport_is_allowed_for_exact_codes():
     result = cerar.simulate(G, cerar.make_code(4, 4))
     assert result.dtype == torch.bfloat16
     S = G.double().sum(0)
-    assert ((result.double() - S).norm() / S.norm()).item() < 2e-2
+    assert ((result.double() - S).norm() / S.norm()).item() <= rounding_bound(cerar.make_code(4, 4), torch.bfloat16)

@@ -1,0 +1,175 @@
+"""Rebuilds cerar/data/optimized_codes.json, the optimized codes that ship with the package.
+
+    nice -n 10 python scripts/build_shipped_codes.py                      # every tier, resumes
+    python scripts/build_shipped_codes.py --tiers used,grid --max-hours 2  # stop starting shapes after 2 h
+    python scripts/build_shipped_codes.py --list                           # the plan, with what is done
+
+What: runs ``cerar.optimize.search`` for each (N, c, kappa_max) of the plan and records the points and
+decoder kind of each result (from which ``cerar.stored_codes`` rebuilds the matrices), its kappa and
+predicted error, and what the search cost (wall and CPU seconds, one BLAS thread). The tiers, in
+order:
+
+- ``used``: the shapes the presets, the README and the tests build at the default kappa_max
+  (N=8, c=16 and c=32; N=4, c=16; N=2 and N=4 at small c);
+- ``grid``: N = 2..8, c = N+1..4N at the default kappa_max (c <= N is the exact code, no search),
+  the cheap shapes first (those whose c is not 3N or 4N search no pattern);
+- ``large``: N = 9..16 at c = 2N, 3N, 4N and the powers of two between N and 4N;
+- ``budgets``: the design report's sweep (N = 4, 8; c = 8, 16, 32; kappa_max = 1e2 .. 1e7) and the
+  budgets the tests use.
+
+Why: a first use of ``make_code(N, c, "optimized")`` otherwise searches for seconds to minutes on
+every host. The table is written after every shape, so an interrupted build keeps what it found and
+a rerun continues where it stopped; a table searched by other search code (another
+``SEARCH_CODE_VERSION``) is started afresh, since the package would not use it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = next(p for p in Path(__file__).resolve().parents if (p / "cerar" / "__init__.py").is_file())
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import numpy as np  # noqa: E402
+import scipy  # noqa: E402
+
+from cerar import optimize, stored_codes  # noqa: E402
+from cerar.closed_forms import DEFAULT_KAPPA_MAX  # noqa: E402
+
+TIERS = ("used", "grid", "large", "budgets")
+DESIGN_SWEEP_BUDGETS = (1e2, 1e3, 1e4, 1e6, 1e7)  # cerar.design.DEFAULT_SWEEP_OPTIMIZED_KAPPA_MAX
+
+
+def plan(tiers: list[str]) -> list[tuple[str, int, int, float]]:
+    """(tier, N, c, kappa_max) in the order they are searched, each shape once."""
+    k = float(DEFAULT_KAPPA_MAX)
+    shapes: dict[str, list[tuple[int, int, float]]] = {
+        "used": [(4, 16, k), (8, 16, k), (8, 32, k), (2, 6, k), (2, 8, k), (4, 8, k), (4, 12, k), (3, 7, k)],
+        "grid": sorted(
+            [(N, c, k) for N in range(2, 9) for c in range(N + 1, 4 * N + 1)],
+            key=lambda s: (_searches_a_pattern(s[0], s[1]), s[0], s[1]),
+        ),
+        "large": sorted(
+            [
+                (N, c, k)
+                for N in range(9, 17)
+                for c in sorted({2 * N, 3 * N, 4 * N} | {2**e for e in range(4, 7) if N < 2**e <= 4 * N})
+            ],
+            key=lambda s: (_searches_a_pattern(s[0], s[1]), s[0], s[1]),
+        ),
+        "budgets": [
+            *[(N, c, b) for b in DESIGN_SWEEP_BUDGETS for N in (4, 8) for c in (8, 16, 32) if c > N],
+            (4, 8, 1e2),
+            (4, 12, 1e3),
+            (2, 8, 1e3),
+        ],
+    }
+    seen, out = set(), []
+    for tier in tiers:
+        for N, c, kappa_max in shapes[tier]:
+            if (N, c, kappa_max) not in seen:
+                seen.add((N, c, kappa_max))
+                out.append((tier, N, c, kappa_max))
+    return out
+
+
+def _searches_a_pattern(N: int, c: int) -> bool:
+    """Whether the search runs Nelder-Mead over a pattern (c = qN with q >= 3): the costly shapes."""
+    return c % N == 0 and c // N >= 3
+
+
+def fresh_table() -> dict:
+    return {
+        "format": stored_codes.TABLE_FORMAT,
+        "search_code_version": optimize.SEARCH_CODE_VERSION,
+        "search_parameters": dict(optimize.SEARCH_PARAMETERS),
+        "built": {
+            "by": "scripts/build_shipped_codes.py",
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "scipy": scipy.__version__,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
+            "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS") or os.environ.get("OMP_NUM_THREADS") or "default",
+        },
+        "cost_note": (
+            "search_cpu_seconds is the search's own CPU time (one BLAS thread); search_seconds its wall "
+            "time, which includes waiting for the CPU on a machine shared with other work"
+        ),
+        "codes": [],
+    }
+
+
+def search_one(N: int, c: int, kappa_max: float) -> dict:
+    """Search one shape and check that its record rebuilds the searched matrices bit for bit."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    found = optimize.search(N, c, kappa_max)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    entry = stored_codes.table_entry(
+        N, c, kappa_max, found, search_seconds=round(wall, 2), search_cpu_seconds=round(cpu, 2)
+    )
+    points, A, D = optimize.matrices_from_points(stored_codes.entry_points(entry), N, entry["decoders"])
+    if not (np.array_equal(points, found.points) and np.array_equal(A, found.A) and np.array_equal(D, found.D)):
+        raise SystemExit(f"N={N} c={c} kappa_max={kappa_max:g}: the recorded points do not rebuild the searched code")
+    return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tiers", default=",".join(TIERS), help=f"comma-separated, from {TIERS}")
+    ap.add_argument("--out", type=Path, default=stored_codes.SHIPPED_TABLE, help="the table (default: the package's)")
+    ap.add_argument("--max-hours", type=float, default=None, help="start no shape after this many hours")
+    ap.add_argument("--list", action="store_true", help="print the plan and what the table holds, search nothing")
+    args = ap.parse_args(argv)
+    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
+    unknown = [t for t in tiers if t not in TIERS]
+    if unknown or not tiers:
+        ap.error(f"--tiers: unknown tier(s) {unknown or [args.tiers]}; choose from {TIERS}")
+
+    table = stored_codes.read_table(args.out)
+    if table is None or table["search_code_version"] != optimize.SEARCH_CODE_VERSION:
+        if table is not None:
+            print(f"{args.out} was searched by search code {table['search_code_version']}, the current one is "
+                  f"{optimize.SEARCH_CODE_VERSION}: starting afresh", flush=True)  # fmt: skip
+        table = fresh_table()
+    done = {(e["N"], e["c"], float(e["kappa_max"])) for e in table["codes"]}
+    todo = plan(tiers)
+    if args.list:
+        for tier, N, c, kappa_max in todo:
+            print(f"{tier:8s} N={N:2d} c={c:3d} kappa_max={kappa_max:g}  {'done' if (N, c, kappa_max) in done else ''}")
+        return 0
+
+    deadline = None if args.max_hours is None else time.monotonic() + 3600 * args.max_hours
+    for tier, N, c, kappa_max in todo:
+        if (N, c, kappa_max) in done:
+            continue
+        if deadline is not None and time.monotonic() > deadline:
+            print(f"--max-hours reached: N={N} c={c} kappa_max={kappa_max:g} and later shapes not searched", flush=True)
+            break
+        try:
+            entry = search_one(N, c, kappa_max)
+        except ValueError as err:  # the budget is unreachable at this shape: nothing to ship
+            print(f"{tier} N={N} c={c} kappa_max={kappa_max:g}: {err}", flush=True)
+            continue
+        table["codes"].append(entry)
+        table["built"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        stored_codes.write_table(table, args.out)
+        done.add((N, c, kappa_max))
+        print(
+            f"{tier} N={N} c={c} kappa_max={kappa_max:g}: {entry['origin']}, kappa {entry['kappa']:.4g}, "
+            f"error {entry['predicted_error']:.4g}, {entry['search_cpu_seconds']:.1f} s CPU "
+            f"({entry['search_seconds']:.1f} s wall)  [{len(table['codes'])} in the table]",
+            flush=True,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
