@@ -18,10 +18,16 @@ caller's settings on exit; on a CUDA device with the override variable set it re
 ``PrecisionError`` naming the variable. The settings are process-wide: while a guarded call runs
 (e.g. on the DDP hook's thread), other threads' float32 matmuls run in full precision too, slower
 but never less accurate. Nested and concurrent guards share one switch (a count under a lock).
+
+``rounding_bound(code, dtype)`` and ``sum_rounding_bound(N, dtype)`` say how far rounding in the
+transport dtype may move a result from its exact-arithmetic value: the one place where tests and the
+GPU check get their numerical bounds, so that no bound depends on which BLAS kernel (AVX2 or
+AVX-512, MKL or OpenBLAS, cuBLAS) summed the products in which order.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from contextlib import contextmanager
@@ -29,6 +35,42 @@ from contextlib import contextmanager
 import torch
 
 TF32_OVERRIDE_VARIABLE = "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE"
+
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+"""Half the spacing of the dtype's floats at 1 (u): one rounding moves a value by at most u of itself."""
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u of a floating-point dtype (``UNIT_ROUNDOFF``)."""
+    if dtype not in UNIT_ROUNDOFF:
+        raise ValueError(f"no unit roundoff for dtype {dtype}; one of {sorted(map(str, UNIT_ROUNDOFF))}")
+    return UNIT_ROUNDOFF[dtype]
+
+
+def rounding_bound(code, dtype: torch.dtype) -> float:
+    """How far rounding in ``dtype`` may move any worker's CERAR result from its exact-arithmetic
+    value, relative to the size of the gradients, ||G||_F = sqrt(sum_j ||G_j||^2):
+
+        max(kappa, 1) * u * (sqrt(c + L) + N)
+
+    Why: every value a worker decodes is a sum of c + L coded terms (the encoding's c products, the
+    decoding's L messages), each carrying one rounding of relative size u; independent roundings
+    add in quadrature, sqrt(c + L) u, and the blocks on the ring are sums of the N workers'
+    contributions, one rounding each (N u at worst). The decode then amplifies what rounding did to
+    the coded blocks by up to the code's condition number kappa (the spec's "Numerics"). Different
+    kernels (AVX2, AVX-512, cuBLAS) sum in different orders, which changes the rounding but not its
+    size, so two correct implementations differ by at most twice this. Measured: 0.1 to 0.3 of it on
+    Gaussian gradients of 10^3 to 10^6 values (``tests/test_spec_reference.py``), so the constant 1
+    leaves a margin of 3 or more without making the bound vacuous (kappa ~ 1e2: 1e-5 relative)."""
+    return max(float(code.kappa), 1.0) * unit_roundoff(dtype) * (math.sqrt(code.c + code.L) + code.N)
+
+
+def sum_rounding_bound(N: int, dtype: torch.dtype) -> float:
+    """How far rounding may move a sum of N tensors (the exact ring's result, ``dist.all_reduce``'s)
+    from the exact sum, relative to ||G||_F: (N - 1) u sqrt(N) + u. Each element's N - 1 additions
+    err by at most (N - 1) u sum_j |g_j| (to first order, in any order), and ||sum_j |g_j| || <=
+    sqrt(N) ||G||_F; the last u covers a division by N (op="avg")."""
+    return ((N - 1) * math.sqrt(N) + 1) * unit_roundoff(dtype)
 
 
 class PrecisionError(RuntimeError):
