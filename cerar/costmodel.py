@@ -40,6 +40,7 @@ import csv
 import dataclasses
 import itertools
 import math
+import re
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -335,11 +336,22 @@ def read_csv(path: str | Path) -> list[dict]:
         return list(reader)
 
 
+_TWO_TIER_WHERE = re.compile(r"-\d+x\d+(-|$)")
+
+
+def is_two_tier_row(row: dict) -> bool:
+    """Whether a measured row ran on hosts of several ranks (``where`` like ``lab-4x2``: bench_allreduce's
+    ``setting_name``), whose times the two-tier model describes."""
+    return bool(_TWO_TIER_WHERE.search(row.get("where", "")))
+
+
 def fit_groups(rows: Sequence[dict], itemsize: int = 4) -> dict[tuple[str, str], Fit | str]:
-    """One fit per (where, rate_mbit) setting; a string explains settings that cannot be fitted."""
+    """One fit per (where, rate_mbit) setting; a string explains settings that cannot be fitted.
+    Rows of two-tier runs (more than one rank per host) are ``fit_two_tier_groups``'s."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["where"], r["rate_mbit"]), []).append(r)
+        if not is_two_tier_row(r):
+            groups.setdefault((r["where"], r["rate_mbit"]), []).append(r)
     out: dict[tuple[str, str], Fit | str] = {}
     for key, rs in sorted(groups.items()):
         try:
@@ -427,6 +439,332 @@ def min_c_for_byte_saving(N: int, saving: float) -> int | None:
     if denom <= 0:
         return None
     return max(1, math.ceil((N - 2) / denom - 1e-12))
+
+
+# --------------------------------------------------------------------------- two tiers
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """The links of one tier: ``alpha`` s per round, ``bandwidth`` bytes/s per direction of one link
+    (what a collective achieves on it, not the line rate: see ``ethernet_tier``)."""
+
+    alpha: float
+    bandwidth: float
+    name: str = ""
+    note: str = ""
+
+    def __post_init__(self):
+        if not (self.alpha >= 0 and self.bandwidth > 0):
+            raise ValueError(f"Tier needs alpha >= 0 and bandwidth > 0; got {self}")
+
+
+TWO_TIER_AGGREGATORS = ("hier_ring", "hier_cerar", "hier_ring16", "ring", "cerar", "ring16")
+"""``hier_ring``: the exact hierarchy (reduce-scatter in the node, exact ring on each rail, all-gather);
+``hier_cerar``: CERAR on the rails with a code for the nodes; ``hier_ring16``: the exact hierarchy on
+16-bit messages (the fp32 gradient cast there and back); ``ring`` / ``cerar`` / ``ring16``: one flat
+ring over all n G ranks (node-major; NCCL's ring), whose every round waits for its slowest hop."""
+
+TWO_TIER_TERMS = ("rounds_intra", "bytes_intra", "rounds_inter", "bytes_inter_link", "bytes_moved")
+CAST_BYTES_PER_VALUE = 12  # fp32 -> 16 bit and back: read 4 + write 2, read 2 + write 4 bytes per value
+
+
+def _ceil(a, b):
+    return -(-np.asarray(a) // b)
+
+
+def two_tier_features(
+    aggregator: str,
+    d,
+    nodes: int,
+    local_size: int,
+    c: int | None = None,
+    itemsize: int = 4,
+    nics_per_node: int = 1,
+    storage: str = DEFAULT_STORAGE,
+    coded_on_two_nodes: bool = False,
+) -> np.ndarray:
+    """Regressors ``TWO_TIER_TERMS`` of one all-reduce of d values on n nodes of G ranks, per rank:
+
+    - ``rounds_intra``, ``bytes_intra``: rounds and bytes one rank sends inside its node: 2 (G-1) and
+      2 (G-1) s itemsize with s = ceil(d/G) (the reduce-scatter and the all-gather);
+    - ``rounds_inter``, ``bytes_inter_link``: rounds between nodes, and the bytes the busiest NIC
+      carries: a rail's per-rank bytes (exact ring 2 (n-1) ceil(s/n), CERAR L ceil(s/c), L = c+n-2)
+      times the ceil(G / nics_per_node) rails that share one NIC;
+    - ``bytes_moved``: the memory traffic of the arithmetic (the reduce-scatter adds, the rail's
+      additions or CERAR's ``cerar_arithmetic`` on the shard, the casts of ``hier_ring16``).
+
+    As ``cerar.hierarchical``: ``hier_cerar`` on two nodes runs the exact ring unless
+    ``coded_on_two_nodes``; on one node nothing crosses; with G = 1 it is the flat call. A flat ring
+    (``ring``, ``cerar``) sends one rank's stream over each NIC and waits for it every round: its
+    rounds and bytes count as the inter tier's (the intra-node hops run meanwhile); with several NICs
+    per node, one ring per NIC carries 1/nics_per_node of the tensor, as NCCL's channels do."""
+    _check_nc(max(nodes * local_size, 2))
+    for name, value in (("nodes", nodes), ("local_size", local_size), ("nics_per_node", nics_per_node)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if aggregator not in TWO_TIER_AGGREGATORS:
+        raise ValueError(f"unknown aggregator {aggregator!r}: expected one of {TWO_TIER_AGGREGATORS}")
+    _check_storage(storage)
+    d = np.asarray(d)
+    n, G = nodes, local_size
+    if aggregator in ("ring", "cerar", "ring16"):
+        N = n * G
+        cast = 0
+        if aggregator == "ring16":
+            itemsize, cast = 2, CAST_BYTES_PER_VALUE * d
+        if aggregator in ("ring", "ring16"):
+            rounds, values, moved = ring_rounds(N), ring_values(d, N), ring_values_moved(d, N)
+        else:
+            if c is None:
+                raise ValueError("aggregator 'cerar' needs c (number of components)")
+            rounds, values = cerar_rounds(N, c), cerar_values(d, N, c)
+            moved = cerar_arithmetic(d, N, c, storage)["values_moved"]
+        # one ring per NIC (as NCCL lays its channels), each on 1/nics of the tensor
+        tier = [rounds, values * itemsize / nics_per_node] if n > 1 else [0, 0]
+        first = [rounds, values * itemsize] if n == 1 else [0, 0]
+        return np.array([*first, *tier, moved * itemsize + cast], dtype=float)
+    coded = aggregator == "hier_cerar" and n > 1 and (n > 2 or coded_on_two_nodes)
+    if aggregator == "hier_cerar" and c is None:
+        raise ValueError("aggregator 'hier_cerar' needs c (number of components of the code for the nodes)")
+    if aggregator == "hier_ring16":
+        itemsize = 2
+    s = _ceil(d, G)
+    intra_rounds, intra_values = 2 * (G - 1), 2 * (G - 1) * s
+    intra_moved = 3 * (G - 1) * s  # the reduce-scatter's adds: two blocks read, one written
+    if n == 1:
+        inter_rounds, inter_values, inter_moved = 0, 0 * s, 0 * s
+    elif coded:
+        inter_rounds, inter_values = cerar_rounds(n, c), cerar_values(s, n, c)
+        inter_moved = cerar_arithmetic(s, n, c, storage)["values_moved"]
+    else:
+        inter_rounds, inter_values, inter_moved = ring_rounds(n), ring_values(s, n), ring_values_moved(s, n)
+    sharing = -(-G // nics_per_node)
+    moved = (intra_moved + inter_moved) * itemsize
+    if aggregator == "hier_ring16":
+        moved = moved + CAST_BYTES_PER_VALUE * d
+    return np.array(
+        [intra_rounds, intra_values * itemsize, inter_rounds, inter_values * itemsize * sharing, moved], dtype=float
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TwoTierCluster:
+    """n nodes of G ranks: the ``intra`` tier inside a node, the ``inter`` tier between nodes,
+    ``nics_per_node`` NICs per node (1: the node's ranks share one; G: one per rank, rails), and the
+    memory bandwidth at which the arithmetic streams its operands. Times are per all-reduce, the
+    tiers one after the other (no overlap)."""
+
+    nodes: int
+    local_size: int
+    intra: Tier
+    inter: Tier
+    nics_per_node: int = 1
+    memory_bandwidth: float = 1.5e12
+    storage: str = DEFAULT_STORAGE
+
+    def __post_init__(self):
+        _check_storage(self.storage)
+        if not self.memory_bandwidth > 0:
+            raise ValueError(f"memory_bandwidth must be > 0, got {self.memory_bandwidth!r}")
+        two_tier_features("hier_ring", 1, self.nodes, self.local_size, nics_per_node=self.nics_per_node)
+
+    @property
+    def coef(self) -> np.ndarray:
+        """Seconds per unit of each of ``TWO_TIER_TERMS``."""
+        return np.array([self.intra.alpha, 1 / self.intra.bandwidth, self.inter.alpha, 1 / self.inter.bandwidth,
+                         1 / self.memory_bandwidth])  # fmt: skip
+
+    def terms(self, aggregator: str, d, c: int | None = None, itemsize: int = 4) -> np.ndarray:
+        """Seconds per term of ``TWO_TIER_TERMS`` (their sum is ``time``)."""
+        x = two_tier_features(aggregator, d, self.nodes, self.local_size, c, itemsize, self.nics_per_node,
+                              self.storage)  # fmt: skip
+        return self.coef * x
+
+    def time(self, aggregator: str, d, c: int | None = None, itemsize: int = 4) -> float:
+        """Seconds of one all-reduce. A flat ring's round lasts as long as its slower hop: the sum of
+        ``terms`` when that is the one between nodes (the lab's case, and the fit's), the intra tier's
+        rate otherwise (a PCIe node with a fast network)."""
+        t = self.terms(aggregator, d, c, itemsize)
+        if aggregator in ("ring", "cerar", "ring16") and self.nodes > 1:
+            x = two_tier_features(aggregator, d, self.nodes, self.local_size, c, itemsize, self.nics_per_node,
+                                  self.storage)  # fmt: skip
+            intra_hop = self.intra.alpha * x[2] + x[3] * self.nics_per_node / self.intra.bandwidth
+            slowest = max(intra_hop, t[2] + t[3])
+            return float(slowest + t[4])
+        return float(t.sum())
+
+    def best_c(self, d: int, c_max: int, itemsize: int = 4) -> tuple[int, float]:
+        """The c in 1..c_max for which hierarchical CERAR is fastest, and that time."""
+        if c_max < 1:
+            raise ValueError(f"c_max must be >= 1, got {c_max}")
+        times = [self.time("hier_cerar", d, c, itemsize) for c in range(1, c_max + 1)]
+        k = int(np.argmin(times))
+        return k + 1, float(times[k])
+
+
+@dataclasses.dataclass
+class TwoTierFit:
+    """Least-squares fit of the two tiers' coefficients (``TWO_TIER_TERMS``: alpha and beta = 1/bandwidth
+    of each tier, gamma = 1/memory bandwidth) to measured rows of one lab setting."""
+
+    alpha_intra: float
+    beta_intra: float
+    alpha_inter: float
+    beta_inter: float
+    gamma: float
+    n_rows: int
+    rel_rmse: float
+    rel_rmse_by_aggregator: dict[str, float]
+    residuals: list[tuple[str, float]]  # (row label, predicted / measured - 1)
+
+    @property
+    def coef(self) -> np.ndarray:
+        return np.array([self.alpha_intra, self.beta_intra, self.alpha_inter, self.beta_inter, self.gamma])
+
+    def tier(self, which: str) -> Tier:
+        alpha, beta = (self.alpha_intra, self.beta_intra) if which == "intra" else (self.alpha_inter, self.beta_inter)
+        return Tier(alpha, math.inf if beta == 0 else 1 / beta, f"fitted {which}-node tier")
+
+
+def _int(value, default: int | None = None) -> int | None:
+    if value in (None, ""):
+        return default
+    return int(float(value))
+
+
+def two_tier_row_features(row: dict, itemsize: int = 4) -> tuple[str, np.ndarray] | None:
+    """The aggregator and ``TWO_TIER_TERMS`` of a row of ``scripts/bench_allreduce.py --ranks-per-host``
+    (columns aggregator, N, ranks_per_host, rails, c, bytes, inter_node_method, storage); None for
+    rows the model does not describe (the backend's own all-reduce, whose algorithm is its own)."""
+    agg = row["aggregator"]
+    if agg not in TWO_TIER_AGGREGATORS:
+        return None
+    G = _int(row.get("ranks_per_host"), 1)
+    N = _int(row["N"])
+    if N % G:
+        raise ValueError(f"row N={N} is not a multiple of ranks_per_host={G}")
+    nbytes = _int(row["bytes"])
+    if nbytes % itemsize:
+        raise ValueError(f"row bytes={nbytes} is not a multiple of itemsize={itemsize}")
+    if agg == "hier_cerar" and row.get("inter_node_method") == "exact ring":
+        agg = "hier_ring"  # the library ran the exact rail (two nodes)
+    nics = G if str(row.get("rails", "")) in ("1", "True", "true") else 1
+    storage = row.get("storage") or DEFAULT_STORAGE
+    storage = storage if storage in STORAGE_CHOICES else DEFAULT_STORAGE
+    c = _int(row.get("c"))
+    return agg, two_tier_features(agg, nbytes // itemsize, N // G, G, c, itemsize, nics, storage,
+                                  coded_on_two_nodes=row.get("inter_node_method") == "cerar")  # fmt: skip
+
+
+def fit_two_tier(rows: Iterable[dict], itemsize: int = 4) -> TwoTierFit:
+    """Fit the two tiers' alpha and beta and the memory term, all >= 0, to rows of one lab setting
+    (relative residuals, so every size weighs alike). Rows of ``nccl`` are left out, as in ``fit``."""
+    feats, ys, labels = [], [], []
+    for row in rows:
+        got = two_tier_row_features(row, itemsize)
+        if got is None:
+            continue
+        agg, x = got
+        feats.append(x)
+        ys.append(float(row["seconds_median"]))
+        c = f" c={row['c']}" if row.get("c") not in (None, "") else ""
+        labels.append((agg, f"{agg}{c} {int(row['bytes']) / 2**20:g} MiB"))
+    if len(ys) < len(TWO_TIER_TERMS):
+        raise ValueError(f"need at least {len(TWO_TIER_TERMS)} rows of {TWO_TIER_AGGREGATORS} to fit "
+                         f"{len(TWO_TIER_TERMS)} parameters, got {len(ys)}")  # fmt: skip
+    X, y = np.array(feats), np.array(ys)
+    if np.any(y <= 0):
+        raise ValueError("seconds_median must be positive in every row")
+    w = 1.0 / y
+    scale = np.abs(X).max(axis=0)
+    scale[scale == 0] = 1.0
+    b = _nonneg_lstsq(X * w[:, None] / scale, y * w) / scale
+    rel = (X @ b - y) / y
+    aggs = np.array([a for a, _ in labels])
+    by = {a: float(np.sqrt(np.mean(rel[aggs == a] ** 2))) for a in sorted(set(aggs))}
+    residuals = [(label, float(r)) for (_, label), r in zip(labels, rel, strict=True)]
+    return TwoTierFit(*(float(v) for v in b), len(y), float(np.sqrt(np.mean(rel**2))), by, residuals)
+
+
+def fit_two_tier_groups(rows: Sequence[dict], itemsize: int = 4) -> dict[tuple[str, str], TwoTierFit | str]:
+    """One two-tier fit per (where, rate_mbit) setting of rows with more than one rank per host."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in rows:
+        if is_two_tier_row(r):
+            groups.setdefault((r["where"], r["rate_mbit"]), []).append(r)
+    out: dict[tuple[str, str], TwoTierFit | str] = {}
+    for key, rs in sorted(groups.items()):
+        try:
+            out[key] = fit_two_tier(rs, itemsize)
+        except ValueError as e:
+            out[key] = str(e)
+    return out
+
+
+# The projection's cluster: 8-GPU nodes, NVLink or PCIe inside, Ethernet between. Bandwidths are what
+# NCCL achieves on them, not line rates.
+GPUS_PER_NODE = 8
+INTRA_NODE_TIERS = {
+    "NVLink": Tier(5e-6, 300e9, "NVLink", "300 GB/s per GPU and direction (A100 NVLink3; H100's is 450), alpha 5 us"),
+    "PCIe": Tier(10e-6, 18e9, "PCIe", "18 GB/s per GPU and direction (NCCL measures 12-24 GB/s on PCIe 4.0 nodes), "
+                 "alpha 10 us"),
+}  # fmt: skip
+ETHERNET_GBIT = (25, 100, 400)
+TCP_EFFICIENCY = 0.5
+"""The fraction of an Ethernet line rate NCCL's all-reduce reaches over TCP sockets (40-60 %: NVIDIA/nccl
+issues 450 and 209); RDMA (RoCE) reaches more: ``ethernet_tier(..., efficiency=0.9)``."""
+ETHERNET_ALPHA = 30e-6
+NODE_COUNTS = (2, 4, 8, 16, 32, 64)
+HIER_C_MAX_MULT = 4
+"""Hierarchical CERAR's c is searched in 1..4n: beyond c = 4n the optimized codes at kappa <= 1e4 err more
+than a few percent (``reports/code_design.md``) for a byte count within 1/(4n) d of its limit, d."""
+
+
+def ethernet_tier(gbit: float, efficiency: float = TCP_EFFICIENCY, alpha: float = ETHERNET_ALPHA) -> Tier:
+    """The inter-node tier of ``gbit`` Gbit/s Ethernet NICs, at ``efficiency`` of the line rate."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], got {efficiency!r}")
+    return Tier(alpha, gbit * 1e9 / 8 * efficiency, f"{gbit:g} GbE",
+                f"{gbit:g} Gbit/s at {efficiency:.0%} of line rate, alpha {alpha * 1e6:g} us")  # fmt: skip
+
+
+def two_tier_projection(
+    d: int,
+    intra: Tier,
+    inter: Tier,
+    nodes: int,
+    local_size: int = GPUS_PER_NODE,
+    nics_per_node: int = 1,
+    memory_bandwidth: float = HBM_BANDWIDTH,
+    c_max: int | None = None,
+) -> dict:
+    """All-reduce seconds of each choice on one cluster and which one to use.
+
+    Keys: ``flat_ring``, ``hier_ring``, ``hier_cerar`` (at ``hier_c``, the best c in 1..``c_max``,
+    default 4n; on two nodes the exact rail, as the library runs it), ``half`` (16-bit messages on the
+    faster of the hierarchy and the flat ring; ``half_layout`` says which), ``cerar_ratio``,
+    ``flat_ratio`` and ``half_ratio`` (each over ``hier_ring``), ``coded_pays`` (hierarchical CERAR
+    faster than the exact hierarchy), ``choice_fp32`` (the fastest of the flat ring, the exact hierarchy
+    and hierarchical CERAR) and ``choice`` (the same with 16-bit messages allowed). Ties go to the exact
+    choices, and to 16-bit messages before the codes (they err less)."""
+    cluster = TwoTierCluster(nodes, local_size, intra, inter, nics_per_node, memory_bandwidth)
+    out = {"flat_ring": cluster.time("ring", d), "hier_ring": cluster.time("hier_ring", d)}
+    half = {"hierarchy": cluster.time("hier_ring16", d), "flat ring": cluster.time("ring16", d)}
+    out["half_layout"] = min(half, key=lambda k: (half[k], k != "hierarchy"))
+    out["half"] = half[out["half_layout"]]
+    if nodes > 2:
+        out["hier_c"], out["hier_cerar"] = cluster.best_c(d, c_max or HIER_C_MAX_MULT * nodes)
+    else:
+        out["hier_c"], out["hier_cerar"] = None, out["hier_ring"]
+    for ratio, key in (("cerar_ratio", "hier_cerar"), ("flat_ratio", "flat_ring"), ("half_ratio", "half")):
+        out[ratio] = out[key] / out["hier_ring"]
+    out["coded_pays"] = out["hier_cerar"] < out["hier_ring"] * (1 - 1e-9)
+    fp32 = [(out["hier_ring"], 0, "exact hierarchy"), (out["flat_ring"], 1, "flat ring"),
+            (out["hier_cerar"] if out["coded_pays"] else math.inf, 3, "hierarchical CERAR")]  # fmt: skip
+    out["choice_fp32"] = min(fp32)[2]
+    out["choice"] = min([*fp32, (out["half"], 2, "16-bit messages")])[2]
+    return out
 
 
 # --------------------------------------------------------------------------- command line

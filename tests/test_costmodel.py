@@ -296,3 +296,153 @@ def test_module_imports_nothing_from_train_or_distributed():
     cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert cp.returncode == 0, cp.stderr
     assert cp.stdout.strip() == "[]", cp.stdout
+
+
+# --------------------------------------------------------------------------- two tiers (issue 20)
+
+
+def _tiers_worker(rank, world_size, local_size, d, c):
+    """One hierarchical call of each kind on a real gloo job: the bytes and rounds each tier reported."""
+    import torch
+
+    from cerar import hierarchical
+
+    layout = hierarchical.NodeLayout(world_size // local_size, local_size)
+    out = {}
+    for name in ("hier_ring", "hier_cerar", "hier_ring16"):
+        t = torch.randn(d, generator=torch.Generator().manual_seed(rank))
+        if name == "hier_ring":
+            st = hierarchical.hierarchical_ring_all_reduce(t, layout, timeout=60)
+        elif name == "hier_cerar":
+            st = hierarchical.hierarchical_all_reduce(t, cerar.make_code(layout.nodes, c, "perturbation"), layout,
+                                                      timeout=60)  # fmt: skip
+        else:
+            st = hierarchical.hierarchical_ring_all_reduce(t.half(), layout, timeout=60)
+        out[name] = (st.intra_node.rounds, st.intra_node.bytes_sent, st.inter_node.rounds, st.inter_node.bytes_sent)
+    return out
+
+
+@pytest.mark.skipif(not hasattr(cerar, "hierarchical") and not (ROOT / "cerar" / "hierarchical").is_dir(),
+                    reason="cerar.hierarchical is not available")  # fmt: skip
+def test_two_tier_terms_are_what_the_hierarchical_calls_send():
+    """The model's rounds and bytes per tier against what cerar.hierarchical's calls count on the wire, on a
+    real 3 nodes x 2 ranks gloo job (d not a multiple of G, n or c: the padding counts)."""
+    from tests.distributed import run_workers
+
+    n, G, d, c = 3, 2, 1001, 6
+    measured = run_workers(_tiers_worker, n * G, args=(G, d, c))
+    for agg in ("hier_ring", "hier_cerar", "hier_ring16"):
+        x = cm.two_tier_features(agg, d, n, G, c if agg == "hier_cerar" else None)
+        for rank_counts in measured:
+            rounds_intra, bytes_intra, rounds_inter, bytes_inter = rank_counts[agg]
+            assert (x[0], x[1], x[2]) == (rounds_intra, bytes_intra, rounds_inter), agg
+            assert x[3] == G * bytes_inter, agg  # one NIC per node: the G rails' bytes cross it
+        rails = cm.two_tier_features(agg, d, n, G, c if agg == "hier_cerar" else None, nics_per_node=G)
+        assert rails[3] == measured[0][agg][3]  # a NIC per rank: one rail's bytes
+
+
+def test_two_tier_bytes_reproduce_the_issues_figures():
+    """Issue 20's byte figures per node at 4 nodes x 2 ranks on one NIC each, c = 16: hierarchical CERAR
+    1.125 d, the exact hierarchy 1.5 d, gloo's flat ring 1.75 d; so a link-bound time ratio of 0.75 and 0.64.
+    With 2 nodes the coded rail saves nothing and the model, like the library, runs the exact one."""
+    d = 2**24
+    link = {agg: cm.two_tier_features(agg, d, 4, 2, 16 if agg == "hier_cerar" else None)[3] / (4 * d)
+            for agg in ("hier_cerar", "hier_ring", "ring")}  # fmt: skip
+    assert link == {"hier_cerar": 1.125, "hier_ring": 1.5, "ring": 1.75}
+    slow_network = cm.TwoTierCluster(4, 2, cm.Tier(0.0, 1e30), cm.Tier(0.0, 25e6), memory_bandwidth=1e30)
+    ratio = slow_network.time("hier_cerar", d, 16) / slow_network.time("hier_ring", d)
+    assert ratio == pytest.approx(0.75) and slow_network.time("hier_cerar", d, 16) / slow_network.time(
+        "ring", d
+    ) == pytest.approx(1.125 / 1.75)
+    assert np.array_equal(cm.two_tier_features("hier_cerar", d, 2, 8, 16), cm.two_tier_features("hier_ring", d, 2, 8))
+    coded = cm.two_tier_features("hier_cerar", d, 2, 8, 16, coded_on_two_nodes=True)
+    assert coded[3] == cm.two_tier_features("hier_ring", d, 2, 8)[3]  # d per node either way
+    assert coded[2] == 16 and coded[4] > cm.two_tier_features("hier_ring", d, 2, 8)[4]  # more rounds and passes
+
+
+def test_sixteen_bit_messages_beat_every_code_on_bytes():
+    """(n-1)/n d of fp32-equivalent bytes per node for the 16-bit hierarchy against at least d for any code."""
+    d = 2**20
+    for n in (3, 4, 8, 64):
+        half = cm.two_tier_features("hier_ring16", d, n, 8)[3]
+        assert all(half < cm.two_tier_features("hier_cerar", d, n, 8, c)[3] for c in (n + 1, 4 * n, 64 * n))
+
+
+def test_two_tier_fit_recovers_a_cluster_and_skips_gloo():
+    """Rows timed by a known two-tier cluster (several sizes, every aggregator, both NIC layouts' features) are
+    fitted back to its five coefficients; gloo's own all_reduce rows are left out; the one-tier fit leaves
+    two-tier rows alone."""
+    truth = cm.TwoTierCluster(4, 2, cm.Tier(3e-5, 2e9), cm.Tier(4e-4, 24e6), memory_bandwidth=4e9)
+    rows = []
+    for mb in (1, 4, 16, 64):
+        d = mb * 2**18
+        for agg, c, method in [("hier_ring", "", "exact ring"), ("hier_cerar", "8", "cerar"),
+                               ("hier_cerar", "16", "cerar"), ("hier_ring16", "", "exact ring"), ("cerar", "32", ""),
+                               ("nccl", "", "")]:  # fmt: skip
+            t = 1.0 if agg == "nccl" else truth.time(agg, d, int(c) if c else None)
+            rows.append({"where": "lab-4x2-mtu9000", "rate_mbit": "200", "aggregator": agg, "construction": "",
+                         "N": "8", "c": c, "bytes": str(4 * d), "seconds_median": repr(t), "ranks_per_host": "2",
+                         "rails": "0", "inter_node_method": method, "storage": "spec"})  # fmt: skip
+    fits = cm.fit_two_tier_groups(rows)
+    f = fits[("lab-4x2-mtu9000", "200")]
+    assert f.n_rows == 20  # the nccl rows are not fitted
+    assert f.coef == pytest.approx(truth.coef, rel=1e-6)
+    assert f.rel_rmse < 1e-9 and f.tier("inter").bandwidth == pytest.approx(24e6)
+    assert cm.fit_groups(rows) == {}
+    with pytest.raises(ValueError, match="at least 5"):
+        cm.fit_two_tier(rows[:3])
+
+
+def test_two_tier_projection_choices():
+    """Where each choice wins, on the projection's own clusters: never the code on 2 nodes; the code ahead of
+    the exact hierarchy on a slow network from 3 nodes; 16-bit messages everywhere ahead of every fp32 choice
+    (fewer bytes); a flat ring ahead of the sequential tiers on PCIe nodes with a fast network."""
+    d = cm.PYTHIA_PARAMS["1.4b"]
+    nvlink, pcie = cm.INTRA_NODE_TIERS["NVLink"], cm.INTRA_NODE_TIERS["PCIe"]
+    two = cm.two_tier_projection(d, nvlink, cm.ethernet_tier(25), 2)
+    assert two["hier_c"] is None and two["cerar_ratio"] == 1.0 and not two["coded_pays"]
+    slow = cm.two_tier_projection(d, nvlink, cm.ethernet_tier(25), 4)
+    assert slow["coded_pays"] and slow["choice_fp32"] == "hierarchical CERAR" and slow["hier_c"] <= 16
+    assert 0.75 <= slow["cerar_ratio"] < 0.8  # the byte ratio 0.75, plus the intra tier's and arithmetic's share
+    fast_pcie = cm.two_tier_projection(d, pcie, cm.ethernet_tier(400), 8)
+    assert fast_pcie["choice_fp32"] == "flat ring" and fast_pcie["flat_ring"] < fast_pcie["hier_ring"]
+    for intra in (nvlink, pcie):
+        for gbit in cm.ETHERNET_GBIT:
+            for n in cm.NODE_COUNTS:
+                p = cm.two_tier_projection(d, intra, cm.ethernet_tier(gbit), n)
+                assert p["choice"] == "16-bit messages"
+    with pytest.raises(ValueError, match="efficiency"):
+        cm.ethernet_tier(100, efficiency=1.5)
+    with pytest.raises(ValueError, match="unknown aggregator"):
+        cm.two_tier_features("tree", d, 4, 8)
+    with pytest.raises(ValueError, match="local_size"):
+        cm.two_tier_features("hier_ring", d, 4, 0)
+
+
+def test_cli_report_renders_the_two_tiers_and_the_figure(tmp_path):
+    rows = []
+    truth = cm.TwoTierCluster(4, 2, cm.Tier(3e-5, 2e9), cm.Tier(4e-4, 24e6), memory_bandwidth=4e9)
+    for mb in (4, 16, 64):
+        d = mb * 2**18
+        for agg, c in [("hier_ring", ""), ("hier_cerar", "8"), ("hier_cerar", "16"), ("hier_ring16", "")]:
+            t = truth.time(agg, d, int(c) if c else None)
+            rows.append({"where": "lab-4x2-mtu9000", "rate_mbit": "200", "aggregator": agg, "construction": "optimized",
+                         "N": "8", "c": c, "bytes": str(4 * d), "seconds_median": repr(t), "seconds_min": repr(t),
+                         "seconds_max": repr(t), "repeats": "5", "ranks_per_host": "2", "rails": "0",
+                         "inter_node_method": "cerar" if c else "exact ring",
+                         "rel_error": "0.01" if c else "1e-7"})  # fmt: skip
+    path = tmp_path / "hierarchical_lab.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    out, fig = tmp_path / "costmodel.md", tmp_path / "two_tier_choice.png"
+    cmd = [sys.executable, str(ROOT / "scripts" / "costmodel_report.py"), "--two-tier-csv", str(path),
+           "--out", str(out), "--figure", str(fig)]  # fmt: skip
+    cp = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert cp.returncode == 0, cp.stderr
+    text = out.read_text()
+    assert "## Two tiers" in text and "#### PCIe inside, one NIC per node" in text
+    assert "| lab-4x2-mtu9000 | 200 | 12 |" in text and "| 0.96 |" in text  # 24 MB/s fitted on a 200 Mbit/s link
+    assert "hier_cerar optimized c=16 1.0e-02" in text
+    assert fig.stat().st_size > 10_000
