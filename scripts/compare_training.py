@@ -17,6 +17,12 @@ exact command; ``--report`` writes the summary table (mean and spread over seeds
 Why: issue 5's training target -- cerar c=16 wall time >= 15 % below nccl with the final validation
 loss within 1 % (mean of 3 seeds) -- measured under a low-bandwidth link, as in the paper.
 
+Two tiers (issue 20): ``--ranks-per-host G`` runs N/G hosts of G ranks (unshaped between the ranks of a
+host, ``--rate-mbit`` between hosts on one shared NIC per host, or one per rank with ``--rails``;
+``--mtu 9000`` for jumbo frames), for the hierarchical settings ``hier_ring`` (the exact hierarchy)
+and ``hier_cerar_c8``/``hier_cerar_c16`` (CERAR between the hosts) beside ``nccl``. Every row and the
+report carry the per-phase seconds per step (forward, backward, aggregate, optimizer).
+
 Example (about 2 minutes per run at the defaults)::
 
     sudo .venv/bin/python scripts/compare_training.py --seeds 1,2,3 --rate-mbit 200
@@ -47,12 +53,17 @@ SETTINGS = {
     "cerar_c16": ["aggregator=cerar", "c=16"],
     "powersgd": ["aggregator=powersgd"],
     "fp16": ["aggregator=fp16"],
+    "hier_ring": ["aggregator=hier_ring"],
+    "hier_cerar_c8": ["aggregator=hier_cerar", "c=8"],
+    "hier_cerar_c16": ["aggregator=hier_cerar", "c=16"],
 }
+PHASES = ("forward", "backward", "aggregate", "optimizer")
 CSV_COLUMNS = [
     "setting", "seed", "ok", "N", "rate_mbit", "model", "max_steps", "micro_batch_size", "seq_len",
     "wall_seconds", "launch_seconds", "final_val_loss", "final_step", "aggregate_seconds_mean",
     "step_seconds_mean", "bytes_sent_per_step", "overlap", "load_before", "load_after", "run_dir",
-    "timestamp", "command",
+    "timestamp", "command", "forward_seconds_mean", "backward_seconds_mean", "optimizer_seconds_mean",
+    "hosts", "ranks_per_host", "rails", "mtu",
 ]  # fmt: skip
 DEFAULT_CSV = ROOT / "reports" / "data" / "training.csv"
 DEFAULT_OUT = ROOT / "reports" / "runs" / "training"
@@ -94,7 +105,8 @@ def run_row(run_dir: Path) -> dict:
     # step 1 includes one-time costs (allocations, the first collective of each kind): left out
     steady = [r for r in m if r.get("step", 0) > 1]
     if steady:
-        row["aggregate_seconds_mean"] = statistics.mean(r.get("time/aggregate", 0.0) for r in steady)
+        for phase in PHASES:
+            row[f"{phase}_seconds_mean"] = statistics.mean(r.get(f"time/{phase}", 0.0) for r in steady)
         row["step_seconds_mean"] = statistics.mean(r["time/step"] for r in steady)
         row["bytes_sent_per_step"] = statistics.median(r.get("bytes_sent", 0) for r in steady)
     return row
@@ -105,8 +117,20 @@ def _common_overrides(args) -> list[str]:
         f"model={args.model}", f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.micro_batch}",
         f"data.seq_len={args.seq_len}", f"trainer.eval_every={args.eval_every}", "trainer.drift_every=0",
         "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.at_end=false", "resume=false",
-        f"wandb.mode={args.wandb}", f"wandb.group={args.model}-n{args.n}-{args.rate_mbit:g}mbit", *args.extra,
+        f"wandb.mode={args.wandb}", f"wandb.group={args.model}-{_shape(args)}-{args.rate_mbit:g}mbit", *args.extra,
     ]  # fmt: skip
+
+
+def _shape(args) -> str:
+    """n<N> for one rank per host, <hosts>x<G>[-rails] for two tiers."""
+    G = args.ranks_per_host
+    return f"n{args.n}" if G == 1 else f"{args.n // G}x{G}" + ("-rails" if args.rails else "")
+
+
+def _lab_description(args) -> str:
+    G = args.ranks_per_host
+    hosts = f"{args.n} hosts" if G == 1 else f"{args.n // G} hosts x {G} ranks" + (", rails" if args.rails else "")
+    return f"netlab({hosts}, {args.rate_mbit:g} Mbit/s" + (f", mtu {args.mtu}" if args.mtu != 1500 else "") + ")"
 
 
 def train_command(args, setting: str, seed: int, run_dir: Path) -> list[str]:
@@ -150,7 +174,9 @@ def run_all(args) -> int:
             t0 = time.monotonic()
             k += 1
             log_dir = args.out / "logs" / f"launch{k}_s{seed}"
-            with netlab.NetLab(hosts=args.n, rate_mbit=args.rate_mbit, master_port=29600 + k % 300) as lab:
+            G = args.ranks_per_host
+            with netlab.NetLab(hosts=args.n // G, rate_mbit=args.rate_mbit, master_port=29600 + k % 300,
+                               mtu=args.mtu, ranks_per_host=G, rails=args.rails) as lab:  # fmt: skip
                 res = lab.run(cmd, timeout=args.timeout * len(settings), out_dir=log_dir,
                               env={"OMP_NUM_THREADS": "1", "WANDB_SILENT": "true"})  # fmt: skip
             dt = time.monotonic() - t0
@@ -164,7 +190,8 @@ def run_all(args) -> int:
                     "micro_batch_size": args.micro_batch, "seq_len": args.seq_len, "launch_seconds": round(dt, 2),
                     "load_before": before, "load_after": after, "run_dir": _rel(run_dir),
                     "timestamp": datetime.datetime.now().isoformat(timespec="seconds"),
-                    "command": f"netlab({args.n} hosts, {args.rate_mbit:g} Mbit/s): {_show(cmd)}",
+                    "command": f"{_lab_description(args)}: {_show(cmd)}", "hosts": args.n // G,
+                    "ranks_per_host": G, "rails": int(args.rails), "mtu": args.mtu,
                 }  # fmt: skip
                 row.update(run_row(run_dir))
                 append_row(args.csv, row)
@@ -181,10 +208,23 @@ def run_all(args) -> int:
 
 
 def append_row(csv_path: Path, row: dict) -> None:
+    """Append one row; a file written before columns were added gains them (its rows keep theirs)."""
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     new = not csv_path.exists() or csv_path.stat().st_size == 0
+    fields = CSV_COLUMNS
+    if not new:
+        with open(csv_path, newline="") as f:
+            header = next(csv.reader(f), [])
+        fields = header + [c for c in CSV_COLUMNS if c not in header]
+        if fields != header:
+            with open(csv_path, newline="") as f:
+                old = list(csv.DictReader(f))
+            with open(csv_path, "w", newline="") as f:
+                w = csv.DictWriter(f, fieldnames=fields, restval="")
+                w.writeheader()
+                w.writerows(old)
     with open(csv_path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:
             w.writeheader()
         w.writerow(row)
@@ -213,12 +253,16 @@ def summarize(rows: list[dict]) -> list[dict]:
                 steps.append(sum(float(x.get("time/step", 0.0)) for x in m))
         vals = [_f(r["final_val_loss"]) for r in rs if _f(r.get("final_val_loss")) is not None]
         aggs = [_f(r["aggregate_seconds_mean"]) for r in rs if _f(r.get("aggregate_seconds_mean")) is not None]
+        phases = {}
+        for phase in PHASES:
+            vals_ = [_f(r.get(f"{phase}_seconds_mean")) for r in rs]
+            phases[phase] = statistics.mean(vals_) if vals_ and all(v is not None for v in vals_) else None
         out.append({
             "setting": setting, "runs": len(rs), "seeds": ",".join(sorted({str(r["seed"]) for r in rs})),
             "wall_mean": statistics.mean(walls), "wall_min": min(walls), "wall_max": max(walls),
             "val_mean": statistics.mean(vals) if vals else None, "val_min": min(vals) if vals else None,
             "val_max": max(vals) if vals else None, "agg_mean": statistics.mean(aggs) if aggs else None,
-            "overlap": rs[0].get("overlap"),
+            "overlap": rs[0].get("overlap"), "phases": phases,
             "steps_mean": statistics.mean(steps) if len(steps) == len(rs) else None,
             "steps_min": min(steps) if len(steps) == len(rs) else None,
             "steps_max": max(steps) if len(steps) == len(rs) else None,
@@ -240,11 +284,18 @@ def write_report(csv_path: Path, path: Path) -> str:
     summ = summarize(rows)
     first = rows[0] if rows else {}
     fmt = lambda x, p=3: "-" if x is None else f"{x:.{p}f}"  # noqa: E731
+    G = int(first.get("ranks_per_host") or 1)
+    if G > 1:
+        placement = (f"on {first.get('hosts')} lab hosts of {G} ranks (unshaped between the ranks of a host; "
+                     + ("one NIC per rank" if str(first.get("rails")) == "1" else "one shared NIC per host")
+                     + f", mtu {first.get('mtu')}) at")  # fmt: skip
+    else:
+        placement = "one per lab host at"
     lines = [
         "# Training comparison in the network lab",
         "",
         f"Generated by `scripts/compare_training.py --report-only` from `{csv_path.relative_to(ROOT) if csv_path.is_relative_to(ROOT) else csv_path}`"
-        f" ({len(rows)} runs). Setting: {first.get('model')}, N={first.get('N')} ranks, one per lab host at "
+        f" ({len(rows)} runs). Setting: {first.get('model')}, N={first.get('N')} ranks, {placement} "
         f"{first.get('rate_mbit')} Mbit/s per direction, {first.get('max_steps')} steps of "
         f"{first.get('micro_batch_size')} x {first.get('seq_len')} tokens per rank, data=embedded.",
         "Wall time: `summary.json` `wall_seconds` (the training loop, evaluations included; start-up excluded). "
@@ -264,6 +315,14 @@ def write_report(csv_path: Path, path: Path) -> str:
             f"{fmt(s['agg_mean'], 2)} | {fmt(s['val_mean'], 4)} | {fmt(s['val_min'], 4)}..{fmt(s['val_max'], 4)} | "
             f"{'-' if s['val_rel'] is None else format(100 * s['val_rel'], '+.3f') + ' %'} |"
         )
+    if any(all(v is not None for v in s["phases"].values()) for s in summ):  # rows written since phases were kept
+        lines += ["", "Per-phase seconds per step (mean over steps 2.. of each run, then over its seeds; each phase "
+                  "timed between synchronisations):", "",
+                  "| aggregator | " + " | ".join(PHASES) + " | sum |", "|" + " --- |" * (len(PHASES) + 2)]  # fmt: skip
+        for s in summ:
+            ph = s["phases"]
+            total = sum(v for v in ph.values() if v is not None)
+            lines.append(f"| {s['setting']} | " + " | ".join(fmt(ph[p]) for p in PHASES) + f" | {fmt(total)} |")
     failed = [r for r in rows if str(r.get("ok")) not in ("True", "true", "1")]
     if failed:
         lines += ["", "Failed runs: " + ", ".join(f"{r['setting']} s{r['seed']}" for r in failed)]
@@ -283,7 +342,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", type=_list, default=list(SETTINGS), help=f"subset of {','.join(SETTINGS)}")
     ap.add_argument("--seeds", type=lambda s: [int(x) for x in _list(s)], default=[1, 2, 3])
-    ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--n", type=int, default=4, help="ranks in all (hosts x --ranks-per-host)")
+    ap.add_argument("--ranks-per-host", type=int, default=1, help="ranks per lab host (two tiers when > 1)")
+    ap.add_argument("--rails", action="store_true", help="one NIC per rank instead of one shared NIC per host")
+    ap.add_argument("--mtu", type=int, default=1500, help="lab link MTU (9000: jumbo frames)")
     ap.add_argument("--rate-mbit", type=float, default=200.0)
     ap.add_argument("--model", default="pythia-14m")
     ap.add_argument("--steps", type=int, default=15)
@@ -308,6 +370,8 @@ def main(argv=None) -> int:
     bad = [s for s in args.settings if s not in SETTINGS]
     if bad:
         ap.error(f"unknown settings {bad}; choose from {list(SETTINGS)}")
+    if args.ranks_per_host < 1 or args.n % args.ranks_per_host:
+        ap.error(f"--ranks-per-host {args.ranks_per_host} must be >= 1 and divide --n {args.n}")
     args.out = args.out.resolve()
     rc = 0
     if not args.report_only:
