@@ -140,7 +140,7 @@ INVALID_OVERRIDES = [
     (["model=bar"], "Could not find 'model/bar'"),
     (["data=baz"], "Could not find 'data/baz'"),
     (["c=0"], "c=0 must be >= 1"),
-    (["c=abc"], "could not be converted to Integer"),
+    (["c=abc"], "c='abc' must be an integer >= 1 or auto"),
     (["aggregator=cerar", "aggregator.kappa_max=0.5"], "aggregator.kappa_max=0.5 must be >= 1"),
     (["aggregator=cerar", "aggregator.kappa_max=high"], "could not be converted to Float"),
     (["data=local"], "data.path is required"),

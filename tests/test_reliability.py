@@ -51,7 +51,7 @@ def _bad_configs(tmp: Path) -> list[tuple[list[str], str]]:
         (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
         (["aggregator=foo"], "Could not find 'aggregator/foo'"),
         (["model=pythia-13b"], "Could not find 'model/pythia-13b'"),
-        (["c=abc"], "could not be converted to Integer"),
+        (["c=abc"], "c='abc' must be an integer >= 1 or auto"),
         (["c=0"], "c=0 must be >= 1"),
         (["aggregator=cerar", "aggregator.kappa_max=0.5"], "aggregator.kappa_max=0.5 must be >= 1"),
         (["aggregator=cerar", "aggregator.eps=1.5"], "aggregator.eps=1.5 must lie in (0, 1)"),

@@ -156,6 +156,12 @@ class CerarAggregator(Aggregator):
     def timeout(self) -> timedelta:
         return timedelta(seconds=self.timeout_s)
 
+    def use_code(self, code) -> None:
+        """Aggregate with `code` from the next call on (c=auto's switch; every rank switches at the same step).
+        An exact code aggregates by the exact ring instead: the same bytes, and the same bits on every rank, so
+        the replicas stay identical until c=auto chooses an approximate code."""
+        self.code, self.c, self.exact_ring = code, code.c, code.is_exact
+
     def aggregate(self, flat: torch.Tensor) -> int:
         if self.world_size < 2:
             return 0
@@ -200,5 +206,7 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
     if a.kind == "ring":
         return CerarAggregator(world_size, timeout, cfg.c, "exact", None, None, exact_ring=True)
     if a.kind == "cerar":
-        return CerarAggregator(world_size, timeout, cfg.c, a.construction, a.eps, a.kappa_max, exact_ring=False)
+        # c=auto starts exact (c = N) until the trainer's first choice (train/auto_c.py)
+        c, construction = (world_size, "exact") if cfg.c == "auto" else (cfg.c, a.construction)
+        return CerarAggregator(world_size, timeout, c, construction, a.eps, a.kappa_max, exact_ring=False)
     raise ValueError(f"aggregator.kind={a.kind!r} is unknown")

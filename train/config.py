@@ -101,6 +101,17 @@ class AggregatorConfig:
     kappa_max: float | None = None
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
+    # c=auto (cerar, overlap=false; train/auto_c.py): the c with the fewest bytes whose worst-rank error on the
+    # run's own gradients is at most error_budget x the SGD noise of the averaged gradient. Chosen at step
+    # auto_warmup_steps (exact aggregation, c=N, until then), re-checked every auto_check_every steps (0: never),
+    # moving only to smaller c. Candidates: auto_candidates, or null: every c in (N, 4N] that saves bytes and is
+    # not beaten on bytes and predicted error by another. Errors are measured on about auto_sample_values values
+    # of each rank's gradient per candidate (0: all of them). Default budget 0.01: reports/fidelity.md, auto_c.py.
+    error_budget: float = 0.01
+    auto_warmup_steps: int = 100
+    auto_check_every: int = 100
+    auto_candidates: list[int] | None = None
+    auto_sample_values: int = 65536
 
 
 @dataclass
@@ -164,7 +175,7 @@ class TrainConfig:
     model: ModelConfig = MISSING
     data: DataConfig = MISSING
     aggregator: AggregatorConfig = MISSING
-    c: int = 16
+    c: int | str = 16  # an integer, or "auto" (aggregator=cerar: the trainer chooses; aggregator.error_budget)
     seed: int = 1234
     resume: str = "auto"  # auto | true | false
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -174,6 +185,8 @@ class TrainConfig:
 
 AGGREGATOR_KINDS = ("nccl", "ring", "cerar", "powersgd", "fp16", "bf16")
 HOOK_ONLY_AGGREGATORS = ("powersgd",)
+AUTO_C = "auto"  # c=auto: train/auto_c.py
+AUTO_C_FIELDS = ("error_budget", "auto_warmup_steps", "auto_check_every", "auto_candidates", "auto_sample_values")
 CERAR_CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
 DATA_KINDS = ("embedded", "pile", "local")
 INIT_METHODS = ("small_init", "wang_init", "normal")  # GPT-NeoX's names (init_functions.py); train/model.py
@@ -196,7 +209,10 @@ def _one_of(value: str, allowed: tuple[str, ...], name: str) -> None:
 def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> None:
     """Check what the types cannot; raise ConfigError naming the first bad field. No side effects."""
     m, d, a, t, ck = cfg.model, cfg.data, cfg.aggregator, cfg.trainer, cfg.checkpoint
-    _require(cfg.c >= 1, f"c={cfg.c} must be >= 1 (the number of gradient components)")
+    if isinstance(cfg.c, str):
+        _require(cfg.c == AUTO_C, f"c={cfg.c!r} must be an integer >= 1 or auto")
+    else:
+        _require(cfg.c >= 1, f"c={cfg.c} must be >= 1 (the number of gradient components)")
     _one_of(normalise_resume(cfg.resume), ("auto", "true", "false"), "resume")
     # model
     _require(m.num_layers >= 1, f"model.num_layers={m.num_layers} must be >= 1")
@@ -246,6 +262,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             f"aggregator.kappa_max={a.kappa_max} must be >= 1 (a condition number) or null",
         )
         _require(a.eps is None or 0 < a.eps < 1, f"aggregator.eps={a.eps} must lie in (0, 1) or be null")
+    if cfg.c == AUTO_C:
+        _validate_auto_c(cfg)
     if a.kind == "powersgd":
         _require(a.powersgd_rank >= 1, f"aggregator.powersgd_rank={a.powersgd_rank} must be >= 1")
     if a.kind in HOOK_ONLY_AGGREGATORS:
@@ -305,13 +323,45 @@ def _require_zstandard_for(d) -> None:
         ) from None
 
 
+def _validate_auto_c(cfg) -> None:
+    """c=auto chooses among CERAR codes from the per-rank gradients before aggregation."""
+    a = cfg.aggregator
+    _require(a.kind == "cerar", f"c=auto chooses a CERAR code: it needs aggregator=cerar (got aggregator={a.name})")
+    _require(
+        not effective_overlap(cfg),
+        "c=auto needs trainer.overlap=false (it measures the per-rank gradients before they are aggregated)",
+    )
+    _require(a.error_budget > 0, f"aggregator.error_budget={a.error_budget} must be > 0 (a fraction of the noise)")
+    _require(a.auto_warmup_steps >= 1, f"aggregator.auto_warmup_steps={a.auto_warmup_steps} must be >= 1")
+    for key in ("auto_check_every", "auto_sample_values"):
+        _require(a[key] >= 0, f"aggregator.{key}={a[key]} must be >= 0")
+    if a.auto_candidates is not None:
+        _require(len(a.auto_candidates) > 0, "aggregator.auto_candidates=[] is empty (null: the default candidates)")
+        for c in a.auto_candidates:
+            _require(c >= 1, f"aggregator.auto_candidates holds c={c}: every c must be >= 1")
+
+
 def _validate_cerar_code(cfg, world_size: int) -> None:
-    """Let cerar judge (N, c, construction, eps, kappa_max) before any process group starts."""
+    """Let cerar judge (N, c, construction, eps, kappa_max) before any process group starts; for c=auto, every
+    candidate (train/auto_c.py)."""
     if world_size < 2:
         return  # a single process aggregates nothing
     import cerar
 
     a = cfg.aggregator
+    if cfg.c == AUTO_C:
+        from train.auto_c import candidate_codes
+
+        try:
+            codes = candidate_codes(world_size, a.construction, a.eps, a.kappa_max, a.auto_candidates)
+        except ValueError as err:
+            raise ConfigError(f"aggregator={a.name} with N={world_size}, c=auto: {err}") from None
+        _require(
+            world_size < 3 or len(codes) > 1,
+            f"aggregator={a.name} with N={world_size}, c=auto: no c in ({world_size}, {4 * world_size}] of "
+            f"construction {a.construction!r} saves bytes within kappa_max (try aggregator.construction=optimized)",
+        )
+        return
     try:
         cerar.make_code(world_size, cfg.c, construction=a.construction, eps=a.eps, kappa_max=a.kappa_max)
     except ValueError as err:
@@ -354,19 +404,23 @@ TRAINING_TRAINER_FIELDS = (
 
 def training_identity(cfg, world_size: int) -> dict:
     """Every value that changes what a run trains, by dotted name: model, data (but its cache folder),
-    aggregator, c, seed, world size, and the trainer's batch, steps (the lr schedule spans them), precision,
-    overlap and resync. The batch is recorded as it acts (global batch and grad_accum derived), so spelling
-    the same batch another way is no change. A resumed run must match its checkpoints' identity."""
+    aggregator (its c=auto settings only when c=auto), c, seed, world size, and the trainer's batch, steps (the
+    lr schedule spans them), precision, overlap and resync. The batch is recorded as it acts (global batch and
+    grad_accum derived), so spelling the same batch another way is no change. A resumed run must match its
+    checkpoints' identity."""
 
     def plain(node) -> dict:
         return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
     identity: dict = {}
+    auto = cfg.c == AUTO_C
     for section in ("model", "data", "aggregator"):
         for key, value in plain(cfg[section]).items():
-            if (section, key) != ("data", "cache_dir"):
+            auto_setting = section == "aggregator" and key in AUTO_C_FIELDS
+            if (section, key) != ("data", "cache_dir") and (auto or not auto_setting):
                 identity[f"{section}.{key}"] = value
-    identity["c"], identity["seed"], identity["world_size"] = int(cfg.c), int(cfg.seed), world_size
+    # c as asked: "auto" stays "auto" whatever it has chosen (the choice is checkpointed and resumed)
+    identity["c"], identity["seed"], identity["world_size"] = cfg.c if auto else int(cfg.c), int(cfg.seed), world_size
     trainer = plain(cfg.trainer)
     for key in TRAINING_TRAINER_FIELDS:
         identity[f"trainer.{key}"] = trainer[key]

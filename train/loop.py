@@ -17,6 +17,12 @@ Diagnostics of approximate aggregation, where replicas can differ (CERAR: only r
   ||g_hat_r - g_bar|| / ||g_bar|| against an exact all-reduce, beside the SGD noise the step already
   carries: `noise/rel_std_mean`, the estimated standard deviation of the averaged gradient g_bar
   around its expectation, sqrt(sum_r ||g_r - g_bar||^2 / (N (N-1))) / ||g_bar||.
+
+c=auto (train/auto_c.py): at its checks, before aggregating, `measure_auto_c` measures the same noise and each
+candidate code's worst-rank error on the step's own gradients, and the aggregator switches to the code the
+decision names for this step on; every step logs `auto_c/c`, the c it aggregated with, and a check logs its
+evidence (`auto_c/noise`, `auto_c/allowed_error`, `auto_c/error_c<c>`, their standard errors) and its cost
+(`time/auto_c`). The choice is checkpointed and restored with the run.
 """
 
 from __future__ import annotations
@@ -111,28 +117,82 @@ def local_nonfinite(params: list[torch.nn.Parameter], flat: torch.Tensor | None)
     return ~torch.isfinite(torch.stack(largest)).all()
 
 
+def exact_mean(local: torch.Tensor) -> torch.Tensor:
+    """g_bar, the exact mean of every rank's `local` (a new tensor), by torch's all-reduce."""
+    exact = local.clone()
+    with guarded("exact all_reduce (g_bar)"):
+        dist.all_reduce(exact)
+    return exact.div_(dist.get_world_size())
+
+
+def gradient_noise(local: torch.Tensor, exact: torch.Tensor) -> float:
+    """The SGD noise of the averaged gradient g_bar: its standard deviation around its expectation, estimated
+    from the spread of the N per-rank gradients g_r, sqrt(sum_r ||g_r - g_bar||^2 / (N (N-1))), relative to
+    ||g_bar||. It shrinks as 1/sqrt(batch); CERAR's aggregation error does not. Every rank gets the same value."""
+    N = dist.get_world_size()
+    spread = (local - exact).square().sum().double().reshape(1)
+    with guarded("noise all_reduce"):
+        dist.all_reduce(spread)
+    return math.sqrt(float(spread) / (N * (N - 1))) / max(float(exact.norm()), 1e-30)
+
+
 def error_and_noise(local: torch.Tensor, aggregated: torch.Tensor, exact: torch.Tensor, rank: int) -> dict:
-    """This rank's aggregation error against the exact mean g_bar, beside the SGD noise of g_bar.
+    """This rank's aggregation error against the exact mean g_bar, beside the SGD noise of g_bar
+    (`gradient_noise`).
 
     local: this rank's gradient g_r; aggregated: what the aggregator gave this rank; exact: g_bar, the
-    exact mean (equal on every rank). The noise is the standard deviation of g_bar around its
-    expectation, estimated from the spread of the N per-rank gradients: sqrt(sum_r ||g_r - g_bar||^2 /
-    (N (N-1))), relative to ||g_bar||. It shrinks as 1/sqrt(batch); the aggregation error does not.
+    exact mean (equal on every rank).
     """
-    N = dist.get_world_size()
     g_bar_norm = exact.norm()
     error = (aggregated - exact).norm() / g_bar_norm.clamp_min(1e-30)
-    spread = (local - exact).square().sum().double().reshape(1)
     worst = error.double().reshape(1)
-    with guarded("error/noise all_reduce"):
-        dist.all_reduce(spread)
+    with guarded("error all_reduce"):
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     return {
         "agg/rel_error_max": float(worst),
         "agg/rel_error_rank0": float(error) if rank == 0 else None,
-        "noise/rel_std_mean": math.sqrt(float(spread) / (N * (N - 1))) / max(float(g_bar_norm), 1e-30),
+        "noise/rel_std_mean": gradient_noise(local, exact),
         "noise/grad_norm": float(g_bar_norm),
     }
+
+
+def measure_auto_c(auto_c, local: torch.Tensor, step: int, seed: int, sample_values: int) -> dict:
+    """One c=auto check on this step's per-rank gradients `local` (every rank calls it): the noise of g_bar,
+    each candidate's worst-rank error on a seeded sample of columns gathered from every rank (train/auto_c.py),
+    computed for candidate k by rank k mod N and summed so every rank holds the same numbers, then the decision.
+    Returns the record to log."""
+    from train.auto_c import column_sample, gather_columns, worst_rank_error
+
+    N, rank = dist.get_world_size(), dist.get_rank()
+    noise = gradient_noise(local, exact_mean(local))
+    candidates = auto_c.to_measure()
+    samples = [column_sample(auto_c.codes[c], local.numel(), sample_values, step, seed) for c in candidates]
+    mine = torch.cat([gather_columns(local, indices) for indices, _ in samples]).float()
+    gathered = [torch.empty_like(mine) for _ in range(N)]
+    with guarded("c=auto all_gather of gradient samples"):
+        dist.all_gather(gathered, mine)
+    G = torch.stack(gathered)
+    measured = torch.zeros(len(candidates) + 1, 2, dtype=torch.float64, device=local.device)
+    if rank == 0:  # every rank then decides from rank 0's noise, bit for bit
+        measured[-1, 0] = noise
+    offset = 0
+    for k, (c, (indices, _)) in enumerate(zip(candidates, samples, strict=True)):
+        if k % N == rank:
+            code = auto_c.codes[c]
+            part = G[:, offset : offset + indices.numel()].contiguous()
+            measured[k] = torch.tensor(worst_rank_error(part, code, code.m_for(local.numel())))
+        offset += indices.numel()
+    with guarded("c=auto all_reduce of candidate errors"):
+        dist.all_reduce(measured)
+    *numbers, (noise, _) = measured.tolist()
+    decision = auto_c.decide(step, noise, {c: tuple(numbers[k]) for k, c in enumerate(candidates)})
+    if rank == 0:
+        log.info("%s", auto_c.describe(decision))
+    record = {"auto_c/noise": noise, "auto_c/allowed_error": decision["allowed"]}
+    record.update({f"auto_c/error_c{c}": e for c, e in decision["errors"].items()})
+    record.update({f"auto_c/error_se_c{c}": e for c, e in decision["standard_errors"].items()})
+    record["auto_c/columns_sampled"] = sum(columns for _, columns in samples)
+    return record
 
 
 def flat_params(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -193,6 +253,12 @@ class Trainer:
         self.reference_rank = world_size - 1  # exact under CERAR; checkpoints keep it, resync broadcasts it
         self.replicas_differ = cfg.aggregator.kind == "cerar" and world_size > 1
         self._val_all: list[torch.Tensor] | None = None
+        self.auto_c = None  # c=auto: which CERAR code aggregates, chosen from the run's gradients (auto_c.py)
+        if cfg.c == "auto" and cfg.aggregator.kind == "cerar" and world_size > 1:
+            from train.auto_c import build_auto_c
+
+            self.auto_c = build_auto_c(world_size, self.numel, cfg.aggregator)
+            aggregator.use_code(self.auto_c.code)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -214,6 +280,7 @@ class Trainer:
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "ranks": per_rank,
+            "auto_c": self.auto_c.state_dict() if self.auto_c is not None else None,
         }
 
     def save_checkpoint(self) -> None:
@@ -235,6 +302,9 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.auto_c is not None and state.get("auto_c"):  # the c chosen so far, and its evidence
+            self.auto_c.load_state_dict(state["auto_c"])
+            self.aggregator.use_code(self.auto_c.code)
         mine = state["ranks"][self.rank]
         self.data.train.load_state_dict(mine["data"])
         ckpt.set_rng_states(mine["rng"])
@@ -318,12 +388,14 @@ class Trainer:
             if finite:
                 if self.scaler is not None:  # aggregate true gradients, not scaled ones (in place, in flat)
                     self.scaler.unscale_(self.optimizer)
+                if self.auto_c is not None and self.auto_c.due(step):  # before aggregating: it may switch the code
+                    with self.timer.phase("auto_c"):
+                        a = self.cfg.aggregator
+                        record.update(measure_auto_c(self.auto_c, flat, step, self.cfg.seed, a.auto_sample_values))
+                        self.aggregator.use_code(self.auto_c.code)
                 local = exact = None
                 if measure:
-                    local, exact = flat.clone(), flat.clone()
-                    with guarded("exact all_reduce (agg/rel_error)"):
-                        dist.all_reduce(exact)
-                    exact.div_(self.world_size)
+                    local, exact = flat.clone(), exact_mean(flat)
                 with self.timer.phase("aggregate"), guarded(f"aggregate ({self.aggregator.name})"):
                     bytes_sent = self.aggregator.aggregate(flat)
                 if exact is not None:
@@ -353,6 +425,8 @@ class Trainer:
         self.state.step = step
         self.state.tokens += self.tokens_per_step
         record.update({"train_loss_local": loss, "bytes_sent": bytes_sent, "skipped_steps": self.state.skipped_steps})
+        if self.auto_c is not None:
+            record["auto_c/c"] = self.auto_c.c  # the code this step aggregated with
         return {k: v for k, v in record.items() if v is not None}
 
     # ------------------------------------------------------------------ diagnostics

@@ -5,6 +5,7 @@ train/sweep.py (several runs in one launch).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -22,9 +23,10 @@ from train.config import (
     derived_grad_accum,
     effective_overlap,
     normalise_resume,
+    training_identity,
     validate,
 )
-from train.data import build_data
+from train.data import EMBEDDED_KEY, build_data
 from train.distributed import check_same_config, guarded, init_process_group, launch_from_env, pick_device
 from train.loop import Trainer
 from train.metrics import RunLogger, parameter_sha256
@@ -59,7 +61,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         )
     model = build_model(cfg.model, device)
     log.info(
-        "model %s: %s parameters; %d ranks on %s; aggregator %s (c=%d)",
+        "model %s: %s parameters; %d ranks on %s; aggregator %s (c=%s)",
         cfg.model.name,
         f"{count_parameters(model):,}",
         launch.world_size,
@@ -101,6 +103,18 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         overlap=overlap,
     )
     resumed_from = resume_or_start_fresh(trainer, run_dir, resume, launch.rank, device)
+    if trainer.auto_c is not None:
+        auto = trainer.auto_c
+        ring = auto.bytes_by_c[launch.world_size]
+        log.info(
+            "c=auto: c=%d now; candidates %s (bytes / the ring's); chosen at step %d from error <= %g x noise, "
+            "re-checked every %d steps",
+            auto.c,
+            ", ".join(f"c={c} {auto.bytes_by_c[c] / ring:.3f}" for c in sorted(auto.codes)),
+            auto.warmup_steps,
+            auto.budget,
+            auto.check_every,
+        )
 
     batch = {
         "world_size": launch.world_size,
@@ -118,6 +132,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
             dist.barrier()
         return None
     summary = {
+        **run_description(cfg, launch.world_size, trainer),
         "final_step": trainer.state.step,
         "final_val_loss": trainer.state.last_val_loss,
         "wall_seconds": result["wall_seconds"],
@@ -128,10 +143,6 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         "skipped_steps": trainer.state.skipped_steps,
         "resumed_from_step": resumed_from,
         **batch,
-        "micro_batch_size": cfg.trainer.micro_batch_size,
-        "aggregator": cfg.aggregator.name,
-        "c": cfg.c,
-        "overlap": overlap,
         "parameters": count_parameters(model),
     }
     if device.type == "cuda":
@@ -149,6 +160,53 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
             flush=True,
         )
     return summary
+
+
+def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
+    """What tells this run from another, for its summary.json: the named fields a reader compares runs by (the
+    aggregator, the code it used, resync, the batch in sequences and tokens) and, under `training_identity`,
+    every value that changes what is trained (config.training_identity), plus the code that ran."""
+    t, a = cfg.trainer, cfg.aggregator
+    code = getattr(trainer.aggregator, "code", None)  # CERAR's code at the end of the run (None: exact ring, N=1)
+    cerar = a.kind == "cerar"
+    description = {
+        "model": cfg.model.name,
+        "data": cfg.data.name,
+        "corpus": EMBEDDED_KEY if cfg.data.kind == "embedded" else cfg.data.kind,
+        "seed": cfg.seed,
+        "aggregator": a.name,
+        "aggregator_kind": a.kind,
+        "construction": a.construction if cerar else None,
+        "c": cfg.c,  # as asked: an integer or "auto"
+        "c_chosen": code.c if cerar and code is not None else None,  # the c that aggregated the last step
+        "eps": code.eps if cerar and code is not None else None,  # the code's largest |a^N - 1|
+        "kappa": code.kappa if cerar and code is not None else None,
+        "kappa_max": a.kappa_max if cerar else None,  # as asked (null: cerar's default)
+        "resync_every": t.resync_every,
+        "overlap": effective_overlap(cfg),
+        "precision": t.precision,
+        "max_steps": t.max_steps,
+        "world_size": world_size,
+        "micro_batch_size": t.micro_batch_size,
+        "grad_accum": t.grad_accum,
+        "global_batch_size": t.micro_batch_size * t.grad_accum * world_size,
+        "seq_len": cfg.data.seq_len,
+        "tokens_per_step": t.micro_batch_size * t.grad_accum * world_size * cfg.data.seq_len,
+        "lr": cfg.model.lr,
+        "training_identity": training_identity(cfg, world_size),
+        "code_fingerprint": code_fingerprint(),
+    }
+    if trainer.auto_c is not None:
+        auto = trainer.auto_c
+        description["auto_c"] = {
+            "error_budget": auto.budget,
+            "warmup_steps": auto.warmup_steps,
+            "check_every": auto.check_every,
+            "candidates": sorted(auto.codes),
+            "bytes_per_step": {c: auto.bytes_by_c[c] for c in sorted(auto.codes)},
+            "decisions": auto.state_dict()["decisions"],
+        }
+    return json.loads(json.dumps(description))  # JSON's view: c as string keys, as summary.json will hold them
 
 
 def write_pid_file(run_dir: Path, rank: int) -> None:
@@ -176,7 +234,7 @@ def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: 
 
     cap = cfg.trainer.bucket_cap_mb
     if cap is None:
-        cerar_hook = overlap and cfg.aggregator.kind == "cerar"
+        cerar_hook = overlap and cfg.aggregator.kind == "cerar"  # c=auto is flat-only (config.validate)
         cap = default_bucket_cap_mb(dist.get_world_size(), cfg.c) if cerar_hook else DDP_DEFAULT_BUCKET_CAP_MB
     cap = float(cap)
     if overlap and cfg.aggregator.kind == "powersgd" and device.type == "cpu":
