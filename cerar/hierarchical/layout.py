@@ -20,6 +20,7 @@ layout and, where it came from the launcher, that the ranks really are node-majo
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -141,7 +142,8 @@ class TierGroups:
     timeout: timedelta
 
 
-_cached: dict[NodeLayout, tuple[object, TierGroups]] = {}
+_cached: dict[tuple[NodeLayout, bool], tuple[object, TierGroups]] = {}
+_builds = itertools.count()
 
 
 def tier_groups(layout: NodeLayout | None = None, timeout=None) -> TierGroups:
@@ -151,11 +153,12 @@ def tier_groups(layout: NodeLayout | None = None, timeout=None) -> TierGroups:
     timeout to twice it, at least 60 s; the rounds keep their own per-call deadlines."""
     layout = NodeLayout.from_env() if layout is None else layout
     world = dist.group.WORLD if dist.is_initialized() else None
-    held = _cached.get(layout)
+    key = (layout, layout.from_launcher)  # a launcher's layout is checked for placement, a declared one is not
+    held = _cached.get(key)
     if held is not None and held[0] is world:
         return held[1]
     groups = new_tier_groups(layout, timeout)
-    _cached[layout] = (world, groups)  # holding the default group keeps its id from being reused
+    _cached[key] = (world, groups)  # holding the default group keeps its id from being reused
     return groups
 
 
@@ -170,9 +173,10 @@ def new_tier_groups(layout: NodeLayout | None = None, timeout=None) -> TierGroup
         raise ValueError(f"{operation}: layout must be a NodeLayout, got {type(layout).__name__}")
     round_timeout = _as_timedelta(timeout)
     ring = _Ring.of(None, round_timeout, operation)
-    check_agreement(
-        ring,
+    check_agreement(  # every build checks (its number makes the fields new): a cached answer would let one
+        ring,  # rank whose fields changed gather alone while the others skip the check
         {
+            "number of group builds before this one": next(_builds),
             "hierarchical layout version": LAYOUT_VERSION,
             "node layout (nodes x local size)": str(layout),
             "node-major placement (rank = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK)": placement(layout, ring.rank),
