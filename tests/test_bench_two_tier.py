@@ -131,3 +131,37 @@ def test_lab_rows_count_the_bytes_each_nic_carried(tmp_path, rails):
         assert float(r["seconds_min"]) >= float(r["byte_bound_seconds"]) / 1.3, r  # a shaped link's lower bound
     # gloo's own all-reduce is counted too: any all-reduce must send the other hosts' (n-1)/n of a host's sum
     assert int(by["nccl"]["nic_tx_bytes"]) >= 2 / 3 * d * 4
+
+
+def test_report_states_the_targets_met_or_missed(tmp_path):
+    """scripts/hierarchical_report.py on rows of one 64 MiB run: each construction's c=16 row against the exact
+    hierarchy (target <= 0.80) and gloo's flat all_reduce (<= 0.72), from the medians measured side by side."""
+    import hierarchical_report
+
+    def row(agg, seconds, construction="", c="", nic=0):
+        return {"where": "lab-4x2-mtu9000", "rate_mbit": "200", "aggregator": agg, "construction": construction,
+                "N": "8", "c": c, "bytes": str(64 * 2**20), "seconds_median": str(seconds),
+                "seconds_min": str(seconds * 0.99), "seconds_max": str(seconds * 1.02), "repeats": "5",
+                "run_id": "r1", "hosts": "4", "ranks_per_host": "2", "rails": "0", "mtu": "9000",
+                "nic_tx_bytes_link_max": str(nic), "byte_bound_seconds": str(nic * 8 / 200e6), "rel_error": "0.01",
+                "inter_node_method": "cerar" if agg == "hier_cerar" else "", "load_before": "0.5 0.4 0.3",
+                "load_after": "7.9 2.0 0.8"}  # fmt: skip
+
+    d = 16 * 2**20
+    rows = [row("nccl", 12.0, nic=int(1.75 * d * 4)), row("hier_ring", 10.0, nic=int(1.5 * d * 4)),
+            row("hier_cerar", 7.5, "optimized", "16", nic=int(1.125 * d * 4)),
+            row("hier_cerar", 8.5, "perturbation", "16", nic=int(1.125 * d * 4)),
+            row("hier_cerar", 8.0, "optimized", "8", nic=int(1.25 * d * 4))]  # fmt: skip
+    path = tmp_path / "hierarchical_lab.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    text = hierarchical_report.report(rows, path, tmp_path / "no_training.md")
+    assert "| lab-4x2-mtu9000 | 200 | r1 | optimized | 0.750 | **met** (<= 0.8) | 0.625 | **met** (<= 0.72) | " \
+           "0.750 | 0.643 | 0.5 0.4 0.3 -> 7.9 2.0 0.8 |" in text  # fmt: skip
+    assert "| perturbation | 0.850 | **missed** (<= 0.8) | 0.708 | **met** (<= 0.72) |" in text
+    assert text.count("**met**") + text.count("**missed**") == 4  # c=8 is not a target row
+    assert "## Training" not in text
+    [figure] = hierarchical_report.figures(path, tmp_path / "fig")
+    assert figure.name == "two_tier_lab_lab-4x2-mtu9000_200.png" and figure.stat().st_size > 10_000

@@ -1,0 +1,270 @@
+#!/usr/bin/env python3
+"""The two-tier lab's all-reduce table, its targets stated as met or missed, and its figures (issue 20).
+
+Reads the rows ``scripts/bench_allreduce.py --lab --ranks-per-host G`` wrote (default
+``reports/data/hierarchical_lab.csv``; ``scripts/run_hierarchical_lab.sh`` runs it) and writes
+``reports/hierarchical_lab.md``:
+
+* per setting (lab shape, rate) and size: every aggregator measured side by side in one run (median, spread,
+  each against the exact hierarchy and against gloo's flat all_reduce), the bytes the busiest NIC carried per
+  call (the kernel's count, headers included) and the time that alone allows at the shaped rate, the error
+  against the float64 sum, the seconds of each tier, the CPU per rank and the load before and after the run;
+* the issue's targets at 64 MiB for hierarchical CERAR c = 16, per construction: at most ``TARGET_VS_HIER``
+  of the exact hierarchy's time and at most ``TARGET_VS_FLAT`` of gloo's flat all_reduce, beside the byte
+  bounds (1.125 d against 1.5 d and 1.75 d per NIC: 0.75 and 0.64), each stated as met or missed;
+* the training comparison of the same lab (``reports/training_hierarchical.md``), when it exists.
+
+Figures (``figures``; ``scripts/make_figures.py`` calls it): ``two_tier_lab_<where>_<rate>.png``, each
+aggregator's time at the largest size with its spread, the byte bound and the targets.
+
+    .venv/bin/python scripts/hierarchical_report.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CSV = ROOT / "reports" / "data" / "hierarchical_lab.csv"
+DEFAULT_OUT = ROOT / "reports" / "hierarchical_lab.md"
+TRAINING_REPORT = ROOT / "reports" / "training_hierarchical.md"
+TARGET_SIZE = 64 * 2**20
+TARGET_C = 16
+TARGET_VS_HIER = 0.80
+TARGET_VS_FLAT = 0.72
+ORDER = ("nccl", "cerar", "hier_ring", "hier_ring16", "hier_cerar")
+
+
+def _f(x) -> float | None:
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+
+def label(r: dict) -> str:
+    """The row's aggregator as the tables name it."""
+    agg = r["aggregator"]
+    if agg == "nccl":
+        return "gloo all_reduce (flat)"
+    if agg == "ring":
+        return "flat ring (cerar.ring_all_reduce)"
+    if agg == "cerar":
+        return f"flat CERAR {r['construction']} c={r['c']}"
+    if agg == "hier_ring":
+        return "exact hierarchy (hier_ring)"
+    if agg == "hier_ring16":
+        return f"exact hierarchy, {r.get('half_dtype') or '16-bit'} messages (hier_ring16)"
+    method = r.get("inter_node_method") or ""
+    return f"hier CERAR {r['construction']} c={r['c']}" + (" (ran the exact rail)" if method == "exact ring" else "")
+
+
+def _sort_key(r: dict):
+    agg = r["aggregator"]
+    return (ORDER.index(agg) if agg in ORDER else len(ORDER), r.get("construction", ""), _f(r.get("c")) or 0)
+
+
+def read_rows(path: Path) -> list[dict]:
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def runs(rows: list[dict]) -> dict[tuple[str, str, str, int], list[dict]]:
+    """Rows grouped by (where, rate, run_id, bytes): the aggregators of one run, measured side by side."""
+    out: dict[tuple[str, str, str, int], list[dict]] = {}
+    for r in rows:
+        out.setdefault((r["where"], r["rate_mbit"], r.get("run_id", ""), int(r["bytes"])), []).append(r)
+    return out
+
+
+def _ratio(r: dict, ref: dict | None) -> float | None:
+    if ref is None:
+        return None
+    return float(r["seconds_median"]) / float(ref["seconds_median"])
+
+
+def _fmt(x, p: int = 3, pct: bool = False) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.1f} %" if pct else f"{x:.{p}f}"
+
+
+def targets(group: list[dict]) -> list[dict]:
+    """Each hier_cerar c=16 row of one run against the targets; ratios of medians measured side by side."""
+    hier = next((r for r in group if r["aggregator"] == "hier_ring"), None)
+    flat = next((r for r in group if r["aggregator"] == "nccl"), None)
+    out = []
+    for r in group:
+        if r["aggregator"] != "hier_cerar" or _f(r.get("c")) != TARGET_C:
+            continue
+        vs_hier, vs_flat = _ratio(r, hier), _ratio(r, flat)
+        nic = lambda x: _f(x.get("nic_tx_bytes_link_max")) if x else None  # noqa: E731
+        bytes_hier = nic(r) / nic(hier) if nic(r) and nic(hier) else None
+        bytes_flat = nic(r) / nic(flat) if nic(r) and nic(flat) else None
+        out.append({
+            "row": r, "vs_hier": vs_hier, "vs_flat": vs_flat, "bytes_vs_hier": bytes_hier, "bytes_vs_flat": bytes_flat,
+            "met_hier": vs_hier is not None and vs_hier <= TARGET_VS_HIER,
+            "met_flat": vs_flat is not None and vs_flat <= TARGET_VS_FLAT,
+        })  # fmt: skip
+    return out
+
+
+def _verdict(ok: bool, value: float | None) -> str:
+    return "not measured" if value is None else ("**met**" if ok else "**missed**")
+
+
+def report(rows: list[dict], csv_path: Path, training_report: Path = TRAINING_REPORT) -> str:
+    rel = csv_path.relative_to(ROOT) if csv_path.is_relative_to(ROOT) else csv_path
+    L = ["# Two-tier lab: hierarchical CERAR against the exact hierarchy, 16-bit messages and flat all-reduces", "",
+         f"Generated by `scripts/hierarchical_report.py` from `{rel}` ({len(rows)} rows), which "
+         "`scripts/run_hierarchical_lab.sh` measures with `scripts/bench_allreduce.py`. Every aggregator of a run "
+         "was timed side by side (interleaved, the order rotated every repeat; a run's time is its slowest rank's), "
+         "so the ratios compare calls made seconds apart under the same load. Lab: `scripts/netlab.py` hosts of "
+         "several ranks, unshaped between the ranks of a host (its loopback), shaped between hosts (`tbf`, each "
+         "direction). Byte bound: the bytes the busiest NIC carried in one call (the kernel's counters, TCP/IP "
+         "headers included, as the shaper counts them) over the rate. gloo's all_reduce is torch's "
+         "`dist.all_reduce` on gloo (named `nccl` in the CSV: the trainer's name for the backend's own).",
+         ""]  # fmt: skip
+    # ---- targets
+    by_run = runs(rows)
+    target_rows = []
+    for (where, rate, run_id, nbytes), group in sorted(by_run.items()):
+        if nbytes == TARGET_SIZE:
+            target_rows += [(where, rate, run_id, t) for t in targets(group)]
+    L += ["## Targets (issue 20)", "",
+          f"Hierarchical CERAR at c = {TARGET_C} (a code for the hosts), {TARGET_SIZE // 2**20} MiB: at most "
+          f"{TARGET_VS_HIER:.2f}x the exact hierarchy and at most {TARGET_VS_FLAT:.2f}x gloo's flat all_reduce. The "
+          "byte bounds with one NIC per host are 1.125 d against 1.5 d and 1.75 d per NIC: 0.75 and 0.64; the "
+          "measured NIC bytes give the ratios the shaper alone would allow.", ""]  # fmt: skip
+    if not target_rows:
+        L += ["Not measured yet: `scripts/run_hierarchical_lab.sh` (as root) measures them.", ""]
+    else:
+        L += ["| lab | rate (Mbit/s) | run | construction | / exact hierarchy | target | / gloo flat | target "
+              "| NIC bytes / exact hierarchy's | NIC bytes / gloo's | load before -> after |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for where, rate, run_id, t in target_rows:
+            r = t["row"]
+            L.append(f"| {where} | {rate} | {run_id} | {r['construction']} | {_fmt(t['vs_hier'])} | "
+                     f"{_verdict(t['met_hier'], t['vs_hier'])} (<= {TARGET_VS_HIER}) | {_fmt(t['vs_flat'])} | "
+                     f"{_verdict(t['met_flat'], t['vs_flat'])} (<= {TARGET_VS_FLAT}) | {_fmt(t['bytes_vs_hier'])} | "
+                     f"{_fmt(t['bytes_vs_flat'])} | {r.get('load_before', '')} -> "
+                     f"{r.get('load_after', '')} |")  # fmt: skip
+        L.append("")
+    # ---- every run
+    L += ["## Every run", "",
+          "Ratios are of medians within the run. Error: worst rank's relative error against the float64 sum "
+          "(Gaussian gradients). Tiers: median seconds inside the hosts / between them (the hierarchical calls' "
+          "own timers, slowest rank). CPU: mean CPU seconds per rank and call (gloo's threads and the kernel's "
+          "network stack included).", ""]  # fmt: skip
+    for (where, rate, run_id, nbytes), group in sorted(by_run.items()):
+        group = sorted(group, key=_sort_key)
+        first = group[0]
+        hier = next((r for r in group if r["aggregator"] == "hier_ring"), None)
+        flat = next((r for r in group if r["aggregator"] == "nccl"), None)
+        L += [f"### {where}, {rate or '-'} Mbit/s, {nbytes / 2**20:g} MiB (run {run_id})", "",
+              f"{first.get('hosts')} hosts x {first.get('ranks_per_host')} ranks, "
+              f"{'one NIC per rank' if str(first.get('rails')) == '1' else 'one NIC per host'}, mtu "
+              f"{first.get('mtu')}; {first.get('repeats')} repeats after {first.get('warmup')} warm-up; load "
+              f"{first.get('load_before', '')} -> {first.get('load_after', '')}; {first.get('cpus')} CPUs; torch "
+              f"{first.get('torch')}; code {first.get('code_commit')}.", "",
+              "| aggregator | median s | min..max | / exact hierarchy | / gloo flat | busiest NIC MB | byte bound s "
+              "| median / bound | error | tiers s (inside / between) | CPU s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for r in group:
+            med, bound = float(r["seconds_median"]), _f(r.get("byte_bound_seconds"))
+            nic = _f(r.get("nic_tx_bytes_link_max"))
+            tiers = "-"
+            if _f(r.get("seconds_intra")) is not None:
+                tiers = f"{float(r['seconds_intra']):.3f} / {float(r['seconds_inter']):.3f}"
+            L.append(f"| {label(r)} | {med:.3f} | {float(r['seconds_min']):.3f}..{float(r['seconds_max']):.3f} | "
+                     f"{_fmt(_ratio(r, hier))} | {_fmt(_ratio(r, flat))} | {_fmt(nic / 1e6 if nic else None, 2)} | "
+                     f"{_fmt(bound)} | {_fmt(med / bound if bound else None, 2)} | {float(r['rel_error']):.1e} | "
+                     f"{tiers} | {_fmt(_f(r.get('cpu_seconds')), 2)} |")  # fmt: skip
+        L.append("")
+    if training_report.exists():
+        shown = training_report.relative_to(ROOT) if training_report.is_relative_to(ROOT) else training_report
+        L += ["## Training", "", f"The training comparison in the same lab: `{shown}` "
+              "(per-phase seconds per step and validation loss, nccl against the exact hierarchy and "
+              "hierarchical CERAR).", ""]  # fmt: skip
+    return "\n".join(L) + "\n"
+
+
+def figures(csv_path: Path, out_dir: Path) -> list[Path]:
+    """Per lab setting: each aggregator's time at the largest size (median, min..max), its byte bound, and the
+    targets' lines (0.80x the exact hierarchy, 0.72x gloo's flat all_reduce)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(csv_path)
+    if not rows:
+        raise ValueError(f"{csv_path} has no rows to plot")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for where, rate in sorted({(r["where"], r["rate_mbit"]) for r in rows}):
+        sub = [r for r in rows if (r["where"], r["rate_mbit"]) == (where, rate)]
+        size = max(int(r["bytes"]) for r in sub)
+        latest = max(r.get("run_id", "") for r in sub if int(r["bytes"]) == size)
+        group = sorted([r for r in sub if int(r["bytes"]) == size and r.get("run_id", "") == latest], key=_sort_key)
+        names = [label(r).replace(" (", "\n(") for r in group]
+        med = [float(r["seconds_median"]) for r in group]
+        err = [[m - float(r["seconds_min"]) for m, r in zip(med, group, strict=True)],
+               [float(r["seconds_max"]) - m for m, r in zip(med, group, strict=True)]]  # fmt: skip
+        colors = ["tab:blue" if r["aggregator"] == "hier_cerar" else "tab:orange" if r["aggregator"] == "hier_ring16"
+                  else "tab:gray" for r in group]  # fmt: skip
+        fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(group)), 4.8))
+        xs = list(range(len(group)))
+        ax.bar(xs, med, yerr=err, color=colors, capsize=3)
+        bounds = [(x, _f(r.get("byte_bound_seconds"))) for x, r in zip(xs, group, strict=True)]
+        bx = [x for x, b in bounds if b]
+        ax.scatter(bx, [b for _, b in bounds if b], marker="_", s=400, color="black", zorder=3,
+                   label="byte bound: busiest NIC's bytes / rate")  # fmt: skip
+        hier = next((r for r in group if r["aggregator"] == "hier_ring"), None)
+        flat = next((r for r in group if r["aggregator"] == "nccl"), None)
+        if hier:
+            ax.axhline(TARGET_VS_HIER * float(hier["seconds_median"]), color="tab:green", linestyle="--",
+                       label=f"target: {TARGET_VS_HIER}x the exact hierarchy")  # fmt: skip
+        if flat:
+            ax.axhline(TARGET_VS_FLAT * float(flat["seconds_median"]), color="tab:red", linestyle=":",
+                       label=f"target: {TARGET_VS_FLAT}x gloo's flat all_reduce")  # fmt: skip
+        ax.set_xticks(xs, names, fontsize=6, rotation=30, ha="right")
+        ax.set(ylabel="all-reduce time (s), median and min..max",
+               title=f"{where}, {rate} Mbit/s between hosts, {size / 2**20:g} MiB (run {latest})")  # fmt: skip
+        ax.title.set_fontsize(9)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        p = out_dir / f"two_tier_lab_{where}_{rate or 'unshaped'}.png"
+        fig.savefig(p, dpi=120)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--figures-dir", type=Path, default=None, help="also draw the figures here")
+    ap.add_argument("--training-report", type=Path, default=TRAINING_REPORT, help="the lab's training report")
+    args = ap.parse_args(argv)
+    if not args.csv.is_file():
+        print(f"hierarchical_report: no rows: {args.csv} does not exist (scripts/run_hierarchical_lab.sh writes it)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    rows = read_rows(args.csv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(report(rows, args.csv.resolve(), args.training_report.resolve()))
+    print(f"hierarchical_report: wrote {args.out}")
+    if args.figures_dir:
+        for p in figures(args.csv, args.figures_dir):
+            print(f"hierarchical_report: wrote {p}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
