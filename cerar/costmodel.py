@@ -668,8 +668,8 @@ def fit_two_tier(rows: Iterable[dict], itemsize: int = 4) -> TwoTierFit:
         agg, x = got
         feats.append(x)
         ys.append(float(row["seconds_median"]))
-        c = f" c={row['c']}" if row.get("c") not in (None, "") else ""
-        labels.append((agg, f"{agg}{c} {int(row['bytes']) / 2**20:g} MiB"))
+        code = " ".join(x for x in (row.get("construction"), f"c={row['c']}" if row.get("c") else "") if x)
+        labels.append((agg, " ".join(x for x in (agg, code, f"{int(row['bytes']) / 2**20:g} MiB") if x)))
     if len(ys) < len(TWO_TIER_TERMS):
         raise ValueError(f"need at least {len(TWO_TIER_TERMS)} rows of {TWO_TIER_AGGREGATORS} to fit "
                          f"{len(TWO_TIER_TERMS)} parameters, got {len(ys)}")  # fmt: skip

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The all-reduce measurements behind reports/README.md, in the order they were run.
 # Usage (root, from the repo root): scripts/run_allreduce_sweeps.sh PHASE...
-#   PHASE: targets lab loopback loopback256 passes
+#   PHASE: targets lab loopback loopback256 passes hierarchical hierarchical-rails
+# The hierarchical phases (issue 20: 4 hosts x 2 ranks) write reports/data/hierarchical_lab.csv instead, so the
+# one-rank-per-host figures never mix with them; scripts/run_hierarchical_lab.sh runs the first with training.
 # Each bench command and the load average before/after it are logged to reports/logs/allreduce_runs.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -10,9 +12,9 @@ LOG=reports/logs/allreduce_runs.log
 CSV=reports/data/allreduce.csv
 run() {
   echo "=== $(date -Is) load before: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
-  echo "\$ $PY scripts/bench_allreduce.py $* --csv $CSV --quiet" >>"$LOG"
+  echo "\$ $PY scripts/bench_allreduce.py $* --csv ${RUN_CSV:-$CSV} --quiet" >>"$LOG"
   local t0=$SECONDS
-  $PY scripts/bench_allreduce.py "$@" --csv "$CSV" --quiet >>"$LOG" 2>&1
+  $PY scripts/bench_allreduce.py "$@" --csv "${RUN_CSV:-$CSV}" --quiet >>"$LOG" 2>&1
   echo "=== rc=$? in $((SECONDS - t0)) s; load after: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
 }
 for phase in "$@"; do
@@ -49,6 +51,18 @@ for phase in "$@"; do
         run "${LAB[@]}" --storages spec,messages
       done
     done
+    ;;
+  hierarchical)  # every aggregator side by side on 4 hosts x 2 ranks, one shared NIC per host, jumbo frames
+    HIER=(--lab --rate-mbit 200 --mtu 9000 --n 8 --ranks-per-host 2 --sizes-mb 4,16,64
+          --aggregators nccl,cerar,hier_ring,hier_cerar,hier_ring16 --constructions optimized,perturbation
+          --c-mult 4 --hier-c 8,16 --repeats 5 --warmup 1 --timeout 3600)
+    RUN_CSV=reports/data/hierarchical_lab.csv run "${HIER[@]}"
+    ;;
+  hierarchical-rails)  # the same with one NIC per rank (a rail each), 64 MiB
+    RAILS=(--lab --rails --rate-mbit 200 --mtu 9000 --n 8 --ranks-per-host 2 --sizes-mb 64
+           --aggregators nccl,hier_ring,hier_cerar,hier_ring16 --constructions optimized --hier-c 8,16
+           --repeats 5 --warmup 1 --timeout 3600)
+    RUN_CSV=reports/data/hierarchical_lab.csv run "${RAILS[@]}"
     ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
   esac
