@@ -56,7 +56,8 @@ DEFAULT_SWEEP_C = (8, 16, 32)
 DEFAULT_SWEEP_KAPPA_MAX = tuple(f * 10.0**k for k in range(1, 9) for f in (1, 3))[:-1]
 """1e1, 3e1, ..., 1e8: the closed forms build in well under a second, so they get a fine grid."""
 DEFAULT_SWEEP_OPTIMIZED_KAPPA_MAX = (1e2, 1e3, 1e4, 1e6, 1e7)
-"""The optimiser takes seconds to a minute per (N, c, kappa_max); it gets fewer budget points."""
+"""Fewer budget points for the optimiser: outside the table shipped with the package (which holds
+this sweep's grid, ``cerar.stored_codes``) it searches for seconds to minutes per (N, c, kappa_max)."""
 DEFAULT_SWEEP_EPS = (0.9, 0.5, 0.3, 0.1, 0.03, 0.01)
 """Explicit eps for the closed forms: places the Vandermonde code (kappa beyond any sane budget at
 c >= 8) on the plot at all, and extends the perturbation curve into the rounding-broken regime."""

@@ -13,9 +13,9 @@ order:
   (N=8, c=16 and c=32; N=4, c=16; N=2 and N=4 at small c);
 - ``grid``: N = 2..8, c = N+1..4N at the default kappa_max (c <= N is the exact code, no search),
   the cheap shapes first (those whose c is not 3N or 4N search no pattern);
-- ``large``: N = 9..16 at c = 2N, 3N, 4N and the powers of two between N and 4N;
-- ``budgets``: the design report's sweep (N = 4, 8; c = 8, 16, 32; kappa_max = 1e2 .. 1e7) and the
-  budgets the tests use.
+- ``budgets``: the other budgets the tests use, then the design report's sweep (N = 4, 8;
+  c = 8, 16, 32; kappa_max = 1e2 .. 1e7);
+- ``large``: N = 9..16 at c = 2N, 3N, 4N and the powers of two between N and 4N.
 
 Why: a first use of ``make_code(N, c, "optimized")`` otherwise searches for seconds to minutes on
 every host. The table is written after every shape, so an interrupted build keeps what it found and
@@ -43,7 +43,7 @@ import scipy  # noqa: E402
 from cerar import optimize, stored_codes  # noqa: E402
 from cerar.closed_forms import DEFAULT_KAPPA_MAX  # noqa: E402
 
-TIERS = ("used", "grid", "large", "budgets")
+TIERS = ("used", "grid", "budgets", "large")
 DESIGN_SWEEP_BUDGETS = (1e2, 1e3, 1e4, 1e6, 1e7)  # cerar.design.DEFAULT_SWEEP_OPTIMIZED_KAPPA_MAX
 
 
@@ -65,10 +65,11 @@ def plan(tiers: list[str]) -> list[tuple[str, int, int, float]]:
             key=lambda s: (_searches_a_pattern(s[0], s[1]), s[0], s[1]),
         ),
         "budgets": [
-            *[(N, c, b) for b in DESIGN_SWEEP_BUDGETS for N in (4, 8) for c in (8, 16, 32) if c > N],
-            (4, 8, 1e2),
+            (4, 8, 1e3),
+            (4, 16, 1e3),
             (4, 12, 1e3),
-            (2, 8, 1e3),
+            (4, 8, 1e2),
+            *[(N, c, b) for b in DESIGN_SWEEP_BUDGETS for N in (4, 8) for c in (8, 16, 32) if c > N],
         ],
     }
     seen, out = set(), []
