@@ -9,15 +9,20 @@ Every aggregator offers the two modes of the loop:
 `nccl` is torch.distributed.all_reduce on the job's backend (gloo on CPU, NCCL on GPU); `ring` and
 `cerar` go through the cerar library's public API only, with their messages on a process group of
 their own (made when the aggregator is built, on every rank); `powersgd`, `fp16` and `bf16` are the hooks
-torch ships (fp16/bf16 are also implemented on the flat gradient for overlap=false).
+torch ships (fp16/bf16 are also implemented on the flat gradient for overlap=false). `hier_cerar` and
+`hier_ring` are the two-tier aggregators of `cerar.hierarchical` (exact inside each node; CERAR with a code
+for the nodes, or the exact ring, between them), on process groups of their own per tier.
 """
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
 
 
 def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
@@ -30,6 +35,7 @@ class Aggregator:
 
     name = "base"
     supports_flat = True
+    replicas_differ = False  # True where ranks may receive different aggregates (approximate aggregation)
 
     def __init__(self, world_size: int, timeout_s: float):
         self.world_size = world_size
@@ -45,6 +51,10 @@ class Aggregator:
     def bytes_sent_by_hook(self, numel: int) -> int:
         """Bytes sent during the last overlapped step."""
         return ring_allreduce_bytes(numel, 4, self.world_size)
+
+    def step_metrics(self) -> dict:
+        """Extra fields for the step's record (the hierarchical aggregators' bytes per tier)."""
+        return {}
 
 
 class AllReduceAggregator(Aggregator):
@@ -125,6 +135,8 @@ class PowerSGDAggregator(Aggregator):
 class CerarAggregator(Aggregator):
     """CERAR (or, with exact_ring, cerar's exact ring) through the cerar public API."""
 
+    replicas_differ = True  # every rank but N-1 gets its own approximation (c=auto may switch codes mid-run)
+
     def __init__(
         self,
         world_size: int,
@@ -194,6 +206,123 @@ class CerarAggregator(Aggregator):
         return sent
 
 
+class HierarchicalAggregator(Aggregator):
+    """Two tiers (`cerar.hierarchical`): exact reduce-scatter and all-gather inside each node and, between
+    the nodes, CERAR with a code for n = nodes (or, with exact_ring, the exact ring: the baseline).
+
+    Every rank of a node receives the same average; under CERAR node i receives what worker i of the
+    code does, so the last node's ranks, rank N-1 among them (torchrun numbers ranks node-major), receive
+    the exact one under the closed-form constructions: the loop's reference replica stays rank N-1.
+    `step_metrics` reports the bytes each tier sent in the last step."""
+
+    def __init__(
+        self,
+        world_size: int,
+        timeout_s: float,
+        layout,
+        c: int,
+        construction: str,
+        eps: float | None,
+        kappa_max: float | None,
+        exact_ring: bool,
+        coded_on_two_nodes: bool,
+    ):
+        super().__init__(world_size, timeout_s)
+        import warnings
+
+        import cerar
+        from cerar import hierarchical
+
+        self.hierarchical, self.layout = hierarchical, layout
+        self.c, self.construction, self.eps, self.kappa_max = c, construction, eps, kappa_max
+        self.coded_on_two_nodes = coded_on_two_nodes
+        self.name = "hier_ring" if exact_ring else f"hier_cerar-{construction}"
+        self.method = hierarchical.method_between_nodes(layout.nodes, not exact_ring, coded_on_two_nodes)
+        self.code = None
+        if self.method == "cerar":
+            self.code = cerar.make_code(layout.nodes, c, construction=construction, eps=eps, kappa_max=kappa_max)
+        self.replicas_differ = self.code is not None and not self.code.is_exact
+        self.tier_bytes = {"intra_node": 0, "inter_node": 0}
+        self.hook_state = None
+        self.groups = None  # the tiers' own groups: their batches never mix with the loop's collectives
+        if world_size > 1 and dist.is_initialized():
+            self.groups = hierarchical.tier_groups(layout, self.timeout)
+        self._describe(exact_ring)
+        warnings.filterwarnings("ignore", category=hierarchical.HierarchicalWarning)  # _describe said it once
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def _describe(self, exact_ring: bool) -> None:
+        """The layout, what runs between the nodes and why, on rank 0's console."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        n, where = self.layout.nodes, "LOCAL_WORLD_SIZE" if self.layout.from_launcher else "aggregator.local_size"
+        log.info("%s: %s (local size from %s); between the nodes: %s", self.name, self.layout, where, self.method)
+        if self.code is not None:
+            log.info(
+                "%s: code for n=%d nodes, c=%d: %d rounds, %.4f d per node between nodes (the exact ring: %.4f d), "
+                "kappa %.3g, predicted error %.3g; the last node's ranks are exact",
+                self.name,
+                n,
+                self.c,
+                self.code.L,
+                self.code.comm_rate,
+                self.code.ring_rate,
+                self.code.kappa,
+                self.code.predicted_error(),
+            )
+        elif not exact_ring and n == 2:
+            log.warning(
+                "%s on 2 nodes: CERAR would send as many bytes between the nodes as the exact ring (d per node "
+                "either way) and add its error, so the exact ring runs between them "
+                "(aggregator.coded_on_two_nodes=true runs the code anyway)",
+                self.name,
+            )
+        elif not exact_ring and n == 1:
+            log.warning("%s on one node (%s): aggregation is exact, nothing is coded", self.name, self.layout)
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        if self.world_size < 2:
+            return 0
+        if self.code is None:
+            stats = self.hierarchical.hierarchical_ring_all_reduce(flat, self.groups, op="avg", timeout=self.timeout)
+        else:
+            stats = self.hierarchical.hierarchical_all_reduce(
+                flat, self.code, self.groups, op="avg", timeout=self.timeout, coded_on_two_nodes=True
+            )
+        self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        self.hook_state = self.hierarchical.HierarchicalHookState(
+            construction=self.construction,
+            c=self.c,
+            eps=self.eps,
+            kappa_max=self.kappa_max,
+            exact_ring=self.code is None,
+            timeout=self.timeout,
+            layout=self.layout,
+            coded_on_two_nodes=True,  # self.method already says what runs between the nodes
+        )
+        ddp.register_comm_hook(self.hook_state, self.hierarchical.hierarchical_hook)
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        if self.hook_state is None:
+            return 0
+        stats = list(self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        self.tier_bytes = {
+            "intra_node": sum(s.intra_node.bytes_sent for s in stats),
+            "inter_node": sum(s.inter_node.bytes_sent for s in stats),
+        }
+        return sum(self.tier_bytes.values())
+
+    def step_metrics(self) -> dict:
+        return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
+
+
 def build_aggregator(cfg, world_size: int) -> Aggregator:
     """The aggregator named by cfg.aggregator (its kind), with c from the root config."""
     a, timeout = cfg.aggregator, float(cfg.trainer.collective_timeout_s)
@@ -209,4 +338,19 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
         # c=auto starts exact (c = N) until the trainer's first choice (train/auto_c.py)
         c, construction = (world_size, "exact") if cfg.c == "auto" else (cfg.c, a.construction)
         return CerarAggregator(world_size, timeout, c, construction, a.eps, a.kappa_max, exact_ring=False)
+    if a.kind in ("hier_cerar", "hier_ring"):
+        from cerar.hierarchical import NodeLayout
+        from train.config import ConfigError, node_layout
+
+        layout = node_layout(cfg, world_size)
+        if layout is None and world_size > 1:
+            raise ConfigError(
+                f"aggregator={a.name} needs the node layout: launch with torchrun (which sets LOCAL_WORLD_SIZE) "
+                "or set aggregator.local_size"
+            )
+        layout = layout or NodeLayout(1, 1)
+        exact_ring = a.kind == "hier_ring"
+        return HierarchicalAggregator(
+            world_size, timeout, layout, cfg.c, a.construction, a.eps, a.kappa_max, exact_ring, a.coded_on_two_nodes
+        )
     raise ValueError(f"aggregator.kind={a.kind!r} is unknown")

@@ -91,7 +91,9 @@ class AggregatorConfig:
     """How gradients are summed across replicas.
 
     kind: nccl (torch.distributed.all_reduce on the job's backend: gloo on CPU, NCCL on GPU),
-    ring (cerar's exact ring), cerar (coded approximate ring), powersgd, fp16, bf16.
+    ring (cerar's exact ring), cerar (coded approximate ring), powersgd, fp16, bf16; on nodes of several
+    ranks, hier_cerar (cerar.hierarchical: exact inside each node, CERAR with a code for the nodes between
+    them) and hier_ring (the same tiers with the exact ring between the nodes).
     """
 
     name: str = MISSING
@@ -112,6 +114,11 @@ class AggregatorConfig:
     auto_check_every: int = 100
     auto_candidates: list[int] | None = None
     auto_sample_values: int = 65536
+    # hier_cerar / hier_ring: ranks per node (null: torchrun's LOCAL_WORLD_SIZE, i.e. --nproc_per_node); c is
+    # for n = N / local_size nodes. On 2 nodes hier_cerar runs the exact ring between them (CERAR would send
+    # the same d bytes per node and add its error) unless coded_on_two_nodes=true.
+    local_size: int | None = None
+    coded_on_two_nodes: bool = False
 
 
 @dataclass
@@ -183,7 +190,9 @@ class TrainConfig:
     wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
-AGGREGATOR_KINDS = ("nccl", "ring", "cerar", "powersgd", "fp16", "bf16")
+AGGREGATOR_KINDS = ("nccl", "ring", "cerar", "powersgd", "fp16", "bf16", "hier_cerar", "hier_ring")
+HIERARCHICAL_KINDS = ("hier_cerar", "hier_ring")
+HIERARCHICAL_FIELDS = ("local_size", "coded_on_two_nodes")  # in a run's identity only for the hierarchical kinds
 HOOK_ONLY_AGGREGATORS = ("powersgd",)
 AUTO_C = "auto"  # c=auto: train/auto_c.py
 AUTO_C_FIELDS = ("error_budget", "auto_warmup_steps", "auto_check_every", "auto_candidates", "auto_sample_values")
@@ -255,7 +264,7 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
                 _require(bool(glob.glob(os.path.expanduser(str(files)))), f"data.{key}={files} matches no file")
     # aggregator
     _one_of(a.kind, AGGREGATOR_KINDS, "aggregator.kind")
-    if a.kind == "cerar":
+    if a.kind in ("cerar", "hier_cerar"):
         _one_of(a.construction, CERAR_CONSTRUCTIONS, "aggregator.construction")
         _require(
             a.kappa_max is None or a.kappa_max >= 1,
@@ -307,6 +316,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
     _one_of(cfg.wandb.mode, ("offline", "online", "disabled"), "wandb.mode")
     if world_size is not None and a.kind == "cerar":
         _validate_cerar_code(cfg, world_size)
+    if a.kind in HIERARCHICAL_KINDS:
+        _validate_hierarchical(cfg, world_size)
 
 
 def _require_zstandard_for(d) -> None:
@@ -368,6 +379,37 @@ def _validate_cerar_code(cfg, world_size: int) -> None:
         raise ConfigError(f"aggregator={a.name} with N={world_size}, c={cfg.c}: {err}") from None
 
 
+def node_layout(cfg, world_size: int, environ=None):
+    """The cerar.hierarchical.NodeLayout of a hierarchical aggregator: world_size split into nodes of
+    aggregator.local_size ranks, or of torchrun's LOCAL_WORLD_SIZE; None when neither is known (not launched
+    by torchrun and no override). Raises ConfigError when the world does not divide into such nodes."""
+    environ = os.environ if environ is None else environ
+    a = cfg.aggregator
+    if a.local_size is None and "LOCAL_WORLD_SIZE" not in environ:
+        return None
+    from cerar.hierarchical import NodeLayout
+
+    try:
+        return NodeLayout.from_env(local_size=a.local_size, world_size=world_size, environ=environ)
+    except ValueError as err:
+        raise ConfigError(f"aggregator={a.name}: {err} (aggregator.local_size overrides it)") from None
+
+
+def _validate_hierarchical(cfg, world_size: int | None) -> None:
+    """aggregator.local_size, the nodes it makes of the world, and c for n = nodes, before any process group."""
+    a = cfg.aggregator
+    _require(a.local_size is None or a.local_size >= 1, f"aggregator.local_size={a.local_size} must be >= 1 or null")
+    layout = None if world_size is None else node_layout(cfg, world_size)
+    if layout is None or layout.nodes < 2 or a.kind != "hier_cerar":
+        return  # the layout is known once launched; one node aggregates exactly; hier_ring needs no code
+    import cerar
+
+    try:
+        cerar.make_code(layout.nodes, cfg.c, construction=a.construction, eps=a.eps, kappa_max=a.kappa_max)
+    except ValueError as err:
+        raise ConfigError(f"aggregator={a.name} with n={layout.nodes} nodes ({layout}), c={cfg.c}: {err}") from None
+
+
 def derived_grad_accum(cfg, world_size: int) -> int:
     """Micro-steps per optimizer step: trainer.grad_accum, or global_batch_size / (micro_batch_size x N)."""
     t = cfg.trainer
@@ -417,6 +459,9 @@ def training_identity(cfg, world_size: int) -> dict:
     for section in ("model", "data", "aggregator"):
         for key, value in plain(cfg[section]).items():
             auto_setting = section == "aggregator" and key in AUTO_C_FIELDS
+            hierarchical_setting = section == "aggregator" and key in HIERARCHICAL_FIELDS
+            if hierarchical_setting and cfg.aggregator.kind not in HIERARCHICAL_KINDS:
+                continue  # absent from the identities of runs that do not use them (and of older runs)
             if (section, key) != ("data", "cache_dir") and (auto or not auto_setting):
                 identity[f"{section}.{key}"] = value
     # c as asked: "auto" stays "auto" whatever it has chosen (the choice is checkpointed and resumed)
@@ -482,15 +527,15 @@ def code_fingerprint() -> str:
     digest.update(f"tag={os.environ.get(CODE_TAG_ENV, '')};".encode())
     root = Path(__file__).resolve().parents[1]
     for package in ("cerar", "train"):
-        for source in sorted((root / package).glob("*.py")):
-            digest.update(f"{package}/{source.name}:".encode())
+        for source in sorted((root / package).rglob("*.py")):  # subpackages too (cerar/hierarchical)
+            digest.update(f"{source.relative_to(root).as_posix()}:".encode())
             digest.update(source.read_bytes())
     return digest.hexdigest()
 
 
 def run_identity(cfg, world_size: int) -> tuple[str, str, list[str]]:
     """W&B run name, group and tags from model, data, aggregator, c and N."""
-    agg = cfg.aggregator.name + (f"-c{cfg.c}" if cfg.aggregator.kind == "cerar" else "")
+    agg = cfg.aggregator.name + (f"-c{cfg.c}" if cfg.aggregator.kind in ("cerar", "hier_cerar") else "")
     name = f"{cfg.model.name}_{cfg.data.name}_{agg}_n{world_size}_s{cfg.seed}"
     group = cfg.wandb.group or f"{cfg.model.name}_{cfg.data.name}_n{world_size}"
     tags = [

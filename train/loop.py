@@ -250,8 +250,9 @@ class Trainer:
         self.scaler = build_loss_scaler(cfg.trainer, device) if precision == "fp16" else None  # Pythia's scaler
         self.tokens_per_step = self.t.micro_batch_size * self.t.grad_accum * cfg.data.seq_len * world_size
         self.grads = None if overlap else FlatGradients(self.params)  # overlap: DDP's buckets own the reduction
-        self.reference_rank = world_size - 1  # exact under CERAR; checkpoints keep it, resync broadcasts it
-        self.replicas_differ = cfg.aggregator.kind == "cerar" and world_size > 1
+        # exact under CERAR (hierarchical: every rank of the last node); checkpoints keep it, resync broadcasts it
+        self.reference_rank = world_size - 1
+        self.replicas_differ = aggregator.replicas_differ and world_size > 1
         self._val_all: list[torch.Tensor] | None = None
         self.auto_c = None  # c=auto: which CERAR code aggregates, chosen from the run's gradients (auto_c.py)
         if cfg.c == "auto" and cfg.aggregator.kind == "cerar" and world_size > 1:
@@ -425,6 +426,7 @@ class Trainer:
         self.state.step = step
         self.state.tokens += self.tokens_per_step
         record.update({"train_loss_local": loss, "bytes_sent": bytes_sent, "skipped_steps": self.state.skipped_steps})
+        record.update(self.aggregator.step_metrics())  # hierarchical: bytes_sent/intra_node, bytes_sent/inter_node
         if self.auto_c is not None:
             record["auto_c/c"] = self.auto_c.c  # the code this step aggregated with
         return {k: v for k, v in record.items() if v is not None}

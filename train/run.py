@@ -22,6 +22,7 @@ from train.config import (
     config_fingerprint,
     derived_grad_accum,
     effective_overlap,
+    node_layout,
     normalise_resume,
     training_identity,
     validate,
@@ -168,7 +169,7 @@ def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
     every value that changes what is trained (config.training_identity), plus the code that ran."""
     t, a = cfg.trainer, cfg.aggregator
     code = getattr(trainer.aggregator, "code", None)  # CERAR's code at the end of the run (None: exact ring, N=1)
-    cerar = a.kind == "cerar"
+    cerar = a.kind in ("cerar", "hier_cerar")  # hier_cerar: the code for the nodes (None where no code runs)
     description = {
         "model": cfg.model.name,
         "data": cfg.data.name,
@@ -196,6 +197,10 @@ def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
         "training_identity": training_identity(cfg, world_size),
         "code_fingerprint": code_fingerprint(),
     }
+    layout = getattr(trainer.aggregator, "layout", None)  # hier_cerar / hier_ring
+    if layout is not None:
+        description["nodes"], description["local_size"] = layout.nodes, layout.local_size
+        description["method_between_nodes"] = trainer.aggregator.method
     if trainer.auto_c is not None:
         auto = trainer.auto_c
         description["auto_c"] = {
@@ -236,6 +241,9 @@ def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: 
     if cap is None:
         cerar_hook = overlap and cfg.aggregator.kind == "cerar"  # c=auto is flat-only (config.validate)
         cap = default_bucket_cap_mb(dist.get_world_size(), cfg.c) if cerar_hook else DDP_DEFAULT_BUCKET_CAP_MB
+        if overlap and cfg.aggregator.kind == "hier_cerar":  # each rail's rounds carry d/(G c): scaled for n nodes
+            layout = node_layout(cfg, dist.get_world_size())
+            cap = default_bucket_cap_mb(layout.nodes, cfg.c) if layout is not None else cap
     cap = float(cap)
     if overlap and cfg.aggregator.kind == "powersgd" and device.type == "cpu":
         model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20

@@ -10,6 +10,7 @@ for n workers or the exact ring, and all-gathers exactly inside each node:
     stats = hierarchical_all_reduce(grad, code, layout, op="avg", timeout=60)
     stats.intra_node.bytes_sent, stats.inter_node.bytes_sent, stats.inter_node_method
     hierarchical_ring_all_reduce(grad, layout, op="avg")    # the exact baseline on the same tiers
+    method_between_nodes(layout.nodes, coded=True)          # "cerar", "exact ring" (2 nodes) or "none" (1)
 
     from cerar.hierarchical import HierarchicalHookState, hierarchical_hook   # as a DDP communication hook
     ddp_model.register_comm_hook(HierarchicalHookState(c=16, construction="optimized"), hierarchical_hook)
@@ -24,7 +25,7 @@ Modules, one per tier: ``layout`` (where the ranks sit, the groups of both tiers
 
 from cerar.hierarchical.collective import HierarchicalStats, hierarchical_all_reduce, hierarchical_ring_all_reduce
 from cerar.hierarchical.hook import HierarchicalHookState, hierarchical_hook
-from cerar.hierarchical.inter_node import HierarchicalWarning
+from cerar.hierarchical.inter_node import HierarchicalWarning, method_between_nodes
 from cerar.hierarchical.layout import NodeLayout, TierGroups, new_tier_groups, tier_groups
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "hierarchical_all_reduce",
     "hierarchical_hook",
     "hierarchical_ring_all_reduce",
+    "method_between_nodes",
     "new_tier_groups",
     "tier_groups",
 ]

@@ -39,24 +39,29 @@ def say_once(message: str) -> None:
         warnings.warn(message, HierarchicalWarning, stacklevel=4)
 
 
-def rail_method(nodes: int, coded: bool, coded_on_two_nodes: bool, operation: str) -> str:
-    """What runs between the nodes, with a one-time warning where that is not what was asked."""
+def method_between_nodes(nodes: int, coded: bool, coded_on_two_nodes: bool = False) -> str:
+    """What runs between ``nodes`` nodes when a call asks for CERAR (``coded``) or for the exact ring:
+    "none" on one node, the exact ring on two unless ``coded_on_two_nodes`` (both send d per node),
+    else what was asked."""
     if nodes == 1:
-        if coded:
-            say_once(
-                f"{operation}: the layout has one node: the call is exact (inside the node only), nothing is coded"
-            )
         return "none"
-    if not coded:
+    if not coded or (nodes == 2 and not coded_on_two_nodes):
         return "exact ring"
-    if nodes == 2 and not coded_on_two_nodes:
+    return "cerar"
+
+
+def rail_method(nodes: int, coded: bool, coded_on_two_nodes: bool, operation: str) -> str:
+    """``method_between_nodes``, with a one-time warning where that is not what was asked."""
+    method = method_between_nodes(nodes, coded, coded_on_two_nodes)
+    if coded and method == "none":
+        say_once(f"{operation}: the layout has one node: the call is exact (inside the node only), nothing is coded")
+    elif coded and method == "exact ring":
         say_once(
             f"{operation}: on 2 nodes the coded rail sends as many bytes as the exact ring (d per node either way), "
             "so the exact ring runs between the nodes instead of paying CERAR's error for nothing "
             "(coded_on_two_nodes=True runs the code anyway)"
         )
-        return "exact ring"
-    return "cerar"
+    return method
 
 
 def reduce_on_rail(
