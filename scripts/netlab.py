@@ -71,16 +71,25 @@ CLI (needs root)::
         [--delay-ms 0.5] [--timeout 600] [--out DIR] -- python my_script.py --arg {rank}
 
 ``{rank}``, ``{world_size}``, ``{local_rank}``, ``{local_world_size}``, ``{host}``, ``{hosts}``,
-``{master_addr}`` and ``{master_port}`` in the command are replaced per rank. Each rank gets the
+``{master_addr}``, ``{master_port}``, ``{host_addr}`` (the host's first NIC's address) and
+``{is_master_host}`` (1 on host 0, else 0) in the command are replaced per rank. Each rank gets the
 environment variables torchrun gives a worker: RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
 GROUP_RANK (its host), GROUP_WORLD_SIZE (hosts), ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR (host 0's
 lab address), MASTER_PORT; and LAB_RATE_MBIT, LAB_DELAY_MS, LAB_ID, LAB_HOST, LAB_ADDR (the
 address of the rank's NIC), LAB_NICS (its host's NICs, comma-separated), LAB_RAILS (0 or 1) and
 GLOO_SOCKET_IFNAME (its NIC: gloo must bind to the lab interface). ``--per-host`` runs one process
-per host instead (for a launcher such as ``torchrun --nnodes={hosts} --nproc_per_node=
-{local_world_size} --node_rank={host} --rdzv_backend=c10d --rdzv_endpoint={master_addr}:
-{master_port}``), with the same variables less the per-rank ones. The exit status is 0 only if
-every process exits 0. ``python scripts/netlab.py --cleanup`` removes stale labs and exits.
+per host instead, with the same variables less the per-rank ones: a launcher's place, e.g. torchrun's
+agents with c10d rendezvous::
+
+    netlab.py --hosts 3 --ranks-per-host 2 --rate-mbit 200 --per-host -- torchrun --nnodes={hosts} \
+        --nproc_per_node={local_world_size} --node_rank={host} --rdzv_backend=c10d \
+        --rdzv_endpoint={master_addr}:{master_port} --rdzv_conf=is_host={is_master_host} \
+        --local_addr={host_addr} train/main.py ...
+
+(The hosts share the machine's hostname, so torchrun can neither tell which one holds the rendezvous
+address, host 0, nor which address its workers are reached at: ``is_host`` and ``--local_addr`` say.)
+The exit status is 0 only if every process exits 0.
+``python scripts/netlab.py --cleanup`` removes stale labs and exits.
 
 Library::
 
@@ -609,6 +618,8 @@ class NetLab:
             "{host}": str(host),
             "{master_addr}": self.master_addr,
             "{master_port}": str(self.master_port),
+            "{is_master_host}": "1" if host == 0 else "0",
+            "{host_addr}": self.addrs[host],
         }
         if rank is not None:
             values.update({"{rank}": str(rank), "{local_rank}": str(rank % self.ranks_per_host)})

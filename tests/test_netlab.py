@@ -475,15 +475,16 @@ def test_per_host_launch_and_placeholders(tmp_path):
     placeholders a torchrun command line needs; per-rank runs substitute {rank} and {local_rank}."""
     code = (
         "import os; print('{host}', '{hosts}', '{local_world_size}', '{master_addr}', '{master_port}', "
+        "'{host_addr}', '{is_master_host}', "
         "*[os.environ.get(k, '-') for k in ('GROUP_RANK', 'LOCAL_WORLD_SIZE', 'WORLD_SIZE', 'RANK')])"
     )
     with netlab.NetLab(hosts=2, rate_mbit=100, ranks_per_host=3, master_port=29556) as lab:
         hosts = lab.run([PY, "-c", code], timeout=30, per_host=True, out_dir=tmp_path)
         ranks = lab.run([PY, "-c", "print('{rank}', '{local_rank}', '{host}', '{world_size}')"], timeout=30)
-        master = lab.master_addr
+        master, addrs = lab.master_addr, lab.addrs
     assert hosts.ok and ranks.ok, hosts.describe() + ranks.describe()
     assert [r.stdout.split() for r in hosts.ranks] == [
-        [str(h), "2", "3", master, "29556", str(h), "3", "6", "-"] for h in range(2)
+        [str(h), "2", "3", master, "29556", addrs[h], str(int(h == 0)), str(h), "3", "6", "-"] for h in range(2)
     ]
     assert (tmp_path / "host1.out").exists() and "host 0: rc=0" in hosts.describe()
     assert [r.stdout.split() for r in ranks.ranks] == [[str(r), str(r % 3), str(r // 3), "6"] for r in range(6)]
@@ -496,3 +497,32 @@ def test_two_tier_arguments_are_named():
     ]:
         with pytest.raises(netlab.NetLabError, match=word):
             netlab.NetLab(**kwargs)
+
+
+@needs_lab
+def test_torchrun_agents_rendezvous_across_lab_hosts(tmp_path):
+    """One torchrun agent per host (c10d rendezvous on host 0, as on separate machines) starts 2 workers each:
+    a 3 x 2 gloo job whose ranks are node-major and whose all_reduce gives the exact sum."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        textwrap.dedent("""
+        import datetime, os, sys, torch, torch.distributed as dist
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        t = torch.ones(4, dtype=torch.float64) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        # one write per line: the host's two workers share the agent's (unbuffered) stdout
+        sys.stdout.write(f"{dist.get_rank()} {os.environ['LOCAL_RANK']} {os.environ['GROUP_RANK']} {int(t[0])}\\n")
+        dist.destroy_process_group()
+    """)
+    )
+    torchrun = [PY, "-m", "torch.distributed.run", "--nnodes={hosts}", "--nproc_per_node={local_world_size}",
+                "--node_rank={host}", "--rdzv_backend=c10d", "--rdzv_endpoint={master_addr}:{master_port}",
+                "--rdzv_conf=is_host={is_master_host}", "--local_addr={host_addr}", "--rdzv_id=netlab-test",
+                str(script)]  # fmt: skip
+    with netlab.NetLab(hosts=3, rate_mbit=200, ranks_per_host=2, master_port=29557) as lab:
+        res = lab.run(torchrun, timeout=240, per_host=True)
+        lab_id = lab.lab_id
+    assert res.ok, res.describe() + "".join(r.stderr[-3000:] for r in res.ranks)
+    lines = sorted(tuple(int(x) for x in line.split()) for r in res.ranks for line in r.stdout.split("\n") if line)
+    assert lines == [(rank, rank % 2, rank // 2, 21) for rank in range(6)]  # 1 + 2 + ... + 6
+    _assert_gone(lab_id)
