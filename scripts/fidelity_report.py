@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""reports/fidelity.md and reports/data/fidelity.csv from the long-horizon runs (scripts/run_fidelity.sh).
+"""reports/fidelity.md and reports/data/fidelity.csv from the long-horizon runs (scripts/run_fidelity.sh), and
+its batch-scaling section with reports/data/batch_scaling.csv (scripts/run_batch_scaling.sh).
 
 Does CERAR train like exact all-reduce over thousands of steps? For every setting (folders
 ``<setting>_s<seed>`` under ``--runs-dir``) the report gives the reference replica's final validation
@@ -404,6 +405,226 @@ def render(
     return "\n".join(out) + "\n"
 
 
+# ------------------------------------------------------------- the batch-scaling study (issue 19)
+
+BATCH_SCALING_DIR = ROOT / "reports" / "runs" / "batch-scaling"  # scripts/run_batch_scaling.sh
+PYTHIA_SEQUENCES, PYTHIA_SEQ_LEN = 1024, 2048
+_SHAPE = re.compile(r"^batch(?P<sequences>\d+)x(?P<seq_len>\d+)$")
+
+
+def load_batch_scaling(root: Path) -> list[dict]:
+    """One entry per batch shape, from folders ``batch<sequences>x<seq_len>`` under `root` holding run folders as
+    `load_runs` reads them, in order of tokens per step. Each run's summary.json must say the same shape as its
+    folder (global_batch_size, seq_len); a run that says otherwise stops the report, naming it."""
+    shapes = []
+    if not Path(root).is_dir():
+        return shapes
+    for folder in sorted(p for p in Path(root).iterdir() if p.is_dir()):
+        match = _SHAPE.match(folder.name)
+        settings = load_runs(folder) if match else {}
+        if not settings:
+            continue
+        sequences, seq_len = int(match["sequences"]), int(match["seq_len"])
+        for runs in settings.values():
+            for run in runs:
+                said = (run["summary"].get("global_batch_size"), run["summary"].get("seq_len"))
+                if said != (None, None) and said != (sequences, seq_len):
+                    raise ValueError(
+                        f"{run['folder']}: its summary says {said[0]} sequences x {said[1]} tokens, "
+                        f"its folder {sequences} x {seq_len}"
+                    )
+        shapes.append(
+            {"name": folder.name, "sequences": sequences, "seq_len": seq_len, "tokens": sequences * seq_len,
+             "settings": settings}
+        )  # fmt: skip
+    return sorted(shapes, key=lambda shape: (shape["tokens"], shape["sequences"]))
+
+
+def noise_to_signal(noise: float | None) -> float | None:
+    """r = sigma / ||mu|| from the logged noise nu = sigma / ||g_bar||: since E||g_bar||^2 = ||mu||^2 + sigma^2,
+    nu^2 = r^2 / (1 + r^2). nu saturates near 1 while the noise dominates (r >> 1), so it is r, not nu, that
+    falls as 1/sqrt(independent samples). None where nu >= 1 (the estimate says the noise is everything)."""
+    if noise is None or not 0 < noise < 1:
+        return None
+    return noise / math.sqrt(1 - noise**2)
+
+
+def noise_from_ratio(r: float) -> float:
+    """nu = r / sqrt(1 + r^2): the noise the trainer would log at noise-to-signal ratio r."""
+    return r / math.sqrt(1 + r * r)
+
+
+def batch_scaling_rows(shapes: list[dict]) -> list[dict]:
+    """One row per shape and setting: gaps to nccl (same seed) beside nccl's seed band, error and noise."""
+    rows = []
+    for shape in shapes:
+        settings = shape["settings"]
+        nccl = settings.get("nccl", [])
+        nccl_finals = {r["seed"]: final(r, "val_loss") for r in nccl}
+        band = 100 * (max(nccl_finals.values()) / min(nccl_finals.values()) - 1) if len(nccl_finals) > 1 else None
+        steps = max(last_step(r) for runs in settings.values() for r in runs)
+        noise = _mean_or_none([median_of(r, "noise/rel_std_mean", after=steps // 10) for r in nccl])
+        for name, runs in sorted(settings.items(), key=lambda kv: (kv[0] != "nccl", kv[0])):
+            gap = paired_gap(runs, nccl) if name != "nccl" else None
+            error = _mean_or_none([median_of(r, "agg/rel_error_max", after=steps // 10) for r in runs])
+            chosen = [r["summary"].get("c_chosen") for r in runs]
+            rows.append({
+                "shape": shape["name"], "sequences": shape["sequences"], "seq_len": shape["seq_len"],
+                "tokens_per_step": shape["tokens"], "setting": name, "seeds": ",".join(str(r["seed"]) for r in runs),
+                "steps": min(last_step(r) for r in runs),
+                "val_loss": statistics.mean(final(r, "val_loss") for r in runs),
+                "paired_gap_pct": gap, "nccl_band_pct": band,
+                "inside_band": None if gap is None or band is None else abs(gap) <= band,
+                "separates_at": separation_step(runs, nccl) if nccl and name != "nccl" else None,
+                "rel_error_median": error, "noise_median": noise, "noise_to_signal": noise_to_signal(noise),
+                "error_over_noise": error / noise if error is not None and noise else None,
+                "c_chosen": ",".join(str(c) for c in chosen) if any(c is not None for c in chosen) else None,
+            })  # fmt: skip
+    return rows
+
+
+def noise_exponent(points: list[tuple[float, float]]) -> float | None:
+    """The least-squares slope of log r against log x: r ~ x^-slope (0.5 when x counts independent samples)."""
+    points = [(x, r) for x, r in points if r]
+    if len({x for x, _ in points}) < 2:
+        return None
+    xs, ys = [math.log(x) for x, _ in points], [math.log(r) for _, r in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    slope = -sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return round(slope, 12) + 0.0  # no -0.00 from rounding
+
+
+def noise_unit(rows: list[dict]) -> dict | None:
+    """How the noise-to-signal ratio r falls with sequences per step (at the smallest sequence length) and with
+    sequence length (at the fewest sequences), and r projected to Pythia's 1024 x 2048 from the smallest shape."""
+    by_shape = {(r["sequences"], r["seq_len"]): r["noise_to_signal"] for r in rows if r["setting"] == "nccl"}
+    if not by_shape:
+        return None
+    base = min(by_shape, key=lambda k: (k[0] * k[1], k[0]))
+    sequences_slope = noise_exponent([(s, r) for (s, t), r in by_shape.items() if t == base[1]])
+    length_slope = noise_exponent([(t, r) for (s, t), r in by_shape.items() if s == base[0]])
+    unit = {"base": base, "r_base": by_shape[base], "sequences_exponent": sequences_slope,
+            "seq_len_exponent": length_slope, "r_pythia": None}  # fmt: skip
+    if by_shape[base] and sequences_slope is not None and length_slope is not None:
+        unit["r_pythia"] = (
+            by_shape[base]
+            * (PYTHIA_SEQUENCES / base[0]) ** -sequences_slope
+            * (PYTHIA_SEQ_LEN / base[1]) ** -length_slope
+        )
+    return unit
+
+
+def render_batch_scaling(rows: list[dict]) -> list[str]:
+    """The section of the report: gap against batch with nccl's seed band, error/noise, the noise's unit."""
+    if not rows:
+        return []
+    settings = sorted({r["setting"] for r in rows} - {"nccl"})
+    shapes = list(dict.fromkeys((r["shape"], r["sequences"], r["seq_len"], r["tokens_per_step"]) for r in rows))
+    cell = {(r["shape"], r["setting"]): r for r in rows}
+    out = [
+        "",
+        "## Does the gap grow with the batch? (issue 19)",
+        "",
+        "Generated from `reports/runs/batch-scaling/` (`scripts/run_batch_scaling.sh`): the study's setup at larger "
+        "global batches, sequences and sequence length varied separately, every shape the same number of steps. "
+        "Gap: the final validation loss against nccl's at the same seed. Band: nccl's two seeds' spread; a gap is "
+        "inside it when its size is at most the band's. Error/noise: the worst rank's aggregation error over the "
+        "gradient noise, medians after the first tenth of the steps.",
+        "",
+        "| shape (sequences x tokens) | tokens per step | steps | nccl band | noise | noise/signal r | "
+        + " | ".join(f"{s}: gap (error/noise)" for s in settings)
+        + " |",
+        "| --- | --- | --- | --- | --- | --- |" + " --- |" * len(settings),
+    ]
+    for name, sequences, seq_len, tokens in shapes:
+        nccl = cell.get((name, "nccl"), {})
+        cells = []
+        for s in settings:
+            r = cell.get((name, s))
+            if r is None:
+                cells.append("-")
+                continue
+            gap = "-" if r["paired_gap_pct"] is None else f"{r['paired_gap_pct']:+.2f} %"
+            mark = "" if r["inside_band"] is None else (" in" if r["inside_band"] else " **out**")
+            ratio = "" if r["error_over_noise"] is None else f" ({r['error_over_noise']:.3g})"
+            chosen = f" c={r['c_chosen']}" if r["c_chosen"] and s.endswith("auto") else ""
+            cells.append(f"{gap}{mark}{ratio}{chosen}")
+        band = nccl.get("nccl_band_pct")
+        out.append(
+            f"| {sequences} x {seq_len} | {tokens:,} | {nccl.get('steps', '-')} | "
+            f"{'-' if band is None else f'{band:.2f} %'} | {_f(nccl.get('noise_median'), '.3g')} | "
+            f"{_f(nccl.get('noise_to_signal'), '.3g')} | " + " | ".join(cells) + " |"
+        )
+    unit = noise_unit(rows)
+    a, b = (unit["sequences_exponent"], unit["seq_len_exponent"]) if unit else (None, None)
+    if a is not None or b is not None:  # two shapes along an axis at least
+        r_pythia = unit["r_pythia"]
+        out += [
+            "",
+            "The logged noise nu = sigma/||g_bar|| saturates near 1 while the noise dominates (E||g_bar||^2 = "
+            "||mu||^2 + sigma^2), so the table also gives r = sigma/||mu|| = nu/sqrt(1 - nu^2), which falls as "
+            "1/sqrt(n) with n independent samples per step. Fitted r ~ sequences^-a x seq_len^-b: "
+            f"a = {_f(a, '.2f')} (sequences varied at {unit['base'][1]} tokens), b = {_f(b, '.2f')} (sequence length "
+            f"varied at {unit['base'][0]} sequences); a = b = 0.5 would make tokens the unit, a = 0.5, b = 0 "
+            "sequences.",
+        ]
+        if r_pythia is not None:
+            nu = noise_from_ratio(r_pythia)
+            errors = {}
+            for r in rows:  # each setting's error at its largest batch
+                if r["rel_error_median"] and r["setting"] != "nccl":
+                    errors[r["setting"]] = r["rel_error_median"]
+            out += [
+                "",
+                f"Projected with these exponents from {unit['base'][0]} x {unit['base'][1]} (r = "
+                f"{unit['r_base']:.3g}) to Pythia's {PYTHIA_SEQUENCES} x {PYTHIA_SEQ_LEN}: r = {r_pythia:.3g}, logged "
+                f"noise {nu:.3g}; "
+                + "; ".join(f"{s}: error {e:.3g}, error/noise {e / nu:.3g}" for s, e in sorted(errors.items()))
+                + ".",
+            ]
+    return out
+
+
+def batch_scaling_figure(rows: list[dict], path: Path) -> Path:
+    """batch_scaling_gap.png: same-seed gap against tokens per step with nccl's band (left), error/noise and
+    c=auto's choice against tokens per step (right); circles vary sequences, squares sequence length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = min(rows, key=lambda r: (r["tokens_per_step"], r["sequences"]))
+    marker = lambda r: "o" if r["seq_len"] == base["seq_len"] else "s"  # noqa: E731
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    bands = sorted({(r["tokens_per_step"], r["nccl_band_pct"]) for r in rows if r["nccl_band_pct"] is not None})
+    if bands:
+        xs, widths = zip(*bands, strict=True)
+        left.fill_between(xs, [-w for w in widths], widths, color="grey", alpha=0.25, label="nccl's seed band")
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    settings = sorted({r["setting"] for r in rows} - {"nccl"})
+    for i, name in enumerate(settings):
+        mine = sorted((r for r in rows if r["setting"] == name), key=lambda r: r["tokens_per_step"])
+        for r in mine:
+            if r["paired_gap_pct"] is not None:
+                left.scatter(r["tokens_per_step"], r["paired_gap_pct"], color=cycle[i % len(cycle)], marker=marker(r))
+            if r["error_over_noise"]:
+                right.scatter(r["tokens_per_step"], r["error_over_noise"], color=cycle[i % len(cycle)],
+                              marker=marker(r))  # fmt: skip
+                if name.endswith("auto") and r["c_chosen"]:
+                    right.annotate(f"c={r['c_chosen']}", (r["tokens_per_step"], r["error_over_noise"]), fontsize=7,
+                                   xytext=(4, 3), textcoords="offset points")  # fmt: skip
+        left.plot([], [], color=cycle[i % len(cycle)], label=name)
+    left.axhline(0, color="black", linewidth=0.5)
+    left.set(xscale="log", xlabel="tokens per optimizer step", ylabel="val loss gap to nccl, same seed (%)",
+             title="gap against batch (circles: more sequences, squares: longer sequences)")  # fmt: skip
+    right.set(xscale="log", yscale="log", xlabel="tokens per optimizer step", ylabel="worst-rank error / noise",
+              title="aggregation error over gradient noise; c=auto's choice")  # fmt: skip
+    for ax in (left, right):
+        ax.grid(True, alpha=0.3)
+    left.legend(fontsize=7)
+    return _save(fig, path)
+
+
 # ------------------------------------------------------------- figures (scripts/make_figures.py draws them)
 
 
@@ -606,6 +827,9 @@ def main(argv=None) -> int:
     ap.add_argument("--grown-corpus-csv", type=Path, default=ROOT / "reports" / "data" / "fidelity_corpus_v2.csv")
     ap.add_argument("--report", type=Path, default=ROOT / "reports" / "fidelity.md")
     ap.add_argument("--log", type=Path, default=ROOT / "reports" / "logs" / "fidelity_runs.log")
+    ap.add_argument("--batch-scaling-dir", type=Path, default=BATCH_SCALING_DIR)
+    ap.add_argument("--batch-scaling-csv", type=Path, default=ROOT / "reports" / "data" / "batch_scaling.csv")
+    ap.add_argument("--batch-scaling-log", type=Path, default=ROOT / "reports" / "logs" / "batch_scaling_runs.log")
     args = ap.parse_args(argv)
     settings = load_runs(args.runs_dir)
     if not settings:
@@ -623,6 +847,15 @@ def main(argv=None) -> int:
     if args.report.exists() and GENERATED_MARKER in (old := args.report.read_text()):
         kept = old.split(GENERATED_MARKER)[0]
     generated = render(rows, settings, lab_step_seconds(args.lab_csv), log_lines, plane, grown_rows)
+    batch_rows = batch_scaling_rows(load_batch_scaling(args.batch_scaling_dir))
+    if batch_rows:  # the section goes before the run logs
+        write_csv(batch_rows, args.batch_scaling_csv)
+        section = render_batch_scaling(batch_rows)
+        batch_log = args.batch_scaling_log.read_text().splitlines() if args.batch_scaling_log.exists() else []
+        if batch_log:
+            section += ["", "Batch-scaling runs and load:", "", "```", *batch_log, "```"]
+        head, logs, tail = generated.partition("\n## Runs and load")
+        generated = head.rstrip("\n") + "\n" + "\n".join(section) + "\n" + (f"{logs}{tail}" if logs else "")
     if kept:  # the hand-written part carries the title
         generated = generated.split("\n", 2)[2]
     args.report.write_text(f"{kept}{GENERATED_MARKER}\n\n{generated}" if kept else generated)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -123,3 +124,55 @@ def test_figures_are_drawn_from_the_run_folders(runs, tmp_path):
         "fidelity_val_loss_vs_step.png",
     ]
     assert all(p.stat().st_size > 10_000 for p in paths)
+
+
+def write_shape(root: Path, sequences: int, seq_len: int, noise: float, finals: dict[str, float]) -> None:
+    """One batch shape of the batch-scaling study: a run per setting (seed from the name), its final validation
+    loss given, the noise given, CERAR's error 0.04 (c=16) or 0.005 (c=auto, which says it chose c=12)."""
+    for label, value in finals.items():
+        folder = root / f"batch{sequences}x{seq_len}" / label
+        error = 0.0 if label.startswith("nccl") else 0.005 if "auto" in label else 0.04
+        write_run(folder, {500: value + 0.5, 1000: value}, error, noise, 0.0)
+        summary = json.loads((folder / "summary.json").read_text())
+        summary.update(global_batch_size=sequences, seq_len=seq_len, c_chosen=12 if "auto" in label else None)
+        (folder / "summary.json").write_text(json.dumps(summary))
+
+
+def test_batch_scaling_section_states_gap_against_band_and_the_noise_unit(runs, tmp_path):
+    """Three shapes with known noise: r = nu / sqrt(1 - nu^2) is 4 at 16 x 64, 1 at 256 x 64 (16x the sequences:
+    r ~ sequences^-0.5) and 4 at 16 x 1024 (16x the length: no change), so a = 0.5, b = 0 and Pythia's 1024 x 2048
+    has r = 4 / 8 = 0.5, logged noise 0.5 / sqrt(1.25) = 0.447, at which c=16's error 0.04 is 0.0894 of it."""
+    root = tmp_path / "batch-scaling"
+    nu4, nu1 = 4 / math.sqrt(17), 1 / math.sqrt(2)
+    base = {"nccl_s1": 4.0, "nccl_s2": 4.02, "cerar_c16_s1": 4.01, "cerar_auto_s1": 4.0}
+    write_shape(root, 16, 64, nu4, base)
+    write_shape(root, 256, 64, nu1, {**base, "cerar_c16_s1": 4.06})  # +1.5 %: out of nccl's 0.5 % band
+    write_shape(root, 16, 1024, nu4, base)
+    report, table, batch_csv = tmp_path / "fidelity.md", tmp_path / "fidelity.csv", tmp_path / "batch.csv"
+    argv = ["--runs-dir", str(runs), "--report", str(report), "--csv", str(table), "--log", str(tmp_path / "no-log")]
+    argv += ["--plane-csv", str(tmp_path / "no-plane"), "--grown-corpus-runs-dir", str(tmp_path / "none")]
+    argv += ["--batch-scaling-dir", str(root), "--batch-scaling-csv", str(batch_csv)]
+    assert fidelity_report.main(argv) == 0
+    rows = {(r["shape"], r["setting"]): r for r in csv.DictReader(batch_csv.open())}
+    big = rows[("batch256x64", "cerar_c16")]
+    assert float(big["paired_gap_pct"]) == pytest.approx(1.5) and big["inside_band"] == "False"
+    assert float(big["nccl_band_pct"]) == pytest.approx(0.5)
+    assert float(big["error_over_noise"]) == pytest.approx(0.04 / nu1)
+    assert rows[("batch16x1024", "cerar_c16")]["inside_band"] == "True"
+    section = report.read_text().split("## Does the gap grow with the batch?")[1]
+    assert (
+        "| 256 x 64 | 16,384 | 1000 | 0.50 % | 0.707 | 1 | +0.00 % in (0.00707) c=12 | +1.50 % **out** (0.0566) |"
+        in (section)
+    )
+    assert "a = 0.50 (sequences varied at 64 tokens), b = 0.00 (sequence length varied at 16 sequences)" in section
+    assert "r = 0.5, logged noise 0.447; cerar_auto: error 0.005, error/noise 0.0112; cerar_c16: error 0.04, " in (
+        section
+    )
+    assert "error/noise 0.0894." in section
+    rows = fidelity_report.batch_scaling_rows(fidelity_report.load_batch_scaling(root))
+    assert fidelity_report.batch_scaling_figure(rows, tmp_path / "gap.png").stat().st_size > 10_000
+    # A run whose summary says another shape than its folder stops the report, naming it.
+    liar = root / "batch16x64" / "cerar_c16_s1" / "summary.json"
+    liar.write_text(json.dumps({**json.loads(liar.read_text()), "global_batch_size": 32}))
+    with pytest.raises(ValueError, match="cerar_c16_s1: its summary says 32 sequences x 64 tokens, its folder 16 x 64"):
+        fidelity_report.load_batch_scaling(root)
