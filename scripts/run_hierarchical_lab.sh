@@ -53,7 +53,7 @@ step "all-reduce, 4x2 hosts, ${RATE_AR} Mbit/s, jumbo frames" \
   $PY scripts/bench_allreduce.py --lab --rate-mbit "$RATE_AR" --mtu 9000 --n 8 --ranks-per-host 2 \
   --sizes-mb "$SIZES" --aggregators nccl,cerar,hier_ring,hier_cerar,hier_ring16 \
   --constructions optimized,perturbation --c-mult 4 --hier-c 8,16 --half-dtype float16 \
-  --repeats "$REPEATS" --warmup 1 --timeout 3600 --csv "$CSV" --log-dir "$OUT/logs/hierarchical_lab_ranks" --quiet
+  --repeats "$REPEATS" --warmup 1 --timeout 3600 --csv "$CSV" --log-dir "${TMPDIR:-/tmp}/hierarchical_lab_ranks" --quiet
 step "training, 4x2 hosts, ${RATE_TRAIN} Mbit/s, seeds $SEEDS" \
   $PY scripts/compare_training.py --settings nccl,hier_ring,hier_cerar_c16 --seeds "$SEEDS" --n 8 \
   --ranks-per-host 2 --mtu 9000 --rate-mbit "$RATE_TRAIN" --model "$MODEL" --steps "$STEPS" --eval-every "$EVAL" \
