@@ -135,8 +135,6 @@ class PowerSGDAggregator(Aggregator):
 class CerarAggregator(Aggregator):
     """CERAR (or, with exact_ring, cerar's exact ring) through the cerar public API."""
 
-    replicas_differ = True  # every rank but N-1 gets its own approximation (c=auto may switch codes mid-run)
-
     def __init__(
         self,
         world_size: int,
@@ -153,6 +151,7 @@ class CerarAggregator(Aggregator):
         self.cerar = cerar
         self.c, self.construction, self.eps, self.kappa_max = c, construction, eps, kappa_max
         self.exact_ring = exact_ring
+        self.replicas_differ = not exact_ring  # every rank but N-1 its own approximation (c=auto: from its choice on)
         self.name = "ring" if exact_ring else f"cerar-{construction}"
         self.code = None
         if not exact_ring and world_size > 1:
