@@ -495,21 +495,23 @@ def noise_exponent(points: list[tuple[float, float]]) -> float | None:
 
 
 def noise_unit(rows: list[dict]) -> dict | None:
-    """How the noise-to-signal ratio r falls with sequences per step (at the smallest sequence length) and with
-    sequence length (at the fewest sequences), and r projected to Pythia's 1024 x 2048 from the smallest shape."""
+    """How the noise-to-signal ratio r falls with sequences per step (at the smallest shape's sequence length) and
+    with sequence length (at its number of sequences), and r projected to Pythia's 1024 x 2048 from the shape where
+    r is smallest (best determined: nu is furthest from its saturation at 1)."""
     by_shape = {(r["sequences"], r["seq_len"]): r["noise_to_signal"] for r in rows if r["setting"] == "nccl"}
     if not by_shape:
         return None
     base = min(by_shape, key=lambda k: (k[0] * k[1], k[0]))
     sequences_slope = noise_exponent([(s, r) for (s, t), r in by_shape.items() if t == base[1]])
     length_slope = noise_exponent([(t, r) for (s, t), r in by_shape.items() if s == base[0]])
-    unit = {"base": base, "r_base": by_shape[base], "sequences_exponent": sequences_slope,
-            "seq_len_exponent": length_slope, "r_pythia": None}  # fmt: skip
-    if by_shape[base] and sequences_slope is not None and length_slope is not None:
+    unit = {"base": base, "sequences_exponent": sequences_slope, "seq_len_exponent": length_slope,
+            "reference": None, "r_reference": None, "r_pythia": None}  # fmt: skip
+    measured = {k: r for k, r in by_shape.items() if r}
+    if measured and sequences_slope is not None and length_slope is not None:
+        (sequences, seq_len), r = min(measured.items(), key=lambda kv: kv[1])
+        unit.update(reference=(sequences, seq_len), r_reference=r)
         unit["r_pythia"] = (
-            by_shape[base]
-            * (PYTHIA_SEQUENCES / base[0]) ** -sequences_slope
-            * (PYTHIA_SEQ_LEN / base[1]) ** -length_slope
+            r * (PYTHIA_SEQUENCES / sequences) ** -sequences_slope * (PYTHIA_SEQ_LEN / seq_len) ** -length_slope
         )
     return unit
 
@@ -576,9 +578,9 @@ def render_batch_scaling(rows: list[dict]) -> list[str]:
                     errors[r["setting"]] = r["rel_error_median"]
             out += [
                 "",
-                f"Projected with these exponents from {unit['base'][0]} x {unit['base'][1]} (r = "
-                f"{unit['r_base']:.3g}) to Pythia's {PYTHIA_SEQUENCES} x {PYTHIA_SEQ_LEN}: r = {r_pythia:.3g}, logged "
-                f"noise {nu:.3g}; "
+                f"Projected with these exponents from {unit['reference'][0]} x {unit['reference'][1]} (r = "
+                f"{unit['r_reference']:.3g}) to Pythia's {PYTHIA_SEQUENCES} x {PYTHIA_SEQ_LEN}: r = {r_pythia:.3g}, "
+                f"logged noise {nu:.3g}; "
                 + "; ".join(f"{s}: error {e:.3g}, error/noise {e / nu:.3g}" for s, e in sorted(errors.items()))
                 + ".",
             ]
