@@ -10,7 +10,8 @@ The tiers:
 
 - inside a node, a ring of its G ranks (``intra_node``): exact reduce-scatter and all-gather;
 - between nodes, G "rails", one per local rank l: the ring of the n ranks l, G + l, ..., (n-1)G + l,
-  whose group rank is their node (rail rank i = node i). Each rail carries one 1/G shard.
+  whose group rank is their node (rail rank i = node i: ``dist.new_group`` numbers a group's members in
+  ascending global rank, torch 2.4 and later alike). Each rail carries one 1/G shard.
 
 ``NodeLayout`` is the pure layout; ``tier_groups`` makes its process groups once per process (a
 collective call: every rank must make it, and ``dist.new_group`` is collective over all ranks, so
