@@ -171,6 +171,31 @@ def cerar_arithmetic(d, N: int, c: int, storage: str = DEFAULT_STORAGE) -> dict:
     return _arithmetic(d, N, c, storage)
 
 
+def cerar_exposed_values(d, N: int, c, storage: str = DEFAULT_STORAGE):
+    """Values the arithmetic moves that no transfer can hide, per rank and call (exact when c
+    divides d): x(1)'s encoding before the first send ((c + 1) m: G read, one row written), the
+    addition after the last round's message arrives (3 m, for c >= 2), and the decoding products
+    after the last round: every message not decoded in flight (a batch is decoded in flight once
+    complete and before round L: none with ``"messages"``), each product reading its rows and
+    reading and writing the result (2 c m), except a first product, which reads U_i's c rows
+    instead of the result. The rest runs beside the transfers once the blocks travel in two or
+    more pipeline chunks (``cerar.rounds.pipeline_chunks``): chunk k's arithmetic while chunk k+1
+    is on the wire. ``c`` may be an array."""
+    _check_storage(storage)
+    c = np.asarray(c)
+    m = -(-np.asarray(d) // c)
+    L = c + N - 2
+    rows = np.maximum(L if storage == "messages" else N, 2)
+    batch = np.where(rows >= L, rows, rows - 1)
+    in_flight = np.where(batch < L, batch * (np.maximum(L - 2, 0) // batch), 0)  # messages decoded before round L ends
+    left = L - in_flight
+    products = -(-left // batch)
+    decode = np.where(
+        in_flight == 0, (c + left) * m + c * m + (products - 1) * 2 * c * m, left * m + products * 2 * c * m
+    )
+    return (c + 1) * m + np.where(c >= 2, 3 * m, 0) + decode
+
+
 def cerar_work(d, N: int, c: int, storage: str = DEFAULT_STORAGE):
     """Arithmetic operations per worker of CERAR: multiply-adds plus additions (``cerar_arithmetic``)."""
     counts = cerar_arithmetic(d, N, c, storage)
@@ -235,6 +260,23 @@ class LinkModel:
         L = cs + N - 2
         moved = _arithmetic(d, N, cs, self.storage)["values_moved"]
         return self.alpha * L + L * m * itemsize / self.bandwidth + moved * itemsize / self.memory_bandwidth
+
+    def ring_time_overlapped(self, d, N: int, itemsize: int = 4) -> float:
+        """The ring with its additions beside its transfers, as NCCL's ring kernel pipelines them:
+        rounds * alpha + max(bytes / bandwidth, bytes moved / memory bandwidth)."""
+        rounds, sent, moved = features("ring", d, N, None, itemsize)
+        return float(self.alpha * rounds + max(sent / self.bandwidth, moved / self.memory_bandwidth))
+
+    def cerar_time_overlapped(self, d, N: int, c: int, itemsize: int = 4) -> float:
+        """CERAR with its arithmetic beside its transfers (a GPU: NCCL's stream and the compute
+        stream run at once; ``cerar.protocol`` enqueues chunk k's arithmetic while chunk k+1 is on
+        the wire): rounds * alpha + max(bytes / bandwidth, hideable traffic / memory bandwidth) +
+        exposed traffic / memory bandwidth (``cerar_exposed_values``). Assumes the transfers take no
+        memory bandwidth from the arithmetic (true of PCIe and network links; on NVLink they share HBM)."""
+        rounds, sent, moved = features("cerar", d, N, c, itemsize, self.storage)
+        exposed = float(cerar_exposed_values(d, N, c, self.storage)) * itemsize
+        hidden = max(sent / self.bandwidth, (moved - exposed) / self.memory_bandwidth)
+        return float(self.alpha * rounds + hidden + exposed / self.memory_bandwidth)
 
     def best_c(self, d: int, N: int, itemsize: int = 4, c_max: int | None = None) -> tuple[int, float]:
         """The c in 1..c_max (default 64N) minimising CERAR's time, and that time."""

@@ -24,7 +24,12 @@ How it runs, so that communication overlaps the rest of backward:
   the future carries the bucket's device and its result is set on the hook's stream, so DDP's
   reads of the result wait for that stream (torch's CUDA-aware futures), not for the host;
 - the per-phase timers are off (on CUDA their read-out would synchronise once per bucket); the
-  rounds' deadlines are kept on the hook's thread (``cerar.protocol``), never on backward's.
+  rounds' deadlines are kept on the hook's thread (``cerar.protocol``), never on backward's. On
+  NCCL that thread enqueues a bucket's rounds on the hook's stream without waiting for them (the
+  streams order round t+1 after round t) and polls one round's completion per look-behind window
+  and the last one; a stalled peer raises ``CollectiveError`` there, which DDP surfaces from
+  backward. The group is then unusable: abort it (``torch.distributed.distributed_c10d.
+  _abort_process_group``) and end the process, as the trainer does.
 """
 
 import contextlib
@@ -60,8 +65,9 @@ def transport_group(process_group: dist.ProcessGroup | None = None, timeout=None
     """A new process group over the ranks of ``process_group`` (default: all ranks) for CERAR's
     point-to-point traffic. A collective call: every rank of the default group must make it, in the
     same order. Its own timeout (NCCL's watchdog: it aborts the communicator, and with
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at its default tears the process down) is twice CERAR's round
-    timeout, so the round deadline reports a stalled peer first and the watchdog is the backstop."""
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` tears the process down) is twice CERAR's timeout (at least
+    a minute), so CERAR's own deadline (per round on gloo, per look-behind round on NCCL) reports a
+    stalled peer first, leaving the caller time to abort the group and exit; the watchdog is the backstop."""
     ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
     backstop = 2 * _as_timedelta(timeout)
     return dist.new_group(ranks=ranks, timeout=max(backstop, timedelta(seconds=60)))

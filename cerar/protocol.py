@@ -5,22 +5,43 @@ One code path for gloo (CPU tensors) and NCCL (CUDA tensors): every round is one
 group's rank order. Encoding and decoding are batched matrix products on the tensor's device (see
 ``cerar.rounds``), in full float32 whatever the TF32 settings (``cerar.precision``).
 
-The two backends keep different contracts, and the code is written against both:
+The backends keep different contracts, and a call follows the one of its group's backend (a
+``TransportContract``, chosen by ``transport_contract(group)`` from the backend's name;
+``set_transport_contract`` maps another backend, or lets a test harness run the NCCL path on gloo):
 
-- what ``batch_isend_irecv`` returns: gloo one work per op; NCCL, which coalesces the batch, one
-  work for the whole batch;
-- what ``Work.wait(timeout)`` does: gloo blocks the host up to the timeout; NCCL (without
-  ``TORCH_NCCL_BLOCKING_WAIT``) only makes the current CUDA stream wait and returns at once. So
-  each round first waits (gloo: bounded there; NCCL: the current stream is ordered after the
-  transfer), then, if the work has not completed, polls ``Work.is_completed()`` until the round's
-  deadline (NCCL: the host-side bound; gloo's point-to-point works only report completion once
-  waited for, so the poll alone would not do there);
-- the first operation on an NCCL communicator must involve every rank of the group: each call
-  starts with an all-gather (the agreement check), and every round involves every rank.
+- **host-waited** (gloo): ``batch_isend_irecv`` returns one work per op, and its point-to-point
+  works complete only once waited for. The host drives the rounds: each round it waits with
+  ``Work.wait(timeout)``, which blocks up to the time left of the round's timeout and raises on
+  expiry: that wait is the bound.
+- **stream-ordered** (NCCL): ``batch_isend_irecv`` coalesces the batch into ONE work. torch's
+  ``ProcessGroupNCCL::WorkNCCL::wait`` (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp) first
+  calls ``synchronize()``, which makes the current CUDA stream wait for the NCCL stream, and only
+  "in case of blockingWait or a timeout value is specified by the user" blocks the host thread,
+  polling ``isCompleted()`` until completion or expiry; on expiry (or any exception) it aborts the
+  communicators and throws (``handleException(TearDown)``). So ``wait()`` without a timeout orders
+  the stream and returns at once, and ``wait(timeout)`` would make every round a host round trip
+  and abort the communicator on a stall. Under this contract a call never passes a timeout to
+  ``wait``: the host enqueues the rounds (encode, post, stream-only ``wait()``, decode), the CUDA
+  streams order round t+1's send after round t's receive, and the host bounds the call by polling
+  ``Work.is_completed()`` of an already-posted round against the deadline, once every
+  ``LOOK_BEHIND_POSTS`` posts (the look-behind window, which also keeps the host at most
+  2 x ``LOOK_BEHIND_POSTS`` posts ahead of the GPU) and once at the end, then calls ``wait()``
+  on it (which, on a work that failed, raises its error). ``TORCH_NCCL_BLOCKING_WAIT=1`` would make
+  every ``wait()`` block the host again: leave it unset.
 
-After a CollectiveError on NCCL the communicator is in an unknown state (a kernel may still wait for
-the missing peer): the group must not be used again; NCCL's watchdog aborts it at the group's own
-timeout.
+What bounds a stall: on gloo, a round whose messages have not arrived ``timeout`` seconds after
+the host began to wait for it raises ``CollectiveError``. On NCCL, a look-behind round (at most
+2 x ``LOOK_BEHIND_POSTS`` posts behind the newest) that has not completed ``timeout`` seconds after
+the host began to poll it raises ``CollectiveError``; since posting is fast, every rank whose
+rounds stop (a peer died or stalled) raises within about ``timeout`` of the stall. After a
+CollectiveError on NCCL the communicator still holds kernels that wait for the missing peer: the
+group must not be used again. Abort it (``torch.distributed.distributed_c10d._abort_process_group``)
+before the process exits, as the trainer does; otherwise NCCL's watchdog aborts it at the group's
+own timeout (and with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` takes the process down).
+
+The first operation on an NCCL communicator must involve every rank of the group: each call
+starts with an all-gather (the agreement check, cached per group and length), and every round
+involves every rank.
 
 Costs per call, for a tensor of d values (m = ceil(d/c)):
 
@@ -37,6 +58,10 @@ arithmetic         (3c + N - 2) d mult-adds   (N - 1) ceil(d/N) additions
                    ("messages") passes over
                    d (``cerar.rounds``)
 error              the code's (0 for exact)   none
+host waits         gloo: every round; NCCL:   the same
+                   one poll per
+                   LOOK_BEHIND_POSTS posts
+                   and one at the end
 =================  =========================  ==============================
 """
 
@@ -45,7 +70,8 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -58,12 +84,17 @@ from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer, check_stora
 from cerar.workspace import POOL
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
-"""How long one round may wait for its peers before the call fails."""
+"""How long the host waits for one round (gloo) or one look-behind round (NCCL) before the call fails."""
 
 OPS = ("sum", "avg")
 
 PROTOCOL_VERSION = 1
 """Bumped whenever the rounds or the code matrices change: ranks of different versions refuse to mix."""
+
+LOOK_BEHIND_POSTS = 8
+"""Under the stream-ordered contract the host checks one posted round per this many posts: small
+enough that a stall is noticed after a few rounds' worth of enqueueing, large enough that the host
+stays several rounds ahead of the GPU (which then never idles while the host sleeps between polls)."""
 
 
 class CollectiveError(RuntimeError):
@@ -72,7 +103,9 @@ class CollectiveError(RuntimeError):
 
 @dataclass
 class AllReduceStats:
-    """What one call cost this rank. Times are this rank's wall-clock seconds per phase."""
+    """What one call cost this rank. Times are this rank's wall-clock seconds per phase (on CUDA:
+    the compute stream's time, from events; ``seconds_comm`` is then the time the stream waited
+    for transfers)."""
 
     bytes_sent: int = 0
     bytes_received: int = 0
@@ -85,6 +118,84 @@ class AllReduceStats:
     @property
     def seconds_total(self) -> float:
         return self.seconds_encode + self.seconds_comm + self.seconds_decode
+
+
+# ------------------------------------------------------------------------------------------------
+# Transport contracts: how a backend's works complete, and so how the host bounds them
+# ------------------------------------------------------------------------------------------------
+
+
+class _Ran:
+    """The handle of device work that ran when it was issued (a finished future)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value):
+        self.value = value
+
+    def done(self) -> bool:
+        return True
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self.value
+
+
+class ImmediateDeviceQueue:
+    """Where a call's device work is issued: at once, by the calling thread. On CUDA the kernels
+    go on the current stream, which orders them (the host does not wait for them); on the CPU they
+    run there and then. A CPU emulation of a stream substitutes a queue whose ``submit`` runs the
+    work later, in order, on a thread of its own (``tests/distributed.py``)."""
+
+    def submit(self, fn, *args):
+        return _Ran(fn(*args))
+
+    def drain(self, deadline: float) -> None:  # noqa: ARG002  nothing is left to run
+        return None
+
+
+@dataclass(frozen=True)
+class TransportContract:
+    """What a backend's point-to-point promises, which decides how a call waits for its rounds.
+
+    ``stream_ordered=False`` (gloo): the host waits for each round with ``Work.wait(timeout)``.
+    ``stream_ordered=True`` (NCCL): the host only orders the device after each round
+    (``Work.wait()``), and bounds the call by polling ``Work.is_completed()`` once per
+    ``look_behind`` posts and at the end (module docstring). ``device_queue``: where device work
+    is issued (``ImmediateDeviceQueue``)."""
+
+    name: str
+    stream_ordered: bool
+    look_behind: int = LOOK_BEHIND_POSTS
+    device_queue: object = field(default_factory=ImmediateDeviceQueue, compare=False)
+
+
+HOST_WAITED = TransportContract("host-waited (gloo)", stream_ordered=False)
+STREAM_ORDERED = TransportContract("stream-ordered (NCCL)", stream_ordered=True)
+
+_CONTRACTS: dict[str, TransportContract] = {"nccl": STREAM_ORDERED}
+
+
+def transport_contract(group=None) -> TransportContract:
+    """The contract a call on ``group`` follows: the one registered for its backend's name
+    (NCCL: stream-ordered), else host-waited."""
+    return _CONTRACTS.get(str(dist.get_backend(group)), HOST_WAITED)
+
+
+def set_transport_contract(backend: str, contract: TransportContract | None) -> TransportContract | None:
+    """Make calls on groups of ``backend`` follow ``contract`` (None: the default again); returns
+    the previous one. For backends that behave like NCCL, and for a harness that emulates NCCL's
+    contract on gloo to test the stream-ordered path on a CPU."""
+    previous = _CONTRACTS.get(backend)
+    if contract is None:
+        _CONTRACTS.pop(backend, None)
+    else:
+        if not isinstance(contract, TransportContract):
+            raise ValueError(f"contract must be a cerar.protocol.TransportContract, got {type(contract).__name__}")
+        _CONTRACTS[backend] = contract
+    return previous
 
 
 # ------------------------------------------------------------------------------------------------
@@ -101,6 +212,7 @@ class _Ring:
     prev_rank: int
     timeout: timedelta
     operation: str
+    contract: TransportContract = HOST_WAITED
     bytes_sent: int = 0  # of the tensors this ring handed to isend / irecv
     bytes_received: int = 0
 
@@ -124,41 +236,24 @@ class _Ring:
             global_rank((rank - 1) % size),
             _as_timedelta(timeout),
             operation,
+            transport_contract(group),
         )
 
-    def wait(self, work, what: str, peers: str = "", deadline: float | None = None) -> None:
-        """Wait for ``work`` until the deadline (default: the timeout from now), turning a failure or
-        a stall into a CollectiveError that names the operation, ``what`` and the peers.
+    @property
+    def peers(self) -> str:
+        return f"from rank {self.prev_rank} / to rank {self.next_rank}"
 
-        ``Work.wait(timeout)`` blocks the host up to the timeout on gloo, but on NCCL (without
-        blocking wait) it only makes the current CUDA stream wait and returns at once, bounding
-        nothing; and gloo's point-to-point works report ``is_completed()`` only once waited for. So:
-        wait (gloo: the bound; NCCL: the stream order), then poll ``is_completed()`` against the
-        deadline (NCCL: the bound), then wait once more if it was polled, to raise a failed work's error."""
+    def _failure(self, what: str, peers: str, error: BaseException | None = None) -> CollectiveError:
         seconds = self.timeout.total_seconds()
-        deadline = time.monotonic() + seconds if deadline is None else deadline
         peer_text = f" {peers}" if peers else ""
-        try:
-            work.wait(timedelta(seconds=max(deadline - time.monotonic(), _LAST_POLL_PAUSE)))
-            if work.is_completed():
-                return
-            pause = _FIRST_POLL_PAUSE
-            while not work.is_completed():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise CollectiveError(
-                        f"{self.operation}: {what}{peer_text} did not complete within the timeout "
-                        f"({seconds:g}s): a peer died or stalled"
-                    )
-                time.sleep(min(pause, left))
-                pause = min(2 * pause, _LAST_POLL_PAUSE)
-            work.wait(timedelta(seconds=_LAST_POLL_PAUSE))
-        except CollectiveError:
-            raise
-        except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
-            raise CollectiveError(
-                f"{self.operation}: {what}{peer_text} failed or timed out (timeout {seconds:g}s): {error}"
-            ) from error
+        if error is None:
+            return CollectiveError(
+                f"{self.operation}: {what}{peer_text} did not complete within the timeout ({seconds:g}s): "
+                "a peer died or stalled"
+            )
+        return CollectiveError(
+            f"{self.operation}: {what}{peer_text} failed or timed out (timeout {seconds:g}s): {error}"
+        )
 
     def post(self, send: torch.Tensor, recv: torch.Tensor) -> list:
         """Start sending to the next rank and receiving from the previous one. Returns what
@@ -176,26 +271,153 @@ class _Ring:
         self.bytes_received += _bytes(recv)
         return works
 
+    def await_works(self, works: list, what: str, peers: str = "", deadline: float | None = None) -> None:
+        """Return once ``works`` have completed, on the host, by ``deadline`` (``time.monotonic()``
+        seconds; default one timeout from now); a failure or a stall raises CollectiveError naming
+        the operation, ``what`` and the peers.
+
+        Host-waited (gloo): ``Work.wait(timeout)`` with the time left, which blocks and raises on
+        expiry. Stream-ordered (NCCL): ``Work.is_completed()`` polled against the deadline, then
+        ``Work.wait()`` without a timeout, which orders the current stream after the work and
+        raises the work's error if it failed (never ``wait(timeout)``: module docstring)."""
+        if deadline is None:
+            deadline = time.monotonic() + self.timeout.total_seconds()
+        try:
+            if not self.contract.stream_ordered:
+                for work in works:
+                    work.wait(timedelta(seconds=max(deadline - time.monotonic(), _LAST_POLL_PAUSE)))
+                return
+            pause = _FIRST_POLL_PAUSE
+            for work in works:
+                while not work.is_completed():
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise self._failure(what, peers)
+                    time.sleep(min(pause, left))
+                    pause = min(2 * pause, _LAST_POLL_PAUSE)
+                work.wait()
+        except CollectiveError:
+            raise
+        except Exception as error:  # gloo/NCCL raise RuntimeError or DistBackendError
+            raise self._failure(what, peers, error) from error
+
     def complete(self, works: list, what: str) -> None:
-        """Wait for a ``post``'s messages, within one timeout for the round, whatever form
-        ``batch_isend_irecv`` returned them in."""
+        """Wait on the host for a ``post``'s messages, within one timeout, whatever form
+        ``batch_isend_irecv`` returned them in (``await_works``)."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         if len(works) == 2:  # one work per op, in the order posted: the send, then the receive
-            self.wait(works[1], f"{what}: receive", f"from rank {self.prev_rank}", deadline)
-            self.wait(works[0], f"{what}: send", f"to rank {self.next_rank}", deadline)
+            self.await_works(works[1:], f"{what}: receive", f"from rank {self.prev_rank}", deadline)
+            self.await_works(works[:1], f"{what}: send", f"to rank {self.next_rank}", deadline)
         else:  # one work for the batch (or none, where a backend returns nothing to wait for)
-            peers = f"from rank {self.prev_rank} / to rank {self.next_rank}"
-            for work in works:
-                self.wait(work, f"{what}: receive and send", peers, deadline)
+            self.await_works(works, f"{what}: receive and send", self.peers, deadline)
 
     def shift(self, send: torch.Tensor, recv: torch.Tensor, what: str) -> None:
-        """Send to the next rank and receive from the previous one, concurrently, and wait."""
+        """Send to the next rank and receive from the previous one, concurrently, and wait on the host."""
         self.complete(self.post(send, recv), what)
 
 
 _FIRST_POLL_PAUSE = 20e-6
-_LAST_POLL_PAUSE = 1e-3
-"""Bounds of the pause between two polls of a work's completion (doubling from the first)."""
+_LAST_POLL_PAUSE = 2e-4
+"""Bounds of the pause between two polls of a work's completion (doubling from the first): short
+enough that the host wakes before the rounds it queued ahead of the GPU run out."""
+
+
+class _Rounds:
+    """The rounds of one call, as the ring's contract wants them issued, ordered and bounded.
+
+    ``post`` starts a round's messages and returns its handle; ``arrive(handle)`` makes the device
+    work issued after it (``issue``) see the round's received data; ``finish`` returns once every
+    round has completed (or raises). Host-waited (gloo): ``arrive`` waits on the host, bounded by
+    ``Work.wait(timeout)``. Stream-ordered (NCCL): ``arrive`` only orders the device queue after the
+    round (``Work.wait()``); every ``look_behind`` posts the host polls the round posted
+    ``look_behind`` posts earlier until it completes or its deadline passes, and ``finish`` polls
+    the last one. Written once, for ``all_reduce`` and ``ring_all_reduce`` alike.
+    """
+
+    def __init__(self, ring: _Ring, timer: PhaseTimer):
+        self.ring, self.timer = ring, timer
+        self.contract = ring.contract
+        self.queue = self.contract.device_queue
+        self.posted: deque = deque()  # (handle, what) of the rounds posted and not yet seen complete
+        self.posts = 0
+
+    def issue(self, fn, *args):
+        """Device work, after everything issued or arrived before it."""
+        return self.queue.submit(fn, *args)
+
+    def post(self, send: torch.Tensor, recv: torch.Tensor, what: str):
+        handle = self.queue.submit(self._post, send, recv)
+        if self.contract.stream_ordered:
+            self.posted.append((handle, what))
+            self.posts += 1
+            if self.posts % self.contract.look_behind == 0 and len(self.posted) > self.contract.look_behind:
+                while len(self.posted) > self.contract.look_behind + 1:
+                    self.posted.popleft()  # completed before the round polled next (one stream, in order)
+                self._await(*self.posted.popleft())
+        return handle
+
+    def _post(self, send, recv):
+        with self.timer.phase("comm"):
+            return self.ring.post(send, recv)
+
+    def arrive(self, handle, what: str) -> None:
+        if self.contract.stream_ordered:
+            self.queue.submit(self._order, handle, what)
+        else:
+            with self.timer.phase("comm"):
+                self.ring.complete(handle.result(), what)
+
+    def _order(self, handle, what: str) -> None:
+        """Make the device work issued next wait for the round: ``Work.wait()`` without a timeout
+        (NCCL: the current stream waits for the NCCL stream; the host does not)."""
+        try:
+            with self.timer.phase("comm"):
+                for work in handle.result():
+                    work.wait()
+        except CollectiveError:
+            raise
+        except Exception as error:
+            raise self.ring._failure(f"{what}: receive and send", self.ring.peers, error) from error
+
+    def _completed(self, handle, what: str) -> bool:
+        if not handle.done():  # only under an emulated device queue: not even posted yet
+            return False
+        error = handle.exception()
+        if error is not None:
+            if isinstance(error, CollectiveError):
+                raise error
+            raise self.ring._failure(f"{what}: receive and send", self.ring.peers, error) from error
+        return all(work.is_completed() for work in handle.result())
+
+    def _await(self, handle, what: str) -> None:
+        """Poll one posted round until it completes or its deadline (``timeout`` from now) passes,
+        then ``wait()`` on it, which raises the error of a failed work (NCCL: and aborts it)."""
+        deadline = time.monotonic() + self.ring.timeout.total_seconds()
+        pause = _FIRST_POLL_PAUSE
+        while not self._completed(handle, what):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise self.ring._failure(f"{what}: receive and send", self.ring.peers)
+            time.sleep(min(pause, left))
+            pause = min(2 * pause, _LAST_POLL_PAUSE)
+        try:
+            for work in handle.result():
+                work.wait()
+        except Exception as error:
+            raise self.ring._failure(f"{what}: receive and send", self.ring.peers, error) from error
+
+    def finish(self) -> None:
+        """Return once every round has completed and the device work issued so far has run
+        (stream-ordered: the last round polled against its deadline; the rest was before it)."""
+        if self.posted:
+            self._await(*self.posted.pop())
+            self.posted.clear()
+        try:
+            self.queue.drain(time.monotonic() + self.ring.timeout.total_seconds())
+        except CollectiveError:
+            raise
+        except Exception as error:
+            raise self.ring._failure("finishing the device work", "", error) from error
 
 
 def _as_timedelta(timeout) -> timedelta:
@@ -249,11 +471,11 @@ def check_agreement(ring: _Ring, fields: dict[str, object]) -> None:
     mine = torch.tensor(digests, dtype=torch.int64)
     device = _group_device(ring.group)
     gathered = [torch.empty_like(mine, device=device) for _ in range(ring.size)]
-    ring.wait(
-        dist.all_gather(gathered, mine.to(device), group=ring.group, async_op=True),
-        "checking that all ranks agree on the call",
-        "(all ranks of the group)",
-    )
+    try:
+        work = dist.all_gather(gathered, mine.to(device), group=ring.group, async_op=True)
+    except Exception as error:
+        raise ring._failure("checking that all ranks agree on the call", "(all ranks of the group)", error) from error
+    ring.await_works([work], "checking that all ranks agree on the call", "(all ranks of the group)")
     table = torch.stack([g.cpu() for g in gathered])
     for column, name in enumerate(fields):
         values = table[:, column]
@@ -315,11 +537,14 @@ def all_reduce(
     group plays worker i of the code; the last rank gets the exact result for the closed-form
     constructions. Any shape and contiguity; float32/float64, and float16/bfloat16 only for codes
     with kappa <= ``cerar.LOW_PRECISION_KAPPA_LIMIT``. Raises ValueError for bad input and
-    CollectiveError when a peer fails, stalls past ``timeout`` (seconds or timedelta, per round,
-    default 5 minutes; kept on the host on every backend) or disagrees on the code or the length.
-    The products run in full float32 whatever the TF32 settings (``cerar.precision``); on CUDA with
-    ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE`` set the call refuses (``PrecisionError``). ``timed=False``
-    skips the per-phase timers (on CUDA their read-out synchronises with the device once per call).
+    CollectiveError when a peer fails, stalls past ``timeout`` (seconds or timedelta, default 5
+    minutes: on gloo per round, on NCCL per look-behind round; module docstring) or disagrees on
+    the code or the length. On NCCL the call returns once its last round has completed; the
+    final decoding may still run on the current stream, which orders whatever the caller does
+    next. The products run in full float32 whatever the TF32 settings (``cerar.precision``); on
+    CUDA with ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE`` set the call refuses (``PrecisionError``).
+    ``timed=False`` skips the per-phase timers (on CUDA their read-out synchronises with the
+    device once per call).
     ``storage``: ``"spec"`` (default)
     keeps N message blocks and decodes while blocks travel, in the spec's (1 + N/c) d plus one
     block; ``"messages"`` keeps all L and decodes once at the end, about half the passes over the
@@ -359,31 +584,30 @@ def all_reduce(
         return stats
 
     timer = PhaseTimer(tensor.device, enabled=timed)
-    c, m, N = code.c, code.m_for(d), code.N
+    c, m, N, L = code.c, code.m_for(d), code.N, code.L
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
     matrices = _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device)
     with torch.no_grad(), full_fp32_products(tensor.device):
-        needed = CodedRingRank.workspace_numel(d, c, m, N, code.L, storage)
+        needed = CodedRingRank.workspace_numel(d, c, m, N, L, storage)
         workspace = POOL.take(needed, flat.dtype, flat.device)  # back to the pool only after a clean call:
         me = CodedRingRank(matrices, flat, c, m, N, timer, storage, workspace)  # a failed one may still be written
-        works = []
-        for worker in me.workers:  # round 1 of every chunk on the link before any encoding
-            with timer.phase("comm"):
-                works.append(ring.post(worker.message(), worker.receive_buffer(1)))
-        for worker in me.workers:
-            worker.while_in_flight(1)
-        for t in range(1, code.L + 1):
+        rounds = _Rounds(ring, timer)
+        handles = [rounds.post(w.message(1), w.receive_buffer(1), f"round 1/{L}") for w in me.workers]
+        for worker in me.workers:  # every chunk's round 1 is on the link before the rest of the encoding
+            rounds.issue(worker.while_in_flight, 1)
+        for t in range(1, L + 1):
             for p, worker in enumerate(me.workers):
-                with timer.phase("comm"):
-                    ring.complete(works[p], f"round {t}/{code.L}")
-                worker.receive(t, worker.receive_buffer(t))
-                if t < code.L:  # chunk p's next round goes out behind the rest of this one
-                    with timer.phase("comm"):
-                        works[p] = ring.post(worker.message(), worker.receive_buffer(t + 1))
-                    worker.while_in_flight(t + 1)
-        me.write_result(flat, 1.0 / N if op == "avg" else None)
+                # chunk p's round t arrives while the later chunks' round t and the earlier chunks' round
+                # t+1 travel: chunk p's arithmetic runs beside the transfers of its neighbours
+                rounds.arrive(handles[p], f"round {t}/{L}")
+                rounds.issue(worker.receive, t, worker.receive_buffer(t))
+                if t < L:
+                    handles[p] = rounds.post(worker.message(t + 1), worker.receive_buffer(t + 1), f"round {t + 1}/{L}")
+                    rounds.issue(worker.while_in_flight, t + 1)
+        rounds.issue(me.write_result, flat, 1.0 / N if op == "avg" else None)
         if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
-            tensor.copy_(flat.view(tensor.shape))
+            rounds.issue(tensor.copy_, flat.view(tensor.shape))
+        rounds.finish()
     stats.peak_extra_bytes = me.extra_bytes() + (_bytes(flat) if flat.data_ptr() != tensor.data_ptr() else 0)
     POOL.give(workspace)
 
@@ -404,7 +628,7 @@ def ring_all_reduce(
     tensor: torch.Tensor, group=None, op: str = "sum", timeout=None, *, timed: bool = True
 ) -> AllReduceStats:
     """Exact ring all-reduce in place (reduce-scatter, then all-gather) on the same point-to-point
-    rounds as ``all_reduce``: the apples-to-apples baseline for CERAR.
+    rounds, contracts and deadlines as ``all_reduce``: the apples-to-apples baseline for CERAR.
 
     Each rank sends 2 (N - 1) ceil(d/N) values in 2 (N - 1) rounds.
     """
@@ -427,20 +651,29 @@ def ring_all_reduce(
     chunks = flat.view(N, chunk)
     incoming = flat.new_empty(chunk)
     i = ring.rank
-    with torch.no_grad():
-        for step in range(N - 1):  # reduce-scatter: chunk (i + 1) ends up complete at rank i
-            with timer.phase("comm"):
-                ring.shift(chunks[(i - step) % N], incoming, f"reduce-scatter step {step + 1}/{N - 1}")
-            with timer.phase("decode"):
-                chunks[(i - step - 1) % N] += incoming
-        for step in range(N - 1):  # all-gather: pass the complete chunks round
-            with timer.phase("comm"):
-                ring.shift(chunks[(i + 1 - step) % N], chunks[(i - step) % N], f"all-gather step {step + 1}/{N - 1}")
+
+    def add(target: torch.Tensor) -> None:
+        with timer.phase("decode"):
+            target += incoming
+
+    def scale_and_copy_back() -> None:
         with timer.phase("decode"):
             if op == "avg":
                 flat.div_(N)
             if not in_place:
                 tensor.copy_(flat[:d].view(tensor.shape))
+
+    with torch.no_grad():
+        rounds = _Rounds(ring, timer)
+        for step in range(N - 1):  # reduce-scatter: chunk (i + 1) ends up complete at rank i
+            what = f"reduce-scatter step {step + 1}/{N - 1}"
+            rounds.arrive(rounds.post(chunks[(i - step) % N], incoming, what), what)
+            rounds.issue(add, chunks[(i - step - 1) % N])
+        for step in range(N - 1):  # all-gather: pass the complete chunks round
+            what = f"all-gather step {step + 1}/{N - 1}"
+            rounds.arrive(rounds.post(chunks[(i + 1 - step) % N], chunks[(i - step) % N], what), what)
+        rounds.issue(scale_and_copy_back)
+        rounds.finish()
 
     seconds = timer.totals()
     stats.bytes_sent, stats.bytes_received = ring.bytes_sent, ring.bytes_received

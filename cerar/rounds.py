@@ -195,9 +195,12 @@ class CodedRingWorker:
         """u(j) = row j (1-based) of U_i."""
         return self.U[j - 1]
 
-    def message(self) -> torch.Tensor:
-        """x(t), the block to send this round."""
-        return self.U[0] if self.t == 1 else self.messages[message_row(self.t - 1, self.rows)]
+    def message(self, t: int | None = None) -> torch.Tensor:
+        """x(t), the block to send in round t (default: this round). Where x(t) lives depends on t
+        alone, so a caller that issues the rounds' arithmetic ahead of time (a device queue) can
+        name the block before ``receive(t - 1)`` has run."""
+        t = self.t if t is None else t
+        return self.U[0] if t == 1 else self.messages[message_row(t - 1, self.rows)]
 
     def receive_buffer(self, t: int) -> torch.Tensor:
         return self.messages[message_row(t, self.rows)]

@@ -43,6 +43,7 @@ from cerar.costmodel import (  # noqa: E402  (the repository root is on sys.path
     TOKENS_PER_WORKER,
     byte_ratio_limit,
     cerar_arithmetic,
+    cerar_exposed_values,
     cli_parser,
     cli_rows,
     crossover_bandwidth,
@@ -104,6 +105,54 @@ def gpu_crossover_section(itemsize: int = 4) -> list[str]:
         "1 - N/(2(N-1)) of the ring's bytes, bought with 9 to 19 more passes over d than the ring's 3).",
         "",
     ]
+    return L + overlapped_section(itemsize)
+
+
+def overlapped_section(itemsize: int = 4) -> list[str]:
+    """The same comparison with the arithmetic beside the transfers, as on a GPU (NCCL's stream and the
+    compute stream at once), and the storage choice it recommends per link."""
+    L = ["### Overlapped: the arithmetic beside the transfers (GPU streams)", "",
+         "On a GPU NCCL's kernels and the compute stream run at once, and `cerar.protocol` enqueues a call's "
+         "rounds so that chunk k's encoding and decoding run while chunk k+1 is on the wire "
+         "(`LinkModel.cerar_time_overlapped`): time = rounds x alpha + max(bytes / link, hideable traffic / "
+         "memory) + exposed traffic / memory, where the exposed traffic is what no transfer can hide "
+         "(`cerar_exposed_values`: x(1)'s encoding before the first send, the last round's addition, and the "
+         "decoding after it: one batch with `\"spec\"`, all of it with `\"messages\"`). The ring is NCCL's "
+         "kernel, which pipelines its additions with its transfers: rounds x alpha + max(bytes / link, "
+         "traffic / memory). Assumes the transfers take no memory bandwidth from the arithmetic (PCIe and "
+         "network links; on NVLink they share HBM, so the NVLink rows are optimistic for CERAR). Pythia-1.4B, "
+         "c = 4N, all-reduce time over the ring's, each side overlapped / not overlapped:", "",
+         "| link | N | spec: overlapped / not | messages: overlapped / not | exposed passes spec / messages "
+         "| faster storage overlapped |",
+         "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    d = PYTHIA_PARAMS["1.4b"]
+    choice = {}
+    for key in ("pcie-node", "ib-200g", "ib-100g", "nvlink"):
+        spec = dataclasses.replace(SCENARIOS[key], storage="spec")
+        messages = dataclasses.replace(SCENARIOS[key], storage="messages")
+        for N in (4, 8):
+            c = 4 * N
+            ring, ring_serial = spec.ring_time_overlapped(d, N, itemsize), spec.ring_time(d, N, itemsize)
+            links = (("spec", spec), ("messages", messages))
+            over = {k: lk.cerar_time_overlapped(d, N, c, itemsize) / ring for k, lk in links}
+            serial = {k: lk.cerar_time(d, N, c, itemsize) / ring_serial for k, lk in links}
+            exposed = {k: float(cerar_exposed_values(d, N, c, k)) / d for k in ("spec", "messages")}
+            faster = min(over, key=over.get)
+            choice[(key, N)] = (faster, over[faster])
+            L.append(f"| {key} | {N} | {over['spec']:.3f} / {serial['spec']:.3f} | {over['messages']:.3f} / "
+                     f"{serial['messages']:.3f} | {exposed['spec']:.2f} / {exposed['messages']:.2f} "
+                     f"| {faster} |")  # fmt: skip
+    winning = sorted({key for (key, _), (_, ratio) in choice.items() if ratio < 1})
+    spec_wins = all(choice[(key, N)][0] == "spec" for key in winning for N in (4, 8))
+    L += ["", "Which storage GPUs should default to: "
+          + ("`\"spec\"` (the library's default), on every link where CERAR beats the ring "
+             f"({', '.join(winning)}): overlapped, its decoding hides under the transfers except for one "
+             "batch, and it needs the spec's (1 + N/c) d where `\"messages\"` needs (2 + (N-1)/c) d. "
+             "`\"messages\"` is faster only where the arithmetic, not the link, sets the time (NVLink), and "
+             "there CERAR loses to NCCL's ring whatever the storage." if spec_wins else
+             "the model does not favour one storage on every link where CERAR wins: see the table.")
+          + " Not overlapped (the tables above, and a CPU) the fewer passes of `\"messages\"` win instead.",
+          ""]  # fmt: skip
     return L
 
 

@@ -6,96 +6,221 @@
 ``worker_fn(rank, world_size, *args)`` must be defined at module level (processes are spawned).
 Each worker's return value comes back in rank order; an exception in a worker is re-raised in the
 test with the worker's traceback. Workers that are still alive when the test gives up are killed.
+The processes meet in a TCPStore that the parent creates on a port the kernel picks (so no two
+tests can race for a port) and keeps until they have ended; ``shared_store()`` is that store in a
+worker (for the test's own synchronisation), and a test may pass its own (``store=``) to read what
+the workers wrote after they ended.
 
-``contract`` chooses what ``dist.batch_isend_irecv`` promises the code under test. The transport is
-gloo's either way; only the contract around it changes:
+``contract`` chooses what the transport promises the code under test. The transport is gloo's
+either way; only the contract around it changes:
 
 - ``"gloo"``: gloo's own: one work per op, and ``Work.wait(timeout)`` blocks the host up to the timeout;
-- ``"nccl"``: NCCL's, as ``torch/distributed/distributed_c10d.py`` and ``ProcessGroupNCCL`` keep it:
-  ``batch_isend_irecv`` runs the batch in a coalescing manager and returns ONE work for the whole batch
-  (``NcclContractWork``), completed off the calling thread as NCCL's stream would; its
-  ``wait(timeout)`` returns at once and bounds nothing on the host (NCCL without blocking wait only
-  makes the current stream wait); ``is_completed()`` tells when the data is there. The first batch
-  on each group must involve every rank of the group (NCCL's
-  first-call rule, held here to every group's first batch whatever came before): a rank whose peers
-  do not all join within ``FIRST_BATCH_TIMEOUT_S`` raises.
+- ``"nccl"``: NCCL's, as torch implements it (``torch/distributed/distributed_c10d.py``,
+  ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``):
 
-In both contracts ``transport_log()`` records, per process, what was handed to ``batch_isend_irecv``:
-bytes of the tensors given to isend and to irecv, and the groups used, for tests that compare a
-count with a measurement.
+  - ``batch_isend_irecv`` runs the batch in a coalescing manager and returns ONE work for the whole
+    batch (``NcclContractWork``), whose transfers run off the calling thread (NCCL's stream), bounded
+    only by the group's timeout (NCCL's watchdog);
+  - ``wait()`` without a timeout (``WorkNCCL::wait`` -> ``synchronize()``) orders what follows after
+    the transfer and bounds nothing: on the CPU, where there is no stream, ordering means blocking
+    the calling thread until the data is there; a batch that failed raises;
+  - ``wait(timeout)`` ("in case of blockingWait or a timeout value is specified by the user, we
+    block the CPU thread until the work is completed or timed out") blocks up to the timeout; on
+    expiry, or on a failed batch, it leaves the group aborted, as ``WorkNCCL::wait`` aborts the
+    communicators before it throws: later batches on the group fail;
+  - ``is_completed()`` tells whether the batch is done (or failed);
+  - the first batch on each group must involve every rank of the group (NCCL's first-call rule,
+    held here to every group's first batch whatever came before): a rank whose peers do not all
+    join within ``FIRST_BATCH_TIMEOUT_S`` raises;
+  - ``_abort_process_group`` leaves the groups it aborts aborted, and records their names in the
+    store under ``nccl-contract/aborted/<rank>``, which outlives the process;
+  - cerar's calls follow their stream-ordered contract (``cerar.protocol.set_transport_contract``)
+    with an ``EmulatedStream`` as the device queue: their device work runs in order on a thread of
+    its own, as a CUDA stream runs kernels, so the host only enqueues and is held up only where the
+    code polls a work's completion, as on a GPU.
+
+In both contracts ``transport_log()`` records, per process, what was handed to ``batch_isend_irecv``
+(bytes of the tensors given to isend and to irecv, batches, the groups used) and, under ``"nccl"``,
+how the code waited: ``wait()`` and ``wait(timeout)`` calls, ``is_completed()`` calls and the distinct
+batches they were made on, for tests that compare a count with a measurement.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import io
+import itertools
 import multiprocessing as mp
 import os
-import socket
+import queue
 import threading
+import time
 import traceback
+import weakref
+from dataclasses import dataclass
 from datetime import timedelta
 
 _CONTEXT = mp.get_context("spawn")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerError(RuntimeError):
     pass
 
 
+@dataclass(frozen=True)
+class ProcessExit:
+    """What ``run_workers`` returns for a rank listed in ``exits``: the exit status it ended with."""
+
+    code: int | None
+
+
 CONTRACTS = ("gloo", "nccl")
 FIRST_BATCH_TIMEOUT_S = 30.0
+ABORTED_KEY = "nccl-contract/aborted/"
 
-_log = {"bytes_isend": 0, "bytes_irecv": 0, "batches": 0, "groups": set()}
+_log = {
+    "bytes_isend": 0,
+    "bytes_irecv": 0,
+    "batches": 0,
+    "groups": set(),
+    "waits": 0,
+    "waits_with_timeout": 0,
+    "polls": 0,
+    "polled_batches": set(),
+    "aborted": [],
+}
+_store = {"store": None}
+_aborted_groups: set[str] = set()
+_live_works: dict[str, weakref.WeakSet] = {}
+_serial = itertools.count()
 
 
 def transport_log() -> dict:
-    """What this process handed to ``batch_isend_irecv`` so far (see the module docstring)."""
-    return {**_log, "groups": set(_log["groups"])}
+    """What this process handed to ``batch_isend_irecv`` so far, and how it waited (module docstring)."""
+    return {
+        **_log,
+        "groups": set(_log["groups"]),
+        "polled_batches": set(_log["polled_batches"]),
+        "aborted": list(_log["aborted"]),
+    }
+
+
+def shared_store():
+    """The TCPStore every worker of this ``run_workers`` call joined (the parent holds it)."""
+    return _store["store"]
+
+
+def _abort_group(name: str, reason: str) -> None:
+    """NCCL's abort as its works see it: every batch still in flight on the group fails, later ones refuse."""
+    _aborted_groups.add(name)
+    for work in list(_live_works.get(name, ())):
+        work.fail(RuntimeError(f"NCCL contract: the communicator of group {name!r} was aborted ({reason})"))
 
 
 class NcclContractWork:
-    """One work for a whole batch, kept as NCCL keeps it. The batch's gloo works are driven to
-    completion off the calling thread (NCCL's own stream), up to the group's timeout (NCCL's
-    watchdog); ``is_completed()`` says whether they are done; ``wait(timeout)`` returns at once
-    whatever the timeout (NCCL without blocking wait only makes the current stream wait), raising
-    the batch's error if it already failed. On the CPU there is no stream to order: code may read
-    the received data only once it has seen ``is_completed()``, the host-side discipline that
-    NCCL's deadline needs too."""
+    """One work for a whole batch, kept as ``WorkNCCL`` keeps it (module docstring). The batch's
+    gloo works are driven to completion off the calling thread, up to the group's timeout."""
 
-    def __init__(self, works):
+    def __init__(self, works, group_name: str):
         self.works = list(works)
+        self.group_name = group_name
+        self.serial = next(_serial)
         self.error: BaseException | None = None
         self.done = threading.Event()
-        threading.Thread(target=self._run, name="nccl-contract-stream", daemon=True).start()
+        _live_works.setdefault(group_name, weakref.WeakSet()).add(self)
+        threading.Thread(target=self._run, name="nccl-contract-transfer", daemon=True).start()
 
     def _run(self) -> None:
         try:
             for work in self.works:
                 work.wait()
         except BaseException as error:  # reported by wait(), as NCCL reports a failed work
-            self.error = error
+            self.fail(error)
         finally:
             self.done.set()
 
+    def fail(self, error: BaseException) -> None:
+        if not self.done.is_set():
+            self.error = error
+            self.done.set()
+
     def is_completed(self) -> bool:
+        _log["polls"] += 1
+        _log["polled_batches"].add(self.serial)
         return self.done.is_set()
 
-    def wait(self, timeout=None) -> bool:  # noqa: ARG002  the timeout bounds nothing on the host under NCCL
+    def wait(self, timeout=None) -> bool:
+        if timeout is None or timeout == timedelta(0):  # NCCL's kNoTimeout: order, bound nothing
+            _log["waits"] += 1
+            self.done.wait()
+        else:
+            _log["waits_with_timeout"] += 1
+            if not self.done.wait(timeout.total_seconds()):
+                _abort_group(self.group_name, f"a wait({timeout}) expired")
+                raise RuntimeError(
+                    f"NCCL contract: Work timed out in blocking wait after {timeout}; the communicator is aborted"
+                )
         if self.error is not None:
+            _abort_group(self.group_name, "a failed work was waited for")
             raise RuntimeError(f"NCCL contract: the batch failed: {self.error}") from self.error
         return True
 
 
+class EmulatedStream:
+    """A CUDA stream's order, on the CPU: the device queue of cerar's stream-ordered contract.
+    ``submit`` returns at once with a future; one thread runs the work in order (torch's
+    ``no_grad`` there, as cerar's calls run their arithmetic under it). After the first failure the
+    rest fail with it, as work queued on a stream behind a fault never runs."""
+
+    def __init__(self):
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self.failure: BaseException | None = None
+        self.backlog = 0  # submitted, not yet run
+        self.max_backlog = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._run, name="nccl-contract-stream", daemon=True).start()
+
+    def submit(self, fn, *args) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self.backlog += 1
+            self.max_backlog = max(self.max_backlog, self.backlog)
+        self._tasks.put((future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            while True:
+                future, fn, args = self._tasks.get()
+                try:
+                    if self.failure is not None:
+                        future.set_exception(self.failure)
+                        continue
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as error:
+                        self.failure = error
+                        future.set_exception(error)
+                finally:
+                    with self._lock:
+                        self.backlog -= 1
+
+    def drain(self, deadline: float) -> None:
+        """Return once everything submitted so far has run (raising the stream's failure, if any)."""
+        marker = self.submit(lambda: None)
+        try:
+            marker.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError("the emulated stream did not run its queued work by the deadline") from None
+
+
 def _install_contract(contract: str) -> None:
     """Wrap ``dist.batch_isend_irecv`` for this process: log what is handed to it and, under
-    ``"nccl"``, return one NcclContractWork for the batch after the first-batch check."""
+    ``"nccl"``, return one NcclContractWork for the batch after the first-batch check; under
+    ``"nccl"`` also emulate NCCL's abort and give cerar its stream-ordered contract."""
     import torch.distributed as dist
 
     original = dist.batch_isend_irecv
@@ -127,11 +252,37 @@ def _install_contract(contract: str) -> None:
         _log["batches"] += 1
         _log["groups"].add(group.group_name)
         if contract == "nccl":
+            if group.group_name in _aborted_groups:
+                raise RuntimeError(f"NCCL contract: group {group.group_name!r} was aborted; it takes no more work")
             check_first_batch(group)
-            return [NcclContractWork(original(p2p_op_list))]
+            return [NcclContractWork(original(p2p_op_list), group.group_name)]
         return original(p2p_op_list)
 
     dist.batch_isend_irecv = batch_isend_irecv
+    if contract != "nccl":
+        return
+
+    original_abort = dist.distributed_c10d._abort_process_group
+
+    def abort_process_group(group=None):
+        world = dist.distributed_c10d._world
+        names = sorted(world.pg_names.values()) if group is None else [group.group_name]
+        for name in names:
+            _abort_group(name, "_abort_process_group")
+        _log["aborted"] += names
+        with contextlib.suppress(Exception):  # observable after the process has ended
+            shared_store().set(f"{ABORTED_KEY}{dist.get_rank()}", ",".join(names))
+        return original_abort(group)
+
+    dist.distributed_c10d._abort_process_group = abort_process_group
+
+    from cerar import protocol
+
+    if hasattr(protocol, "set_transport_contract"):  # (absent before issue 17: the old NCCL path ran as it was)
+        protocol.set_transport_contract(
+            "gloo",
+            protocol.TransportContract("stream-ordered (NCCL, emulated on gloo)", True, device_queue=EmulatedStream()),
+        )
 
 
 def _entry(fn, rank, world_size, port, args, results, group_timeout_s, contract):
@@ -140,9 +291,10 @@ def _entry(fn, rank, world_size, port, args, results, group_timeout_s, contract)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
+        _store["store"] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group(
             "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            store=dist.PrefixStore("run_workers/", _store["store"]),
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=group_timeout_s),
@@ -168,41 +320,60 @@ def run_workers(
     group_timeout_s: float = 60,
     expect=None,
     contract: str = "gloo",
+    *,
+    exits=(),
+    store=None,
 ):
     """Run ``fn`` on ``world_size`` processes and return their results in rank order.
 
-    ``contract``: ``"gloo"`` or ``"nccl"``, what ``batch_isend_irecv`` promises (module docstring).
+    ``contract``: ``"gloo"`` or ``"nccl"``, what the transport promises (module docstring).
 
-    ``expect``: the ranks whose results the test waits for (default all); the others may die or
-    hang on purpose and are killed once the expected ones have reported.
+    ``expect``: the ranks whose results the test waits for (default all but ``exits``); the others
+    may die or hang on purpose and are killed once the expected ones have reported. ``exits``: ranks
+    expected to end the process without reporting (``os._exit``); the call waits for them to end
+    and returns a ``ProcessExit`` with the exit status in their place. ``store``: a master
+    ``torch.distributed.TCPStore`` the workers join (default: a new one on a free port).
     """
     if contract not in CONTRACTS:
         raise ValueError(f"contract must be one of {CONTRACTS}, got {contract!r}")
-    expect = set(range(world_size)) if expect is None else set(expect)
-    port = free_port()
+    import torch.distributed as dist
+
+    exits = set(exits)
+    expect = set(range(world_size)) - exits if expect is None else set(expect)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     results = _CONTEXT.Queue()
     processes = [
         _CONTEXT.Process(
-            target=_entry, args=(fn, rank, world_size, port, args, results, group_timeout_s, contract), daemon=True
+            target=_entry,
+            args=(fn, rank, world_size, store.port, args, results, group_timeout_s, contract),
+            daemon=True,
         )
         for rank in range(world_size)
     ]
     for p in processes:
         p.start()
     collected: dict[int, tuple[str, object]] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        import queue
-
         while not expect.issubset(collected):
             try:
-                rank, status, value = results.get(timeout=timeout_s)
+                rank, status, value = results.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
                 missing = sorted(expect - set(collected))
                 raise TimeoutError(f"ranks {missing} did not report within {timeout_s}s") from None
             collected[rank] = (status, value)
+        for rank in sorted(exits):
+            processes[rank].join(timeout=max(0.0, deadline - time.monotonic()))
+            if processes[rank].is_alive():
+                raise TimeoutError(f"rank {rank} did not end within {timeout_s}s")
+        with contextlib.suppress(queue.Empty):  # a rank that reported although it was to exit
+            while True:
+                rank, status, value = results.get(timeout=0.1)
+                collected[rank] = (status, value)
     finally:
         for p in processes:
-            p.join(timeout=5 if expect == set(range(world_size)) else 0.1)
+            p.join(timeout=5 if expect | exits == set(range(world_size)) else 0.1)
         for p in processes:
             if p.is_alive():
                 p.kill()
@@ -212,7 +383,12 @@ def run_workers(
         raise WorkerError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
     import torch
 
-    return [
-        torch.load(io.BytesIO(collected[r][1]), weights_only=False) if r in collected else None
-        for r in range(world_size)
-    ]
+    out = []
+    for r in range(world_size):
+        if r in collected:
+            out.append(torch.load(io.BytesIO(collected[r][1]), weights_only=False))
+        elif r in exits:
+            out.append(ProcessExit(processes[r].exitcode))
+        else:
+            out.append(None)
+    return out

@@ -1,11 +1,17 @@
-"""NCCL's point-to-point contract, emulated on gloo, and the trainer's NCCL watchdog setting.
+"""NCCL's point-to-point contract, emulated on gloo; CERAR held to it; the trainer's NCCL failure path.
 
 The emulation (``tests.distributed``, ``contract="nccl"``) is what lets the protocol and hook tests
-catch NCCL-only defects on a CPU machine, so it is held here to the contract it claims to keep:
-one work for a batch, a wait that does not block the host, completion visible only through
-``is_completed()``, and the first batch on a group involving all of its ranks.
+catch NCCL-only defects on a CPU machine, so it is held here to the contract it claims to keep (as
+torch's ``ProcessGroupNCCL.cpp`` implements it): one work for a batch; ``wait()`` without a timeout
+orders what follows after the transfer and bounds nothing; ``wait(timeout)`` blocks and, on expiry,
+leaves the group aborted; the first batch on a group involves all of its ranks. Then CERAR under
+it: no ``wait(timeout)``, one completion poll per look-behind window instead of one per round, and
+every survivor of a stalled peer raises within the timeout plus a stated slack. Then the trainer's
+way out: abort the groups with torch's abort, one line, exit status 3.
 """
 
+import os
+import signal
 import time
 from datetime import timedelta
 
@@ -13,68 +19,287 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.distributed import WorkerError, run_workers
+import cerar
+from cerar.precision import rounding_bound
+from cerar.protocol import LOOK_BEHIND_POSTS
+from cerar.rounds import pipeline_chunks
+from tests.distributed import (
+    ABORTED_KEY,
+    ProcessExit,
+    WorkerError,
+    run_workers,
+    shared_store,
+    transport_log,
+)
 from train.config import ConfigError
 from train.distributed import NCCL_ERROR_HANDLING_VARIABLE, configure_nccl_watchdog
 
+STALL_SLACK_S = 3.0
+"""What a survivor may take beyond the timeout to raise: the rounds it completes before it reaches
+the stalled peer, enqueueing up to 2 x LOOK_BEHIND_POSTS posts, the poll's last pause (under a
+millisecond), building the message, and a loaded 2-core CI machine's scheduling (seconds)."""
 
-def _late_sender_worker(rank, N, delay_s):
-    """After a first exchange (the group's first batch, which every rank joins), rank 0 posts its
-    batch at once; rank 1 only after delay_s."""
-    peer = 1 - rank
-    first = dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, torch.ones(1), peer), dist.P2POp(dist.irecv, torch.ones(1), peer)]
-    )
+
+def _exchange(peer, value):
+    send, recv = torch.full((4,), float(value)), torch.zeros(4)
+    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)])
+    return works, recv
+
+
+# --- the emulation keeps NCCL's contract -------------------------------------------------------------
+
+
+def _ordering_wait_worker(rank, N):
+    """Rank 1 posts its batch only once rank 0 has posted and seen its batch incomplete, so rank
+    0's wait() demonstrably waits for the data (there is no other way it could see it)."""
+    store, peer = shared_store(), 1 - rank
+    first, _ = _exchange(peer, 0)  # the group's first batch, which every rank joins
     for work in first:
         work.wait()
-    while not all(work.is_completed() for work in first):
-        time.sleep(0.01)
     if rank == 1:
-        time.sleep(delay_s)
-    send, recv = torch.full((4,), float(rank + 1)), torch.zeros(4)
+        store.wait(["rank0-posted"], timedelta(seconds=30))
+        works, recv = _exchange(peer, 2)
+        works[0].wait()
+        return len(works), recv[0].item()
+    works, recv = _exchange(peer, 1)
+    incomplete_before = not works[0].is_completed()
+    store.set("rank0-posted", "1")
+    works[0].wait()  # no timeout: orders what follows after the transfer, on the CPU by blocking
+    return len(works), incomplete_before, works[0].is_completed(), recv[0].item(), transport_log()
+
+
+def test_under_nccls_contract_a_batch_is_one_work_whose_untimed_wait_orders_what_follows():
+    (works, incomplete_before, completed, received, log), (peer_works, peer_received) = run_workers(
+        _ordering_wait_worker, 2, contract="nccl"
+    )
+    assert works == peer_works == 1  # one work for the send and the receive
+    assert incomplete_before and completed and received == 2.0 and peer_received == 1.0
+    assert log["waits"] == 2 and log["waits_with_timeout"] == 0
+
+
+def _timed_wait_worker(rank, N, wait_s):
+    """Rank 1 joins the second batch only after rank 0's wait(timeout) has given up."""
+    store, peer = shared_store(), 1 - rank
+    first, _ = _exchange(peer, 0)
+    for work in first:
+        work.wait()
+    if rank == 1:
+        store.wait(["rank0-gave-up"], timedelta(seconds=60))
+        return "late"
+    works, _ = _exchange(peer, 1)
     start = time.monotonic()
-    works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)])
-    for work in works:
-        work.wait(timedelta(seconds=0.5 * delay_s) if rank == 0 else None)
+    try:
+        works[0].wait(timedelta(seconds=wait_s))
+        outcome = "no error"
+    except RuntimeError as error:
+        outcome = str(error)
     waited = time.monotonic() - start
-    completed_after_wait = all(work.is_completed() for work in works)
-    while not all(work.is_completed() for work in works):
-        time.sleep(0.01)
-    return len(works), waited, completed_after_wait, recv[0].item()
+    store.set("rank0-gave-up", "1")
+    try:  # the expired wait aborted the communicator: the group takes no more work
+        _exchange(peer, 3)
+        later = "accepted"
+    except RuntimeError as error:
+        later = str(error)
+    return outcome, waited, later
 
 
-def test_under_nccls_contract_a_batch_is_one_work_whose_wait_does_not_block_the_host():
-    delay_s = 3.0
-    (works, waited, completed, received), _ = run_workers(_late_sender_worker, 2, args=(delay_s,), contract="nccl")
-    assert works == 1  # one work for the send and the receive
-    assert waited < 0.5 * delay_s and not completed  # wait returned before the peer had even posted
-    assert received == 2.0  # the data arrives; is_completed() is how the host learns it
+def test_under_nccls_contract_a_timed_wait_blocks_up_to_its_timeout_and_leaves_the_group_aborted():
+    wait_s = 1.5
+    (outcome, waited, later), _ = run_workers(_timed_wait_worker, 2, args=(wait_s,), contract="nccl")
+    assert "timed out" in outcome and "aborted" in outcome
+    assert wait_s <= waited < wait_s + 2  # it blocked the host for the timeout, not less
+    assert "aborted" in later
 
 
 def test_under_gloos_contract_a_batch_is_one_work_per_op_and_wait_blocks_up_to_its_timeout():
-    delay_s = 3.0
-    with pytest.raises(WorkerError, match="(?i)timed out|timeout"):  # rank 0's wait(1.5 s) gives up on gloo
-        run_workers(_late_sender_worker, 2, args=(delay_s,), contract="gloo")
+    wait_s = 1.5
+    (outcome, waited, later), _ = run_workers(_timed_wait_worker_gloo, 2, args=(wait_s,), contract="gloo")
+    assert outcome[0] == 2  # one work per op
+    assert "timed out" in outcome[1].lower() or "timeout" in outcome[1].lower()
+    assert wait_s <= waited < wait_s + 2
+
+
+def _timed_wait_worker_gloo(rank, N, wait_s):
+    store, peer = shared_store(), 1 - rank
+    if rank == 1:
+        store.wait(["rank0-gave-up"], timedelta(seconds=60))
+        return None, 0.0, None
+    works, _ = _exchange(peer, 1)
+    start = time.monotonic()
+    try:
+        works[1].wait(timedelta(seconds=wait_s))  # the receive, whose sender never sends
+        outcome = "no error"
+    except RuntimeError as error:
+        outcome = str(error)
+    waited = time.monotonic() - start
+    store.set("rank0-gave-up", "1")
+    return (len(works), outcome), waited, None
 
 
 def _first_batch_without_rank_2_worker(rank, N):
     import tests.distributed
 
     tests.distributed.FIRST_BATCH_TIMEOUT_S = 3.0
-    if rank == 2:
-        time.sleep(6)  # never takes part in the group's first batch
+    store = shared_store()
+    if rank == 2:  # never takes part in the group's first batch; stays until the others are through
+        store.wait(["done/0", "done/1"], timedelta(seconds=60))
         return "absent"
     peer = 1 - rank
-    works = dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend, torch.ones(2), peer), dist.P2POp(dist.irecv, torch.zeros(2), peer)]
-    )
-    return len(works)
+    try:
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.ones(2), peer), dist.P2POp(dist.irecv, torch.zeros(2), peer)]
+        )
+        for work in works:
+            work.wait()
+        return len(works)
+    finally:
+        store.set(f"done/{rank}", "1")
 
 
 def test_under_nccls_contract_the_first_batch_on_a_group_must_involve_all_of_its_ranks():
     with pytest.raises(WorkerError, match=r"first batch_isend_irecv on group .* ranks \[2\] never joined"):
         run_workers(_first_batch_without_rank_2_worker, 3, contract="nccl")
     assert run_workers(_first_batch_without_rank_2_worker, 3, contract="gloo") == [2, 2, "absent"]  # gloo allows it
+
+
+# --- CERAR under NCCL's contract ----------------------------------------------------------------------
+
+
+def _gradients(N, d, seed):
+    return torch.randn(N, d, generator=torch.Generator().manual_seed(seed))
+
+
+def _counted_calls_worker(rank, N, c, d):
+    code = cerar.make_code(N, c, "perturbation", eps=0.05)
+    mine = _gradients(N, d, seed=3)[rank].clone()
+    cerar.all_reduce(torch.ones(8 * c), code, timeout=60)  # the agreement check's path, before counting
+    before = transport_log()
+    cerar.all_reduce(mine, code, timeout=60)
+    after = transport_log()
+    ring = _gradients(N, d, seed=3)[rank].clone()
+    cerar.ring_all_reduce(ring, timeout=60)
+    ring_log = transport_log()
+    return mine, {
+        "batches": after["batches"] - before["batches"],
+        "waits_with_timeout": after["waits_with_timeout"],
+        "polled": len(after["polled_batches"] - before["polled_batches"]),
+        "ring_batches": ring_log["batches"] - after["batches"],
+        "ring_polled": len(ring_log["polled_batches"] - after["polled_batches"]),
+    }
+
+
+def test_a_cerar_call_under_nccls_contract_never_waits_with_a_timeout_and_polls_once_per_window():
+    """c = 15 at N = 3 with two pipeline chunks: 32 rounds' batches, so four look-behind windows.
+    Today's NCCL path bounded every round with wait(timeout) and a poll: each would fail this."""
+    N, c = 3, 15
+    d = c * 2 * 2**16 + 5
+    code = cerar.make_code(N, c, "perturbation", eps=0.05)
+    posts = code.L * len(pipeline_chunks(code.m_for(d)))
+    results = run_workers(_counted_calls_worker, N, args=(c, d), contract="nccl", timeout_s=600)
+    G = _gradients(N, d, seed=3)
+    expected = cerar.simulate(G, code)
+    for rank, (mine, counts) in enumerate(results):
+        assert counts["batches"] == posts == 32
+        assert counts["waits_with_timeout"] == 0  # not one host-blocking wait, in any call
+        assert 1 <= counts["polled"] <= posts // LOOK_BEHIND_POSTS + 1, counts  # O(1) per window, not per round
+        assert counts["ring_batches"] == 2 * (N - 1)
+        assert 1 <= counts["ring_polled"] <= 2 * (N - 1) // LOOK_BEHIND_POSTS + 1, counts
+        bound = 2 * rounding_bound(code, torch.float32) * G.double().norm().item()
+        assert (mine.double() - expected[rank].double()).norm().item() <= bound  # and the results are right
+
+
+def _stalled_peer_worker(rank, N, victim, timeout_s, c, d):
+    code = cerar.make_code(N, c, "perturbation", eps=0.05)
+    tensor = torch.ones(d)
+    cerar.all_reduce(tensor, code, timeout=timeout_s)  # everyone is connected and agreed
+    store = shared_store()
+    store.set(f"ready/{rank}", "1")
+    if rank == victim:
+        store.wait([f"ready/{r}" for r in range(N)], timedelta(seconds=60))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    store.wait([f"ready/{victim}"], timedelta(seconds=60))
+    start = time.monotonic()
+    try:
+        cerar.all_reduce(tensor, code, timeout=timeout_s)
+    except cerar.CollectiveError as error:
+        return str(error), time.monotonic() - start, transport_log()["waits_with_timeout"]
+    return "no error", time.monotonic() - start, transport_log()["waits_with_timeout"]
+
+
+@pytest.mark.parametrize("c, d", [(6, 4096), (15, 15 * 2 * 2**16)])  # one chunk, 7 rounds; two chunks, 32 rounds
+def test_under_nccls_contract_every_survivor_of_a_stalled_peer_raises_within_the_timeout_plus_slack(c, d):
+    N, victim, timeout_s = 3, 1, 3.0
+    survivors = [r for r in range(N) if r != victim]
+    results = run_workers(
+        _stalled_peer_worker,
+        N,
+        args=(victim, timeout_s, c, d),
+        expect=survivors,
+        timeout_s=120,
+        contract="nccl",
+    )
+    for rank in survivors:
+        message, seconds, timed_waits = results[rank]
+        assert "cerar.all_reduce" in message and "round" in message and "did not complete" in message, message
+        assert seconds <= timeout_s + STALL_SLACK_S, (rank, seconds)  # the call's own deadline ended it
+        assert timed_waits == 0
+    assert f"rank {victim}" in results[(victim + 1) % N][0]  # the rank that waits on the victim names it
+
+
+# --- the trainer's way out on NCCL: abort, one line, exit 3 ----------------------------------------------
+
+
+def _trainer_failure_worker(rank, N, victim, timeout_s):
+    from cerar.ddp import transport_group
+    from train.distributed import TrainCollectiveError, exit_after_collective_failure
+
+    group = transport_group(None, timeout_s)  # CERAR's own group, as the trainer's aggregator makes it
+    code = cerar.make_code(N, 2 * N, "perturbation", eps=0.05)
+    tensor = torch.ones(4096)
+    cerar.all_reduce(tensor, code, group, timeout=timeout_s)
+    store = shared_store()
+    store.set(f"ready/{rank}", "1")
+    store.set(f"group/{rank}", group.group_name)
+    if rank == victim:
+        store.wait([f"ready/{r}" for r in range(N)], timedelta(seconds=60))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    store.wait([f"ready/{victim}"], timedelta(seconds=60))
+    try:
+        cerar.all_reduce(tensor, code, group, timeout=timeout_s)
+    except cerar.CollectiveError as error:
+        exit_after_collective_failure(
+            TrainCollectiveError(f"collective 'aggregate (cerar)' failed on rank {rank}: {error}")
+        )
+    return "no error"
+
+
+def test_after_a_collective_failure_the_trainer_aborts_the_groups_prints_one_line_and_exits_3(capfd):
+    N, victim, timeout_s = 3, 1, 3.0
+    survivors = [r for r in range(N) if r != victim]
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    start = time.monotonic()
+    results = run_workers(
+        _trainer_failure_worker,
+        N,
+        args=(victim, timeout_s),
+        expect=[],
+        exits=survivors,
+        timeout_s=120,
+        contract="nccl",
+        store=store,
+    )
+    elapsed = time.monotonic() - start
+    err = capfd.readouterr().err
+    for rank in survivors:
+        assert results[rank] == ProcessExit(3)
+        aborted = store.get(f"{ABORTED_KEY}{rank}").decode().split(",")
+        assert store.get(f"group/{rank}").decode() in aborted  # CERAR's transport group, by torch's abort
+        lines = [line for line in err.splitlines() if line.startswith("error: ") and f"on rank {rank}:" in line]
+        assert len(lines) == 1 and "did not complete within the timeout" in lines[0], err[-3000:]
+    assert elapsed < 60  # not the groups' own (watchdog) timeouts
+
+
+# --- the trainer's NCCL watchdog setting --------------------------------------------------------------
 
 
 def test_the_trainer_turns_nccls_watchdog_abort_on_and_refuses_to_run_with_it_off():

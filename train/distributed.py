@@ -11,12 +11,21 @@ The loop runs each collective inside `guarded(operation)`: before entering it a 
 rendezvous store how many collectives it has entered; when one fails (a peer died, or stalled past the
 timeout) the error becomes a `TrainCollectiveError` naming the operation, the step, and the ranks that never
 reached it (gloo's own timeout message does not say which peer is missing).
+
+After such a failure the process ends at once (`exit_after_collective_failure`): every process group is
+aborted with torch's own abort, one line goes to stderr, and the exit status is 3, so torchrun restarts
+the job. No teardown runs: on NCCL, `destroy_process_group` can wait forever on kernels that still wait
+for the missing peer, and NCCL's watchdog, on a communicator it finds stuck past the group's timeout,
+would take the process down with SIGABRT before the message (CERAR's transport group has twice CERAR's
+timeout, so CERAR reports first).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -184,6 +193,47 @@ def guarded(operation: str):
             f"collective {operation!r} at step {_progress['step']} failed on rank {dist.get_rank()} after "
             f"{time.monotonic() - start:.1f}s: {_missing_ranks()}; {type(err).__name__}: {first_line}"
         ) from err
+
+
+ABORT_WAIT_S = 10.0
+"""How long the failure path lets torch's abort run before it exits anyway (an abort is not expected
+to block, but nothing on the way out may hang)."""
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process (CERAR's transport group and DDP's included) with
+    torch's own abort: ``torch.distributed.distributed_c10d._abort_process_group`` (torch >= 2.3;
+    with no group it aborts all of them, NCCL's inside one ncclGroupStart/End so that their aborts
+    cannot deadlock each other), else each group's ``ProcessGroup.abort()``. On NCCL this cancels
+    kernels that wait for a dead peer; on gloo it releases the groups."""
+    if not dist.is_available() or not dist.is_initialized():
+        return
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        abort(None)
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):
+        with contextlib.suppress(Exception):
+            group.abort()
+
+
+def exit_after_collective_failure(error: BaseException, code: int = 3) -> None:
+    """End this process after a collective failed: abort the process groups (``abort_process_groups``,
+    given ``ABORT_WAIT_S`` at most), print ``error: <message>`` as one line on stderr, flush, and
+    ``os._exit(code)``: no teardown, no atexit handler, nothing that could wait on a dead peer."""
+    aborting = threading.Thread(target=_abort_quietly, name="abort-process-groups", daemon=True)
+    aborting.start()
+    aborting.join(ABORT_WAIT_S)
+    message = " ".join(str(error).split()) or type(error).__name__
+    with contextlib.suppress(Exception):
+        sys.stdout.flush()
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(code)
+
+
+def _abort_quietly() -> None:
+    with contextlib.suppress(Exception):
+        abort_process_groups()
 
 
 def all_reduce_mean(values: list[float], device: torch.device, operation: str = "all_reduce mean") -> list[float]:

@@ -9,7 +9,8 @@ before torch or any process group is touched, and `train.run.run` does the run (
 `preflight` does all of that once more before Hydra starts the job, so that every refusal (Hydra's
 composition errors included, and an output directory that cannot be written) is one line on stderr
 and exit status 2, before any run directory, data cache or process group exists. A collective that
-fails during the run (a peer died or stalled) exits with status 3 and one line naming it.
+fails during the run (a peer died or stalled) aborts the process groups and exits with status 3 and
+one line naming it, before any teardown (`train.distributed.exit_after_collective_failure`).
 """
 
 from __future__ import annotations
@@ -46,16 +47,30 @@ def main(cfg: DictConfig) -> None:
 
         try:
             run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        except RuntimeError as err:
+            if is_collective_failure(err):  # before any teardown, which could hang on NCCL
+                from train.distributed import exit_after_collective_failure
+
+                exit_after_collective_failure(err, code=3)
+            raise
         finally:
             finish()
     except UserError as err:
         fail(str(err))
     except RuntimeError as err:
-        from train.distributed import TrainCollectiveError
+        if is_collective_failure(err):  # a collective of the teardown itself
+            from train.distributed import exit_after_collective_failure
 
-        if isinstance(err, TrainCollectiveError):
-            fail(str(err), code=3)
+            exit_after_collective_failure(err, code=3)
         raise
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    """A peer died or stalled: the loop's TrainCollectiveError, or cerar's CollectiveError raised outside it."""
+    from cerar import CollectiveError
+    from train.distributed import TrainCollectiveError
+
+    return isinstance(err, (TrainCollectiveError, CollectiveError))
 
 
 def one_line(message: str) -> str:

@@ -24,8 +24,15 @@ if __package__ in (None, ""):  # run as a script: import `train` from the repo r
 import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
+from cerar import CollectiveError
 from train.config import ConfigError, UserError, register_configs, validate
-from train.distributed import TrainCollectiveError, init_process_group, launch_from_env, pick_device
+from train.distributed import (
+    TrainCollectiveError,
+    exit_after_collective_failure,
+    init_process_group,
+    launch_from_env,
+    pick_device,
+)
 from train.main import fail
 from train.run import run
 
@@ -81,8 +88,8 @@ def main(argv: list[str]) -> None:
             print(json.dumps({"sweep": summaries}, indent=2))
     except UserError as err:
         fail(str(err))
-    except TrainCollectiveError as err:  # a peer died or stalled: one line naming the operation and peers
-        fail(str(err), code=3)
+    except (TrainCollectiveError, CollectiveError) as err:  # a peer died or stalled: abort, one line, exit 3
+        exit_after_collective_failure(err, code=3)  # before the teardown below, which could hang on NCCL
     except Exception as err:  # hydra composition errors (unknown option, bad type) and the like
         if type(err).__module__.startswith(("hydra", "omegaconf")):
             fail(f"{type(err).__name__}: {err}")
