@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -29,3 +30,25 @@ def cerar_code_cache(request, tmp_path_factory):
         os.environ.pop("CERAR_CACHE_DIR", None)
     else:
         os.environ["CERAR_CACHE_DIR"] = previous
+
+
+@pytest.fixture(scope="session")
+def sweep(tmp_path_factory, cache_dir):
+    """``sweep(N)``: the folder of the one train/sweep.py launch of N ranks that test_train_runs,
+    test_fidelity_metrics and test_export read (tests/runs.py says what it trains). Launched on first use,
+    once per session; a failed launch fails every test that asks for it, without launching again."""
+    from tests.runs import launch_sweep
+
+    launched: dict[int, Path | str] = {}
+
+    def folder(N: int) -> Path:
+        if N not in launched:
+            try:
+                launched[N] = launch_sweep(N, tmp_path_factory.mktemp(f"sweep-n{N}"), cache_dir)
+            except (AssertionError, subprocess.TimeoutExpired) as error:
+                launched[N] = f"the N={N} sweep launch failed: {error}"
+        if isinstance(launched[N], str):
+            pytest.fail(launched[N])
+        return launched[N]
+
+    return folder

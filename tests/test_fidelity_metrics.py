@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
-from tests.test_train_runs import ROOT, SMALL, torchrun
+from tests.runs import MATRIX, ROOT, WORLDS
 
 
 def _noise_worker(rank, world_size, d, sigma, delta):
@@ -51,6 +51,7 @@ def _two_layer_model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
 
 
+@pytest.mark.quick
 def test_flat_gradients_accumulate_backward_in_place():
     from train.loop import FlatGradients
 
@@ -76,6 +77,7 @@ def test_flat_gradients_accumulate_backward_in_place():
 @pytest.mark.parametrize(
     ("poison", "expected"), [(float("inf"), True), (float("-inf"), True), (float("nan"), True), (1e30, False)]
 )
+@pytest.mark.quick
 def test_one_fused_finiteness_check_finds_any_bad_gradient(poison, expected):
     from train.loop import local_nonfinite
 
@@ -95,29 +97,14 @@ def _read(run_dir):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_validation_loss_is_the_reference_replicas_and_drift_is_measured_against_it(
-    tmp_path,
-    cache_dir,
-    monkeypatch,
-):
-    common = [*SMALL, "trainer.drift_every=3", "trainer.measure_error_every=3", "checkpoint.every=0"]
-    torchrun(
-        3,
-        "sweep.py",
-        [
-            str(tmp_path),
-            "nccl: aggregator=nccl",
-            "cerar: aggregator=cerar c=6",
-            "resync: aggregator=cerar c=6 trainer.resync_every=3",
-            "--",
-            *common,
-        ],
-        cache_dir,
-        timeout=850,
-    )
-    nccl, _ = _read(tmp_path / "nccl")
-    cerar, cerar_summary = _read(tmp_path / "cerar")
-    resync, _ = _read(tmp_path / "resync")
+def test_validation_loss_is_the_reference_replicas_and_drift_is_measured_against_it(sweep, cache_dir, monkeypatch):
+    """The N=4 training launch of the suite (tests/runs.py): nccl, CERAR (c=8) and CERAR resynchronised every
+    3 steps; drift every 3 steps, the aggregation error every step."""
+    N, c = 4, WORLDS[4]["c"]
+    runs = sweep(N)
+    nccl, _ = _read(runs / "nccl")
+    cerar, cerar_summary = _read(runs / "cerar")
+    resync, _ = _read(runs / "cerar_resync")
     for r in nccl:  # exact aggregation: one replica, no drift, no aggregation error, but SGD noise
         assert r.get("drift/rel_l2", 0.0) == 0.0 and r.get("agg/rel_error_max", 0.0) < 1e-6
         assert r.get("val_loss_worst_replica") == r.get("val_loss")
@@ -145,15 +132,15 @@ def test_validation_loss_is_the_reference_replicas_and_drift_is_measured_against
     monkeypatch.setenv("CERAR_PYTHIA_CACHE", str(cache_dir))
     register_configs()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        run_cfg = compose("config", overrides=[*common, "aggregator=cerar", "c=6"])
-    state = torch.load(sorted((tmp_path / "cerar" / "checkpoints").glob("*.pt"))[-1], weights_only=False)
+        run_cfg = compose("config", overrides=[*MATRIX, "aggregator=cerar", f"c={c}"])
+    state = torch.load(sorted((runs / "cerar" / "checkpoints").glob("*.pt"))[-1], weights_only=False)
     model = build_model(run_cfg.model)
     model.load_state_dict(state["model"])
     model.eval()
     losses, tokens = 0.0, 0
     with torch.no_grad():
-        for rank in range(3):
-            for batch in build_data(run_cfg, rank, 3).val_batches:
+        for rank in range(N):
+            for batch in build_data(run_cfg, rank, N).val_batches:
                 logits = model(input_ids=batch[:, :-1]).logits
                 target = batch[:, 1:]
                 losses += float(

@@ -1,0 +1,99 @@
+"""Training launches the tests share: torchrun and single-process launches of train/, and one launch of
+train/sweep.py per world size whose runs several test modules read (the ``sweep`` fixture, tests/conftest.py).
+
+What the runs are: model=tiny, 6 steps of 2 x 4 sequences of 32 tokens per rank, evaluated at steps 3 and 6.
+The N-rank launch trains once with every aggregator (``AGGREGATORS``), with CERAR resynchronised every 3
+steps, and at N=2 also with the same batch through gradient accumulation and as a ring run stopped after
+step 3 and resumed in its folder. Every step measures the aggregate against an exact all-reduce of the same
+gradients; drift every 3 steps.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SMALL = [
+    "trainer.max_steps=6",
+    "trainer.eval_every=3",
+    "trainer.micro_batch_size=4",
+    "trainer.eval_batches=2",
+    "data.seq_len=32",
+    "trainer.progress_bar=false",
+    "wandb.mode=disabled",
+]
+
+
+def torchrun(
+    nproc: int, script: str, args: list[str], cache: Path, timeout: int, expect_ok: bool = True
+) -> subprocess.CompletedProcess:
+    """Launch `script` under torchrun on a free rendezvous port (--standalone picks one)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    proc = subprocess.run(
+        [*cmd, str(ROOT / "train" / script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def single_process(args: list[str], cache: Path, timeout: int, expect_ok: bool = True) -> subprocess.CompletedProcess:
+    """`python train/main.py ARGS`: the README's single-process run (a group of one; no torchrun agent to start)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if expect_ok:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def read_run(run_dir: Path) -> tuple[list[dict], dict]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return records, json.loads((run_dir / "summary.json").read_text())
+
+
+# label -> (overrides, construction and which c for CERAR (None otherwise), exact, replicas agree, flat mode)
+AGGREGATORS = {
+    "nccl": ("aggregator=nccl", None, True, True, True),
+    "ring": ("aggregator=ring", None, True, True, True),
+    "cerar": ("aggregator=cerar c={c}", ("optimized", "c"), False, False, True),
+    "cerar_vandermonde": ("aggregator=cerar_vandermonde c={cv}", ("vandermonde", "cv"), False, False, True),
+    "cerar_perturbation": ("aggregator=cerar_perturbation c={c}", ("perturbation", "c"), False, False, True),
+    "cerar_optimized": ("aggregator=cerar_optimized c={c}", ("optimized", "c"), False, False, True),
+    "fp16": ("aggregator=fp16", None, False, True, True),
+    "bf16": ("aggregator=bf16", None, False, True, True),
+    "powersgd": ("aggregator=powersgd", None, False, True, False),
+    "nccl_overlap": ("aggregator=nccl trainer.overlap=true", None, True, True, False),
+    "cerar_overlap": ("aggregator=cerar c={c} trainer.overlap=true", ("optimized", "c"), False, False, False),
+}
+WORLDS = {2: {"c": 4, "cv": 4}, 4: {"c": 8, "cv": 3}}  # N -> c (c > N: approximate), c for vandermonde
+MATRIX = [*SMALL, "trainer.drift_every=3", "trainer.measure_error_every=1", "checkpoint.every=0"]
+RESUME = "aggregator=ring checkpoint.every=3 checkpoint.keep=2 wandb.mode=offline"
+
+
+def sweep_runs(N: int) -> list[str]:
+    """Every aggregator, CERAR with resync; at N=2 also what other tests compare with the aggregators' runs:
+    the same batch through gradient accumulation, and a ring run stopped at step 3 and resumed (two entries,
+    one folder). The nccl run keeps an offline W&B log at N=2."""
+    runs = [f"{label}: {o.format(**WORLDS[N])}" for label, (o, *_) in AGGREGATORS.items()]
+    runs.append(f"cerar_resync: aggregator=cerar c={WORLDS[N]['c']} trainer.resync_every=3")
+    if N == 2:
+        runs[0] += " wandb.mode=offline"
+        # eval_batches=4: the same 8 validation windows per rank as 2 batches of 4
+        runs.append("accumulated: trainer.micro_batch_size=2 trainer.global_batch_size=8 trainer.eval_batches=4")
+        runs += [f"part_ring: {RESUME} trainer.stop_after_step=3", f"part_ring: {RESUME} resume=true"]
+    return runs
+
+
+def launch_sweep(N: int, out: Path, cache: Path) -> Path:
+    """The N-rank launch of ``sweep_runs(N)`` into ``out``."""
+    torchrun(N, "sweep.py", [str(out), *sweep_runs(N), "--", *MATRIX], cache, timeout=850)
+    return out
