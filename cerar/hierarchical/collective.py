@@ -8,6 +8,10 @@ For a tensor of d values on N = n G ranks (n nodes of G ranks, ``NodeLayout``):
    CERAR with a code for n workers, or the exact ring;
 3. inside each node, an exact ring all-gather: every rank of a node ends with the same vector.
 
+Each tier keeps the flat calls' per-round deadlines and backends' contracts: on NCCL its rounds and
+arithmetic are ordered on the CUDA streams and the host polls a round now and then and at each tier's
+end (after the reduce-scatter, the rail, the all-gather); on gloo the host waits for every round.
+
 So node i holds what the spec's protocol gives worker i on the node sums, shard by shard; the
 last node's ranks hold the exact sum under the closed-form constructions. With G = 1 there is
 nothing to do inside a node and the call is today's flat ``cerar.all_reduce`` on a ring of every
@@ -45,6 +49,7 @@ from cerar.protocol import (
     _check_op,
     _check_tensor,
     _Ring,
+    _Rounds,
     check_agreement,
 )
 from cerar.rounds import DEFAULT_STORAGE, PhaseTimer, check_storage
@@ -202,16 +207,28 @@ def _two_tiers(
         flat[:d] = tensor.reshape(-1)
     shards = flat.view(G, s)
     incoming = flat.new_empty(s)
-    with torch.no_grad():
-        reduce_scatter(shards, ring, incoming, timer)
-        mine = shards[groups.local_rank]
-        if op == "avg":  # the rail divides by n, for 1 / (n G) in all
-            with timer.phase("decode"):
-                mine.div_(G)
-        stats.inter_node = reduce_on_rail(mine, *rail_args)
-        all_gather(shards, ring, timer)
-        if not in_place:
+    mine = shards[groups.local_rank]
+
+    def divide() -> None:  # the rail divides by n, for 1 / (n G) in all
+        with timer.phase("decode"):
+            mine.div_(G)
+
+    def copy_back() -> None:
+        with timer.phase("decode"):
             tensor.copy_(flat[:d].view(tensor.shape))
+
+    with torch.no_grad():
+        rounds = _Rounds(ring, timer)
+        reduce_scatter(shards, rounds, incoming, timer)
+        if op == "avg":
+            rounds.issue(divide)
+        rounds.finish()  # each tier ends with its deadline kept: a stall inside the node is reported here
+        stats.inter_node = reduce_on_rail(mine, *rail_args)
+        rounds = _Rounds(ring, timer)
+        all_gather(shards, rounds)
+        if not in_place:
+            rounds.issue(copy_back)
+        rounds.finish()
     seconds = timer.totals()
     stats.intra_node = AllReduceStats(
         bytes_sent=ring.bytes_sent,
