@@ -396,8 +396,8 @@ class _Rounds:
         pause = _FIRST_POLL_PAUSE
         while not self._completed(handle, what):
             left = deadline - time.monotonic()
-            if left <= 0:
-                raise self.ring._failure(f"{what}: receive and send", self.ring.peers)
+            if left <= 0:  # the rounds run in order on the stream: this one or one before it is stuck
+                raise self.ring._failure(f"{what} (or a round before it): receive and send", self.ring.peers)
             time.sleep(min(pause, left))
             pause = min(2 * pause, _LAST_POLL_PAUSE)
         try:

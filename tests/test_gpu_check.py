@@ -7,10 +7,10 @@ import pytest
 import torch
 
 import cerar
-from scripts.gpu_check import judge_coded, judge_sum, resolve_device
+from scripts.gpu_check import MULTI_RANK_SECTIONS, judge_coded, judge_sum, multi_rank_verdicts, proved, resolve_device
 
 
-def gpu_check(tmp_path, *extra, timeout=900):
+def gpu_check(tmp_path, *extra, timeout=1500):
     out = tmp_path / "gpu.md"
     run = subprocess.run(
         [
@@ -41,15 +41,19 @@ def rows(report: str, first_cells: str) -> list[list[str]]:
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     run, report = gpu_check(tmp_path, "--skip", "training")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = {row[0]: row[1] for row in rows(report, "| ") if len(row) == 2 and row[1] in ("PASS", "FAIL")}
-    assert summary == {"oracle": "PASS", "tf32": "PASS", "protocol": "PASS", "hook": "PASS"}, summary
+    verdicts = ("PASS", "FAIL", "NOT RUN", "MEASURED")
+    summary = {row[0]: row[1] for row in rows(report, "| ") if len(row) == 2 and row[1] in verdicts}
+    expected = {**dict.fromkeys(("oracle", "tf32", "protocol", "hook", "stall"), "PASS"), "throughput": "MEASURED"}
+    assert summary == expected, summary
     oracle = {row[2]: row for row in rows(report, "| 4 |") if len(row) == 11}
     assert set(oracle) == {"exact", "vandermonde", "perturbation", "optimized"}  # every construction
     assert oracle["exact"][1] == "4" and "cannot be built at c=16" in oracle["exact"][10]
     for row in oracle.values():  # each judged by its own rounding bound, which the report states
         assert row[9] == "PASS" and float(row[7]) <= float(row[8]), row
-    assert "Ran on 2 rank(s), gloo" in report  # the protocol and hook between two real processes
-    assert "Device copy bandwidth" in report
+    assert "Ran on 2 ranks, gloo, one per device" in report  # the protocol and hook between two real processes
+    stall = rows(report, "| 0 |")  # rank 0 survived rank 1's SIGSTOP: it raised within the timeout plus slack
+    assert stall and stall[-1][2].startswith("CollectiveError: cerar.all_reduce") and float(stall[-1][1]) < 2.0 + 5.0
+    assert "Device copy bandwidth" in report and "not measured (a CPU has no streams)" in report
 
 
 @pytest.mark.slow
@@ -94,3 +98,23 @@ def test_a_coded_result_is_judged_against_the_exact_sum_within_the_codes_own_bou
     assert judge_coded(reference / N, G, code, torch.float32, scale=1 / N)["ok"]  # op="avg"
     assert judge_sum(G.float().sum(0).expand(N, -1), G, torch.float32)["ok"]
     assert not judge_sum(reference, G, torch.float32)["ok"]
+
+
+def test_a_one_device_run_cannot_pass_a_section_that_needs_two_ranks():
+    """One rank exchanges no message: whatever it ran, the multi-rank sections say NOT RUN, and the
+    report lists what one device did prove and what it could not."""
+    everything_passed = dict.fromkeys(MULTI_RANK_SECTIONS, True)
+    assert multi_rank_verdicts(1, everything_passed) == dict.fromkeys(MULTI_RANK_SECTIONS, "NOT RUN")
+    assert multi_rank_verdicts(1, None) == dict.fromkeys(MULTI_RANK_SECTIONS, "NOT RUN")
+    assert multi_rank_verdicts(2, everything_passed) == dict.fromkeys(MULTI_RANK_SECTIONS, "PASS")
+    assert multi_rank_verdicts(4, {"protocol": True, "hook": False}) == {
+        "protocol": "PASS",
+        "hook": "FAIL",
+        "stall": "FAIL",  # a section with no judgement never passes
+    }
+    statuses = {"oracle": "PASS", "tf32": "PASS", "hook plumbing (N=1)": "PASS", "training bf16": "PASS"}
+    statuses.update(multi_rank_verdicts(1, everything_passed))
+    lines = proved(statuses, world=1, devices=1, backend="nccl")
+    assert any("thread, stream and future" in line for line in lines)
+    assert any(line.startswith("- NOT RUN (needs two devices; this machine has 1)") for line in lines)
+    assert not any("PASS" in line and "between" in line for line in lines)
