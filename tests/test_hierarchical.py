@@ -37,7 +37,7 @@ from cerar.hierarchical import (
 )
 from cerar.hierarchical.layout import placement
 from cerar.precision import rounding_bound
-from tests.distributed import CONTRACTS, run_workers
+from tests.distributed import CONTRACTS, run_workers, transport_log
 from tests.spec_reference import spec_all_reduce
 from tests.test_spec_reference import spec_code_matrices
 
@@ -197,11 +197,14 @@ def _results_worker(rank, N, nodes, G, cases):
         stats = call(x, kind, None if spec is None else make(nodes, spec), layout, op)
         tiers = (measured(counts, before, groups.intra_node), measured(counts, before, groups.rail))
         out.append((x.reshape(-1).clone() if dtype == torch.float32 else x.clone(), stats, tiers))
-    return out
+    return out, transport_log()["waits_with_timeout"]
 
 
 def check_results(results, nodes: int, G: int, cases) -> None:
     N = nodes * G
+    # under NCCL's contract no wait(timeout) (it would block the host and abort the communicator)
+    assert all(timed_waits == 0 for _, timed_waits in results)
+    results = [per_case for per_case, _ in results]
     for k, (label, kind, spec, d, op, dtype) in enumerate(cases):
         X = inputs(N, d, seed=k, dtype=dtype)
         logical = torch.stack([x.view(6, 7).t().reshape(-1) for x in X]) if dtype == torch.float64 else X
