@@ -7,6 +7,9 @@ Public API:
     ring_all_reduce(tensor, group, op, timeout) -> stats       the exact ring baseline
     cerar.ddp.CerarHookState, cerar.ddp.cerar_hook             the DDP communication hook
     cerar.ddp.transport_group, cerar.ddp.default_bucket_cap_mb CERAR's own process group, its DDP bucket size
+    cerar.hierarchical                                         nodes of several ranks: exact inside a node, CERAR
+                                                               between nodes (hierarchical_all_reduce, its exact
+                                                               baseline, NodeLayout, the DDP hook)
     full_fp32_products(device)                                 the TF32 guard every CERAR product runs under
     release_workspaces()                                       free the CPU working storage kept between calls
 """
