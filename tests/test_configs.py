@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -34,6 +33,7 @@ PYTHIA_PARAMETERS = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(PYTHIA_PARAMETERS))
 def test_pythia_parameter_counts_on_meta_device(name):
     cfg = composed(f"model={name}")
@@ -76,6 +76,7 @@ def test_every_group_option_composes_and_validates(tmp_path):
         validate(cfg, world_size=4 if aggregator != "cerar_vandermonde" else 2)
 
 
+@pytest.mark.quick
 def test_root_defaults_are_the_cpu_quick_start():
     cfg = composed()
     assert (cfg.model.name, cfg.data.name, cfg.aggregator.name) == ("tiny", "embedded", "nccl")
@@ -98,17 +99,23 @@ def test_root_defaults_are_the_cpu_quick_start():
         (["model.num_heads=5"], "divisible by model.num_heads=5"),
     ],
 )
+@pytest.mark.quick
 def test_validate_names_the_bad_field(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
         validate(composed(*overrides))
 
 
+@pytest.mark.quick
 def test_cerar_code_is_judged_by_cerar_before_start():
-    with pytest.raises(ConfigError, match="N=2, c=16"):
-        validate(composed("aggregator=cerar", "c=16"), world_size=2)
+    # kappa_max=1.5 at c=4 > N=2: cerar's optimized search finds no code at once (c=16 at N=2 is unreachable
+    # too, but the search takes tens of seconds to say so)
+    with pytest.raises(ConfigError, match=r"aggregator=cerar with N=2, c=4: kappa_max=1.5 is unreachable"):
+        validate(composed("aggregator=cerar", "c=4", "aggregator.kappa_max=1.5"), world_size=2)
+    validate(composed("aggregator=cerar", "c=4"), world_size=2)
     validate(composed("aggregator=cerar", "c=16"), world_size=4)
 
 
+@pytest.mark.quick
 def test_global_batch_size_derives_grad_accum():
     from train.config import derived_grad_accum
 
@@ -124,30 +131,16 @@ def test_global_batch_size_derives_grad_accum():
     validate(composed("trainer.global_batch_size=1024", "trainer.micro_batch_size=16", "trainer.grad_accum=8"), 8)
 
 
+@pytest.mark.quick
 def test_resume_accepts_booleans():
     validate(composed("resume=true"))
     validate(composed("resume=false"))
 
 
+@pytest.mark.quick
 def test_fingerprint_changes_with_any_override():
     assert config_fingerprint(composed()) == config_fingerprint(composed())
     assert config_fingerprint(composed()) != config_fingerprint(composed("seed=1"))
-
-
-# Each entry: overrides, a piece of the one error message. Run as real processes of train/main.py.
-INVALID_OVERRIDES = [
-    (["aggregator=foo"], "Could not find 'aggregator/foo'"),
-    (["model=bar"], "Could not find 'model/bar'"),
-    (["data=baz"], "Could not find 'data/baz'"),
-    (["c=0"], "c=0 must be >= 1"),
-    (["c=abc"], "c='abc' must be an integer >= 1 or auto"),
-    (["aggregator=cerar", "aggregator.kappa_max=0.5"], "aggregator.kappa_max=0.5 must be >= 1"),
-    (["aggregator=cerar", "aggregator.kappa_max=high"], "could not be converted to Float"),
-    (["data=local"], "data.path is required"),
-    (["data=local", "data.path=/nonexistent/corpus"], "data.path=/nonexistent/corpus is not an existing folder"),
-    (["trainer.max_stepz=3"], "Key 'max_stepz' not in 'TrainerConfig'"),
-    (["trainer.global_batch_size=12"], "trainer.global_batch_size=12 is not a multiple of trainer.micro_batch_size=8"),
-]
 
 
 def _run_main(overrides: list[str], tmp: Path, env_extra: dict | None = None) -> subprocess.CompletedProcess:
@@ -164,25 +157,17 @@ def _run_main(overrides: list[str], tmp: Path, env_extra: dict | None = None) ->
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
 
 
-@pytest.mark.timeout(300)
-def test_invalid_overrides_exit_with_one_clear_message(tmp_path):
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda case: _run_main(case[0], tmp_path), INVALID_OVERRIDES))
-    for (overrides, message), proc in zip(INVALID_OVERRIDES, results, strict=True):
-        output = proc.stdout + proc.stderr
-        assert proc.returncode != 0, overrides
-        assert message in output, (overrides, output)
-        assert "Traceback" not in output, (overrides, output)
-        assert "parameters;" not in output, (overrides, output)  # the model was never built
-    assert not (tmp_path / "run" / "checkpoints").exists()
+# Invalid overrides as real processes of train/main.py (exit 2, one line, nothing created): test_reliability.py,
+# test_bad_configurations_are_refused_at_start_with_one_line.
 
 
 @pytest.mark.timeout(120)
 def test_cerar_code_rejected_before_process_group(tmp_path):
     # WORLD_SIZE as torchrun sets it, but no rendezvous exists: reaching init_process_group would hang/fail.
-    proc = _run_main(["aggregator=cerar", "c=16"], tmp_path, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
+    overrides = ["aggregator=cerar", "c=4", "aggregator.kappa_max=1.5"]  # unreachable: cerar says so at once
+    proc = _run_main(overrides, tmp_path, {"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"})
     assert proc.returncode == 2
-    assert "error: aggregator=cerar with N=2, c=16" in proc.stderr
+    assert "error: aggregator=cerar with N=2, c=4: kappa_max=1.5 is unreachable" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

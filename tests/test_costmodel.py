@@ -21,6 +21,7 @@ from cerar import costmodel as cm
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("N", [2, 3, 4, 8, 16, 64])
 @pytest.mark.parametrize("k", [1, 2, 3, 4, 8])
 def test_byte_ratio_matches_closed_form(N, k):
@@ -34,6 +35,7 @@ def test_byte_ratio_matches_closed_form(N, k):
     assert cm.ring_values(d, N) == 2 * (N - 1) * (d // N)
 
 
+@pytest.mark.quick
 def test_padding_rounds_up():
     assert cm.ring_values(10, 4) == 2 * 3 * 3
     assert cm.cerar_values(10, 4, 3) == 5 * 4
@@ -72,6 +74,7 @@ class ArithmeticCounter(TorchDispatchMode):
         return out
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("storage", cm.STORAGE_CHOICES)
 @pytest.mark.parametrize("N, c", [(2, 4), (3, 7), (4, 16), (5, 3), (8, 32)])
 def test_the_arithmetic_count_is_what_the_protocol_does(N, c, storage):
@@ -90,6 +93,7 @@ def test_the_arithmetic_count_is_what_the_protocol_does(N, c, storage):
     assert expected["passes"] == expected["values_moved"] / d
 
 
+@pytest.mark.quick
 def test_fewer_passes_cost_storage():
     """The knob trades storage for passes: "messages" about (2 + (N-1)/c) d and half the passes of
     "spec", which stays at the spec's (1 + N/c) d plus one block."""
@@ -101,6 +105,7 @@ def test_fewer_passes_cost_storage():
         assert full["storage_values"] == (2 * c + N - 1) * (d // c)
 
 
+@pytest.mark.quick
 def test_c_equal_n_sends_ring_bytes_and_is_never_faster():
     link = cm.LinkModel(1e-5, 1e9, 1e12)
     for N in (2, 4, 8, 32):
@@ -136,6 +141,7 @@ def _synthetic_rows(alpha, beta, gamma, noise=0.0, seed=0):
     return rows
 
 
+@pytest.mark.quick
 def test_fit_recovers_known_parameters_exactly():
     alpha, beta, gamma = 2e-4, 1 / 25e6, 1 / 3e9
     f = cm.fit(_synthetic_rows(alpha, beta, gamma))
@@ -145,6 +151,7 @@ def test_fit_recovers_known_parameters_exactly():
     assert f.rel_rmse < 1e-9 and f.n_rows == 48
 
 
+@pytest.mark.quick
 def test_fit_with_noise_is_close_and_nonnegative():
     alpha, beta, gamma = 1e-3, 1 / 50e6, 1 / 2e9
     f = cm.fit(_synthetic_rows(alpha, beta, gamma, noise=0.02, seed=3))
@@ -153,12 +160,14 @@ def test_fit_with_noise_is_close_and_nonnegative():
     assert f.alpha >= 0 and f.gamma >= 0
 
 
+@pytest.mark.quick
 def test_fit_clamps_absent_term_to_zero():
     f = cm.fit(_synthetic_rows(0.0, 1 / 10e6, 0.0))
     assert f.alpha == 0.0 and f.gamma == 0.0 and f.beta == pytest.approx(1e-7, rel=1e-9)
     assert math.isinf(f.memory_bandwidth)
 
 
+@pytest.mark.quick
 def test_fit_rejects_too_few_rows_and_bad_aggregator():
     rows = _synthetic_rows(1e-4, 1e-8, 1e-9)[:2]
     with pytest.raises(ValueError, match="at least 3"):
@@ -173,6 +182,7 @@ def test_fit_rejects_too_few_rows_and_bad_aggregator():
         cm.LinkModel(1e-5, 0.0, 1e12)
 
 
+@pytest.mark.quick
 def test_monotonicity():
     link = cm.LinkModel(1e-5, 25e9, 5e12)
     ds = [10**6, 10**7, 10**8, 10**9]
@@ -191,6 +201,7 @@ def test_monotonicity():
     assert r == sorted(r, reverse=True) and r[-1] > 8 / 14
 
 
+@pytest.mark.quick
 def test_best_c_beats_grid_and_infinite_throughput_approaches_byte_bound():
     link = cm.LinkModel(0.0, 1e9, 1e30)
     d, N = 10**8, 8
@@ -201,6 +212,7 @@ def test_best_c_beats_grid_and_infinite_throughput_approaches_byte_bound():
     assert c > 8 * N
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("N, c", [(4, 16), (8, 32)])
 def test_at_the_crossover_bandwidth_cerar_and_the_ring_take_equally_long(N, c):
     d = cm.PYTHIA_PARAMS["1.4b"] // c * c
@@ -220,6 +232,7 @@ def test_at_the_crossover_bandwidth_cerar_and_the_ring_take_equally_long(N, c):
     assert before < cm.crossover_bandwidth(dataclasses.replace(link, storage="messages"), d, N, c) / 3
 
 
+@pytest.mark.quick
 def test_min_c_for_byte_saving():
     assert cm.min_c_for_byte_saving(8, 0.47) is None  # bound is 1 - 8/14 = 42.9 %
     c = cm.min_c_for_byte_saving(8, 0.30)
@@ -341,6 +354,7 @@ def test_two_tier_terms_are_what_the_hierarchical_calls_send():
         assert rails[3] == measured[0][agg][3]  # a NIC per rank: one rail's bytes
 
 
+@pytest.mark.quick
 def test_two_tier_bytes_reproduce_the_issues_figures():
     """Issue 20's byte figures per node at 4 nodes x 2 ranks on one NIC each, c = 16: hierarchical CERAR
     1.125 d, the exact hierarchy 1.5 d, gloo's flat ring 1.75 d; so a link-bound time ratio of 0.75 and 0.64.
@@ -360,6 +374,7 @@ def test_two_tier_bytes_reproduce_the_issues_figures():
     assert coded[2] == 16 and coded[4] > cm.two_tier_features("hier_ring", d, 2, 8)[4]  # more rounds and passes
 
 
+@pytest.mark.quick
 def test_sixteen_bit_messages_beat_every_code_on_bytes():
     """(n-1)/n d of fp32-equivalent bytes per node for the 16-bit hierarchy against at least d for any code."""
     d = 2**20
@@ -368,6 +383,7 @@ def test_sixteen_bit_messages_beat_every_code_on_bytes():
         assert all(half < cm.two_tier_features("hier_cerar", d, n, 8, c)[3] for c in (n + 1, 4 * n, 64 * n))
 
 
+@pytest.mark.quick
 def test_two_tier_fit_recovers_a_cluster_and_skips_gloo():
     """Rows timed by a known two-tier cluster (several sizes, every aggregator, both NIC layouts' features) are
     fitted back to its five coefficients; gloo's own all_reduce rows are left out; the one-tier fit leaves
@@ -393,6 +409,7 @@ def test_two_tier_fit_recovers_a_cluster_and_skips_gloo():
         cm.fit_two_tier(rows[:3])
 
 
+@pytest.mark.quick
 def test_two_tier_projection_choices():
     """Where each choice wins, on the projection's own clusters: never the code on 2 nodes; the code ahead of
     the exact hierarchy on a slow network from 3 nodes; 16-bit messages everywhere ahead of every fp32 choice

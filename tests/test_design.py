@@ -62,6 +62,7 @@ def test_table_has_a_sane_row_per_construction(tmp_path):
     assert float(rows["optimized"][3]) < 0.6 * float(rows["perturbation"][3])
 
 
+@pytest.mark.quick
 def test_measured_error_tracks_prediction_where_truncation_dominates():
     row = evaluate(4, 8, "perturbation", kappa_max=100.0, d=8192, seed=1)
     assert row.ok and row.kappa <= 100 * (1 + 1e-9)
@@ -71,6 +72,7 @@ def test_measured_error_tracks_prediction_where_truncation_dominates():
     assert row.best_measured_error < 1e-4
 
 
+@pytest.mark.quick
 def test_sixteen_bit_refused_for_ill_conditioned_but_run_for_exact():
     refused = evaluate(4, 8, "perturbation", dtype="bfloat16", d=1024)
     assert refused.status.startswith("refused:") and "16-bit" in refused.status
@@ -80,6 +82,7 @@ def test_sixteen_bit_refused_for_ill_conditioned_but_run_for_exact():
     assert "refused:" in format_table([refused, exact])
 
 
+@pytest.mark.quick
 def test_unreachable_budget_becomes_a_row_not_a_crash():
     row = evaluate(4, 32, "perturbation", kappa_max=1e4, d=1024)
     assert row.status.startswith("unreachable:") and "kappa_max" in row.status
@@ -97,6 +100,7 @@ def test_unreachable_budget_becomes_a_row_not_a_crash():
         (["--dtype", "int8"], "--dtype"),
     ],
 )
+@pytest.mark.quick
 def test_bad_flags_are_rejected_naming_the_flag(args, flag, capsys):
     # In-process (argparse exits before any code is built): a subprocess per case costs a torch import.
     with pytest.raises(SystemExit) as exited:
@@ -105,6 +109,7 @@ def test_bad_flags_are_rejected_naming_the_flag(args, flag, capsys):
     assert f"argument {flag}" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_bad_sweep_flags_are_rejected_naming_the_flag(capsys):
     sys.path.insert(0, str(ROOT / "scripts"))
     try:

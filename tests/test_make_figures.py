@@ -13,12 +13,18 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import compare_training  # noqa: E402
 import make_figures  # noqa: E402
 from bench_allreduce import CSV_COLUMNS, EXTRA_COLUMNS  # noqa: E402
+
+# The figure groups these tests feed through arguments; the others (fidelity, cost model, hierarchical) read the
+# committed runs and data whatever the arguments, and test_committed_figures.py rebuilds them once per session.
+GROUPS_FROM_ARGUMENTS = ["--only", "training", "--only", "allreduce", "--only", "design"]
 
 
 def _write_runs(root: Path) -> None:
@@ -65,7 +71,7 @@ def test_make_figures_local(tmp_path):
     _write_allreduce(ar)
     design = ROOT / "reports" / "data" / "code_design.csv"
     rc = make_figures.main(["--runs-dir", str(runs), "--allreduce-csv", str(ar), "--design-csv", str(design),
-                            "--out", str(out), "--strict"])  # fmt: skip
+                            "--out", str(out), "--strict", *GROUPS_FROM_ARGUMENTS])  # fmt: skip
     assert rc == 0
     expected = ["val_loss_vs_step.png", "val_loss_vs_wall.png", "phase_bars.png", "time_vs_size_loopback.png",
                 "time_vs_size_lab_200.png", "saving_vs_c.png", "achieved_vs_byte_bound.png", "saving_vs_N.png",
@@ -75,9 +81,10 @@ def test_make_figures_local(tmp_path):
         assert p.exists() and p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
 
 
+@pytest.mark.quick
 def test_make_figures_missing_sources(tmp_path):
     args = ["--runs-dir", str(tmp_path / "none"), "--allreduce-csv", str(tmp_path / "no.csv"),
-            "--design-csv", str(tmp_path / "no2.csv"), "--out", str(tmp_path / "fig")]  # fmt: skip
+            "--design-csv", str(tmp_path / "no2.csv"), "--out", str(tmp_path / "fig"), *GROUPS_FROM_ARGUMENTS]  # fmt: skip
     assert make_figures.main(args) == 0
     assert make_figures.main([*args, "--strict"]) == 1
 
@@ -93,6 +100,7 @@ class _FakeWandbRun:
         return iter(self._hist)
 
 
+@pytest.mark.quick
 def test_runs_from_wandb_shapes_like_local(tmp_path):
     runs = make_figures.runs_from_wandb([_FakeWandbRun("cerar", 16, 1), _FakeWandbRun("nccl", 16, 2)])
     assert [r["setting"] for r in runs] == ["cerar_c16", "nccl"]
@@ -104,6 +112,7 @@ def test_runs_from_wandb_shapes_like_local(tmp_path):
     assert all(p.exists() for p in paths)
 
 
+@pytest.mark.quick
 def test_training_summary_and_report(tmp_path):
     runs = tmp_path / "runs"
     _write_runs(runs)
@@ -123,6 +132,7 @@ def test_training_summary_and_report(tmp_path):
     assert "| cerar_c16 |" in text and (tmp_path / "training.md").exists()
 
 
+@pytest.mark.quick
 def test_report_tables_targets(tmp_path):
     import report_tables
 

@@ -40,6 +40,7 @@ def composed_model(size: str):
         return compose(config_name="config", overrides=[f"model=pythia-{size}"]).model
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("size", sorted(RELEASED))
 def test_model_config_is_the_released_recipe(size):
     layers, hidden, heads, lr, min_lr, micro_batch, gpus = RELEASED[size]
@@ -97,6 +98,7 @@ def test_built_model_has_pythia_init(name):
             assert torch.all(p == (1.0 if n.endswith(".weight") else 0.0)), n
 
 
+@pytest.mark.quick
 def test_init_method_normal_restores_hf_default():
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         m = compose(

@@ -34,6 +34,7 @@ def _state(step: int) -> dict:
     return {"step": step, "weights": torch.full((4,), float(step))}
 
 
+@pytest.mark.quick
 def test_checkpoints_keep_the_last_k(tmp_path):
     for step in (1, 2, 3, 4):
         ckpt.save_checkpoint(tmp_path, step, _state(step), keep=2)
@@ -43,6 +44,7 @@ def test_checkpoints_keep_the_last_k(tmp_path):
     assert not list(ckpt.checkpoint_dir(tmp_path).glob(".*tmp*"))  # no temporary files left behind
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_checksum"])
 def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, caplog, damage):
     for step in (5, 10):
@@ -62,6 +64,7 @@ def test_damaged_latest_checkpoint_falls_back_to_previous(tmp_path, caplog, dama
     assert "step-00000010.pt is unusable" in caplog.text
 
 
+@pytest.mark.quick
 def test_no_checkpoint_and_discard(tmp_path):
     assert ckpt.load_latest_checkpoint(tmp_path) is None
     ckpt.save_checkpoint(tmp_path, 1, _state(1), keep=1)
@@ -69,6 +72,7 @@ def test_no_checkpoint_and_discard(tmp_path):
     assert ckpt.load_latest_checkpoint(tmp_path) is None
 
 
+@pytest.mark.quick
 def test_rng_states_round_trip():
     saved = ckpt.rng_states()
     first = (torch.rand(3), np.random.rand(3))
@@ -87,6 +91,7 @@ class _RunsCodeWhenUnpickled:
         return (open, (str(self.marker), "w"))
 
 
+@pytest.mark.quick
 def test_checkpoint_that_would_run_code_is_refused_and_the_previous_one_used(tmp_path, caplog):
     ckpt.save_checkpoint(tmp_path, 1, _state(1), keep=3)
     marker = tmp_path / "code-ran"
@@ -98,6 +103,7 @@ def test_checkpoint_that_would_run_code_is_refused_and_the_previous_one_used(tmp
     assert "step-00000002.pt is unusable" in caplog.text
 
 
+@pytest.mark.quick
 def test_old_checkpoints_numpy_rng_state_is_allow_listed(tmp_path):
     """Checkpoints written before the NumPy state was stored as plain Python held an ndarray."""
     np.random.seed(7)
@@ -169,6 +175,7 @@ def test_resume_restores_a_gpu_written_checkpoint_onto_the_device_the_run_names(
 # ----------------------------------------------------------------------------- schedule
 
 
+@pytest.mark.quick
 def test_lr_schedule_warms_up_then_decays_to_a_tenth():
     steps = 1000
     values = [lr_multiplier(s, steps, 0.01, 0.1) for s in range(steps)]
@@ -181,6 +188,7 @@ def test_lr_schedule_warms_up_then_decays_to_a_tenth():
 # ----------------------------------------------------------------------------- data
 
 
+@pytest.mark.quick
 def test_window_stream_shards_are_disjoint_and_resumable():
     tokens = np.arange(10_000, dtype=np.uint16)
     streams = [WindowStream(tokens, 16, rank, 2, seed=7) for rank in range(2)]
@@ -195,6 +203,7 @@ def test_window_stream_shards_are_disjoint_and_resumable():
     assert all(torch.equal(e, resumed.next_batch(50)) for e in expected)
 
 
+@pytest.mark.quick
 def test_validation_batches_are_fixed_and_split_across_ranks():
     tokens = np.arange(2_000, dtype=np.uint16)
     a = validation_batches(tokens, 16, 4, 2, rank=0, world_size=2)
@@ -234,6 +243,7 @@ def test_embedded_corpus_is_real_english_with_a_fixed_split(cache_dir):
     assert cached == ["tokenizer.json", "train.npy", "val.npy"]
 
 
+@pytest.mark.quick
 def test_local_folder_of_txt_and_jsonl(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -269,6 +279,7 @@ def _corpus(folder: Path, docs: int = 4, words: int = 300) -> Path:
     return folder
 
 
+@pytest.mark.quick
 def test_malformed_jsonl_line_is_refused_naming_file_and_line(tmp_path):
     from train.data import DataError
 
@@ -281,6 +292,7 @@ def test_malformed_jsonl_line_is_refused_naming_file_and_line(tmp_path):
         local_documents(str(corpus), "text", 0.2)
 
 
+@pytest.mark.quick
 def test_undecodable_bytes_are_replaced_with_a_warning_and_empty_files_skipped(tmp_path, caplog):
     corpus = _corpus(tmp_path / "corpus", docs=2)
     (corpus / "latin1.txt").write_bytes("caf\u00e9 au lait".encode("latin-1"))
@@ -296,6 +308,7 @@ def test_undecodable_bytes_are_replaced_with_a_warning_and_empty_files_skipped(t
     assert "latin1.jsonl: bytes that are not UTF-8" in caplog.text
 
 
+@pytest.mark.quick
 def test_corpus_too_small_for_one_validation_window_is_refused(tmp_path):
     from train.data import DataError, prepare_data
 
@@ -306,6 +319,7 @@ def test_corpus_too_small_for_one_validation_window_is_refused(tmp_path):
     prepare_data(_cfg(**local, seq_len=8), world_size=2)  # the same corpus feeds shorter windows
 
 
+@pytest.mark.quick
 def test_pile_needs_zstandard(monkeypatch):
     from train.config import ConfigError, validate
 
@@ -349,6 +363,7 @@ def test_pile_loader_streams_a_local_jsonl_with_a_local_tokenizer(tmp_path):
     assert all(torch.equal(e, again.next_batch(2)) for e in expected)
 
 
+@pytest.mark.quick
 def test_bpe_cache_is_built_once(tmp_path):
     calls = []
 
@@ -433,6 +448,7 @@ class DeepSpeedDynamicLossScaler:
         self.cur_iter += 1
 
 
+@pytest.mark.quick
 def test_fp16_loss_scale_follows_deepspeed_with_hysteresis_and_minimum():
     from train.loss_scale import PythiaLossScaler
 
@@ -465,6 +481,7 @@ def test_fp16_loss_scale_follows_deepspeed_with_hysteresis_and_minimum():
     assert {1.0, 2.0**4, 2.0**5} <= seen  # the minimum was reached and the scale grew past its start
 
 
+@pytest.mark.quick
 def test_fp16_scaler_defaults_are_pythias():
     from train.config import TrainerConfig
     from train.loss_scale import build_loss_scaler
@@ -496,6 +513,7 @@ def test_model_flops_per_token_match_torchs_flop_counter(name):
     assert model_flops_per_token(m, seq_len) == pytest.approx(counter.get_total_flops() / (batch * seq_len), rel=1e-3)
 
 
+@pytest.mark.quick
 def test_peak_flops_from_config_or_known_gpus():
     from train.metrics import KNOWN_PEAK_TFLOPS, peak_flops_per_device
 
