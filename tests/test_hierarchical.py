@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import time
+import traceback
 import warnings
 
 import numpy as np
@@ -33,6 +34,7 @@ from cerar.hierarchical import (
     NodeLayout,
     hierarchical_all_reduce,
     hierarchical_ring_all_reduce,
+    new_tier_groups,
     tier_groups,
 )
 from cerar.hierarchical.layout import placement
@@ -48,6 +50,33 @@ FLOAT32_UNIT_ROUNDOFF = 2.0**-24
 def contract(request):
     """The point-to-point contract the test runs under: gloo's, or NCCL's emulated on gloo."""
     return request.param
+
+
+@pytest.fixture(scope="module", params=CONTRACTS)
+def two_by_two(request):
+    """One launch of 4 processes per contract, shared by the tests of two nodes of two ranks: each part
+    (``TWO_BY_TWO_PARTS``) runs in turn in the same processes, and each test reads its own part."""
+    for spec in {s for _, _, s, *_ in CASES_2x2 if s is not None}:
+        make(2, spec)  # fills the test's code cache before the workers read it
+    return run_workers(_two_by_two_worker, 4, contract=request.param, timeout_s=900)
+
+
+def _two_by_two_worker(rank, N):
+    parts = {}
+    for name, (worker, args) in TWO_BY_TWO_PARTS.items():
+        try:
+            parts[name] = ("ok", worker(rank, N, *args))
+        except Exception:  # reported by the part's own test
+            parts[name] = ("error", traceback.format_exc())
+    return parts
+
+
+def part(results, name: str) -> list:
+    """Every rank's result of one part of the shared launch; a part that raised fails its test."""
+    failed = {rank: parts[name][1] for rank, parts in enumerate(results) if parts[name][0] == "error"}
+    if failed:
+        pytest.fail("\n".join(f"--- rank {rank} ---\n{tb}" for rank, tb in failed.items()))
+    return [parts[name][1] for parts in results]
 
 
 def inputs(N: int, d: int, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -236,11 +265,8 @@ def check_results(results, nodes: int, G: int, cases) -> None:
             assert stats[r].inter_node.rounds == (code.c + nodes - 2 if coded else 2 * (nodes - 1))
 
 
-def test_two_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums(contract):
-    for spec in {s for _, _, s, *_ in CASES_2x2 if s is not None}:
-        make(2, spec)  # fills the test's code cache before the workers read it
-    results = run_workers(_results_worker, 4, args=(2, 2, CASES_2x2), contract=contract, timeout_s=300)
-    check_results(results, 2, 2, CASES_2x2)
+def test_two_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums(two_by_two):
+    check_results(part(two_by_two, "results"), 2, 2, CASES_2x2)
 
 
 def test_four_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums(contract):
@@ -269,9 +295,9 @@ def _edges_worker(rank, N):
     return flat, one_per_node, flat_stats, one_node, one_node_stats, messages
 
 
-def test_one_rank_per_node_is_flat_cerar_bit_for_bit_and_one_node_is_exact(contract):
+def test_one_rank_per_node_is_flat_cerar_bit_for_bit_and_one_node_is_exact(two_by_two):
     N = 4
-    results = run_workers(_edges_worker, N, contract=contract)
+    results = part(two_by_two, "edges")
     X = inputs(N, 1001, seed=3)
     for flat, one_per_node, flat_stats, one_node, one_node_stats, messages in results:
         assert torch.equal(one_per_node, flat)  # G = 1: the same code, the same operations
@@ -331,7 +357,8 @@ def _disagreeing_worker(rank, N):
     layout = NodeLayout(2, 2)
     code = cerar.make_code(2, 4, "perturbation")
     x = torch.ones(64)
-    attempt("layout", lambda: tier_groups(NodeLayout(1, 4) if rank == 3 else layout, timeout=20))
+    # a build of the groups (cached ones were checked when they were built) on which rank 3 differs
+    attempt("layout", lambda: new_tier_groups(NodeLayout(1, 4) if rank == 3 else layout, timeout=20))
     fewer = cerar.make_code(2, 3) if rank == 0 else code
     attempt("c", lambda: hierarchical_all_reduce(x, fewer, layout, timeout=20, coded_on_two_nodes=True))
     other = cerar.make_code(2, 4, "optimized") if rank == 2 else code
@@ -352,9 +379,9 @@ def _disagreeing_worker(rank, N):
     return messages, launched, y, stats
 
 
-def test_disagreements_and_bad_input_get_a_clear_error_on_every_rank(contract):
+def test_disagreements_and_bad_input_get_a_clear_error_on_every_rank(two_by_two):
     N = 4
-    results = run_workers(_disagreeing_worker, N, contract=contract, timeout_s=200)
+    results = part(two_by_two, "disagreements")
     for messages, launched, y, stats in results:
         assert "ranks disagree on node layout (nodes x local size)" in messages["layout"], messages["layout"]
         assert "ranks disagree on c " in messages["c"], messages["c"]
@@ -430,12 +457,12 @@ def _ddp_worker(rank, N, steps):
     return runs, torch.cat([p.grad.reshape(-1) for p in registered.parameters()])
 
 
-def test_the_ddp_hook_gives_every_bucket_what_the_spec_gives_the_node_sums(contract):
+def test_the_ddp_hook_gives_every_bucket_what_the_spec_gives_the_node_sums(two_by_two):
     """Every bucket of every step, on every rank: the coded hook's result is the spec's protocol on the
     buckets' node sums (averaged), the exact hook's the exact mean."""
-    nodes, G, steps = 2, 2, 3
+    nodes, G, steps = 2, 2, DDP_STEPS
     N = nodes * G
-    results = run_workers(_ddp_worker, N, args=(steps,), contract=contract, timeout_s=400)
+    results = part(two_by_two, "ddp")
     code = cerar.make_code(nodes, 4, "perturbation")
     for name in HOOKS:
         inputs_, outputs = ([results[r][0][name][i] for r in range(N)] for i in (0, 1))
@@ -453,6 +480,15 @@ def test_the_ddp_hook_gives_every_bucket_what_the_spec_gives_the_node_sums(contr
             assert not torch.equal(outputs[0][k], outputs[N - 1][k])  # nodes differ: the check had something to tell
     for r in range(N):  # registered as it is, it averaged the ranks' different gradients: the same on every rank
         assert torch.equal(results[r][1], results[0][1])
+
+
+DDP_STEPS = 3
+TWO_BY_TWO_PARTS = {  # in this order; the disagreements last: they set torchrun's variables in the process
+    "results": (_results_worker, (2, 2, CASES_2x2)),
+    "edges": (_edges_worker, ()),
+    "ddp": (_ddp_worker, (DDP_STEPS,)),
+    "disagreements": (_disagreeing_worker, ()),
+}
 
 
 # --- the layout itself -----------------------------------------------------------------------------
