@@ -29,12 +29,13 @@ REQUIRED = ["where", "rate_mbit", "aggregator", "construction", "N", "c", "bytes
             "seconds_median", "seconds_min", "seconds_max", "repeats"]  # fmt: skip
 
 
-def _run(tmp_path, *extra, timeout=240, sizes="0.0625,0.25"):
+def _run(tmp_path, *extra, timeout=240, sizes="0.0625,0.25", figures=False):
+    """The benchmark on loopback (or the lab, with --lab in extra); --figures only where the test reads them."""
     csv_path = tmp_path / "allreduce.csv"
+    drawn = ["--figures", "--figures-dir", str(tmp_path / "fig")] if figures else []
     cmd = [sys.executable, str(SCRIPT), "--n", "2", "--sizes-mb", sizes, "--repeats", "2",
            "--warmup", "1", "--csv", str(csv_path), "--timeout", "200", "--collective-timeout", "60",
-           "--log-dir", str(tmp_path / "logs"), "--figures", "--figures-dir", str(tmp_path / "fig"),
-           *extra]  # fmt: skip
+           "--log-dir", str(tmp_path / "logs"), *drawn, *extra]  # fmt: skip
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     logs = "".join(p.read_text() for p in sorted((tmp_path / "logs").glob("*.log")))
     assert cp.returncode == 0, cp.stdout + cp.stderr + logs
@@ -47,7 +48,7 @@ def _run(tmp_path, *extra, timeout=240, sizes="0.0625,0.25"):
 
 @needs_protocol
 def test_bench_loopback_rows(tmp_path):
-    header, rows = _run(tmp_path, "--constructions", "exact,perturbation", "--c-mult", "1,2")
+    header, rows = _run(tmp_path, "--constructions", "exact,perturbation", "--c-mult", "1,2", figures=True)
     assert header[: len(REQUIRED)] == REQUIRED
     keys = {(r["aggregator"], r["construction"], r["c"], int(r["bytes"])) for r in rows}
     for nbytes in (65536, 262144):
