@@ -2,6 +2,7 @@
 # Issue 20's measurements in one run, on an otherwise idle machine, as root from the repository root:
 #
 #   scripts/run_hierarchical_lab.sh              # the real thing: writes reports/ (see below)
+#   SIZES=64 REPEATS=3 SEEDS=1 scripts/run_hierarchical_lab.sh   # the issue's 64 MiB only, fewer repeats (~20 min)
 #   scripts/run_hierarchical_lab.sh --tiny DIR   # the same steps at toy sizes into DIR (a dry run: tens of minutes)
 #
 # 1. all-reduce, every aggregator side by side in one bench run (interleaved repeats): 4 hosts x 2 ranks, 200 Mbit/s
@@ -26,7 +27,7 @@ if [ "${1:-}" = "--tiny" ]; then
   SIZES=0.25,1 REPEATS=1 RATE_AR=200 RATE_TRAIN=100 MODEL=tiny STEPS=2 EVAL=2 SEEDS=1
 else
   OUT=reports
-  SIZES=4,16,64 REPEATS=5 RATE_AR=200 RATE_TRAIN=100 MODEL=pythia-14m STEPS=12 EVAL=4
+  SIZES=${SIZES:-4,16,64} REPEATS=${REPEATS:-5} RATE_AR=200 RATE_TRAIN=100 MODEL=pythia-14m STEPS=12 EVAL=4
 fi
 [ "$(id -u)" = 0 ] || { echo "$0: the lab needs root (network namespaces and tc)" >&2; exit 2; }
 mkdir -p "$OUT/data" "$OUT/logs" "$OUT/figures" "$OUT/runs"
