@@ -108,9 +108,11 @@ def test_the_table_holds_the_grid_and_the_presets_shapes():
 
 # --- a sample searched again ---------------------------------------------------------------------
 
-SAMPLE = [(3, 7), (6, 10), (2, 6), (3, 9)]
+SAMPLE = [(3, 7), (6, 10), (3, 9)]
 """The cheapest shapes of each kind: (3, 7) and (6, 10) search no pattern (the perturbation start and
-its least-squares decoders, 0.1 s), (2, 6) and (3, 9) a pattern (c = 3N: 2.5 and 5 CPU seconds)."""
+its least-squares decoders, 0.1 s), (3, 9) a pattern (c = 3N, 5 CPU seconds). Not N = 2, whose
+patterns all err 0 to rounding: Nelder-Mead's path there follows rounding noise, whichever code it
+ends at is as good, and another machine may end at another."""
 
 
 @pytest.mark.parametrize("N, c", SAMPLE)
