@@ -2,7 +2,7 @@
 #   docker build -t cerar-pythia .
 #   docker run --gpus all --ipc=host -v $PWD/outputs:/workspace/cerar-pythia/outputs cerar-pythia \
 #       --nproc_per_node=gpu train/main.py model=pythia-70m aggregator=cerar c=16
-#   docker run --gpus all --ipc=host --entrypoint python cerar-pythia scripts/gpu_check.py   # the GPU check
+#   docker run --gpus all --ipc=host --entrypoint python cerar-pythia scripts/checks/gpu_check.py   # the GPU check
 # Multi-node: add --network host and torchrun's rendezvous flags (see README, "Training on a GPU cluster").
 #
 # The base carries torch 2.13.0, the version the test suite runs (requirements-cpu.txt pins its CPU build),

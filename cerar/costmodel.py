@@ -29,7 +29,7 @@ on PCIe-class and NVLink-class nodes, with the link bandwidth where they cross o
 (``crossover_bandwidth``).
 
 Pure numpy, no torch, nothing from ``train/``. ``python -m cerar.costmodel --csv
-reports/data/allreduce.csv`` prints the fits and the projection; ``scripts/costmodel_report.py``
+reports/data/allreduce.csv`` prints the fits and the projection; ``scripts/reporting/costmodel_report.py``
 renders ``reports/costmodel.md``.
 """
 
@@ -676,7 +676,7 @@ def _int(value, default: int | None = None) -> int | None:
 
 
 def two_tier_row_features(row: dict, itemsize: int = 4) -> tuple[str, np.ndarray] | None:
-    """The aggregator and ``TWO_TIER_TERMS`` of a row of ``scripts/bench_allreduce.py --ranks-per-host``
+    """The aggregator and ``TWO_TIER_TERMS`` of a row of ``scripts/bench/bench_allreduce.py --ranks-per-host``
     (columns aggregator, N, ranks_per_host, rails, c, bytes, inter_node_method, storage); None for
     rows the model does not describe (the backend's own all-reduce, whose algorithm is its own)."""
     agg = row["aggregator"]

@@ -10,7 +10,7 @@ rate. Constructions whose kappa budget cannot be met, and 16-bit dtypes the code
 ill-conditioned for, are shown as rows that say so instead of stopping the run.
 
 ``sweep_rows`` measures the worst-worker error against kappa for every construction over a grid of
-(N, c) and kappa budgets; ``scripts/design_report.py`` runs it and writes ``reports/code_design.md``,
+(N, c) and kappa budgets; ``scripts/reporting/design_report.py`` runs it and writes ``reports/code_design.md``,
 ``reports/figures/error_vs_kappa.png`` and the raw rows ``reports/data/code_design.csv``.
 
 Why

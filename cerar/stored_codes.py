@@ -3,7 +3,7 @@
 The search (``cerar.optimize``) takes seconds to minutes per (N, c, kappa_max), and every process of
 every host would pay it on first use. So ``optimized_code`` looks in three places, in order:
 
-1. The shipped table, ``cerar/data/optimized_codes.json`` (``scripts/build_shipped_codes.py``
+1. The shipped table, ``cerar/data/optimized_codes.json`` (``scripts/codes/build_shipped_codes.py``
    rebuilds it; its header says which shapes it holds and what each cost to search). For each
    (N, c, kappa_max) it keeps the points and the kind of decoder the search chose; the matrices are
    rebuilt from them (``cerar.optimize.matrices_from_points``, milliseconds): bit for bit the
@@ -100,7 +100,7 @@ def shipped_code(N: int, c: int, kappa_max: float) -> Code | None:
         raise ShippedTableError(
             f"{SHIPPED_TABLE}: the code for N={N}, c={c}, kappa_max={kappa_max:g} rebuilds to kappa "
             f"{code.kappa:.6g} and predicted error {code.predicted_error():.6g}; the table records "
-            f"{entry['kappa']:.6g} and {recorded:.6g}. Rebuild it with scripts/build_shipped_codes.py"
+            f"{entry['kappa']:.6g} and {recorded:.6g}. Rebuild it with scripts/codes/build_shipped_codes.py"
         )
     return code
 

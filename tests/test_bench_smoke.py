@@ -1,4 +1,4 @@
-"""Smoke test of scripts/bench_allreduce.py: tiny sizes, N=2, loopback, real gloo processes.
+"""Smoke test of scripts/bench/bench_allreduce.py: tiny sizes, N=2, loopback, real gloo processes.
 
 Checks that every aggregator produces a row with the required CSV columns first, sane values,
 and that the CERAR rows report the closed-form rounds and bytes. No speed is asserted.
@@ -24,7 +24,7 @@ except ImportError:
 needs_protocol = pytest.mark.skipif(not HAVE_PROTOCOL, reason="cerar.all_reduce / ring_all_reduce not available")
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_allreduce.py"
+SCRIPT = ROOT / "scripts" / "bench" / "bench_allreduce.py"
 REQUIRED = ["where", "rate_mbit", "aggregator", "construction", "N", "c", "bytes",
             "seconds_median", "seconds_min", "seconds_max", "repeats"]  # fmt: skip
 
@@ -84,8 +84,8 @@ def test_bench_rejects_bad_flags(tmp_path):
 @pytest.mark.netlab
 def test_bench_in_lab_rows(tmp_path):
     """The --lab path: a 2-host lab at 400 Mbit/s; rows carry the rate and the byte bound."""
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import netlab
+    sys.path.insert(0, str(ROOT))
+    from scripts.lab import netlab
 
     problem = netlab.requirements_problem()
     if problem:

@@ -1,4 +1,4 @@
-"""scripts/bench_allreduce.py on hosts of several ranks (issue 20): the hierarchical rows, their bytes per tier
+"""scripts/bench/bench_allreduce.py on hosts of several ranks (issue 20): the hierarchical rows, their bytes per tier
 against the two tiers' closed forms (written here from the layout, not taken from the library), and in the lab
 the bytes each host's NIC carried, counted by the kernel. Tiny sizes, real gloo processes; no speed asserted
 beyond a shaped link's lower bound."""
@@ -16,9 +16,9 @@ import pytest
 import cerar
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "bench_allreduce.py"
-sys.path.insert(0, str(ROOT / "scripts"))
-import netlab  # noqa: E402
+SCRIPT = ROOT / "scripts" / "bench" / "bench_allreduce.py"
+sys.path.insert(0, str(ROOT))
+from scripts.lab import netlab  # noqa: E402
 
 try:
     import cerar.hierarchical  # noqa: F401
@@ -134,9 +134,10 @@ def test_lab_rows_count_the_bytes_each_nic_carried(tmp_path, rails):
 
 
 def test_report_states_the_targets_met_or_missed(tmp_path):
-    """scripts/hierarchical_report.py on rows of one 64 MiB run: each construction's c=16 row against the exact
+    """scripts/reporting/hierarchical_report.py on rows of one 64 MiB run: each construction's c=16 "
+    "row against the exact
     hierarchy (target <= 0.80) and gloo's flat all_reduce (<= 0.72), from the medians measured side by side."""
-    import hierarchical_report
+    from scripts.reporting import hierarchical_report
 
     def row(agg, seconds, construction="", c="", nic=0):
         return {"where": "lab-4x2-mtu9000", "rate_mbit": "200", "aggregator": agg, "construction": construction,

@@ -1,4 +1,4 @@
-"""The README's promise: `scripts/make_figures.py` rebuilds the committed figures in reports/figures from the
+"""The README's promise: `scripts/reporting/make_figures.py` rebuilds the committed figures in reports/figures from the
 committed data (reports/runs, reports/data), with the two commands reports/README.md gives. Each rebuilt PNG
 must equal the committed one byte for byte (same data, same code, same matplotlib)."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 
-import make_figures  # noqa: E402
+from scripts.reporting import make_figures  # noqa: E402
 
 FIGURES = ROOT / "reports" / "figures"
 LAB100 = ["--only", "training", "--runs-dir", str(ROOT / "reports" / "runs" / "training_100mbit")]

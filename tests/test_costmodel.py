@@ -1,5 +1,5 @@
 """Tests of cerar/costmodel.py (closed forms, the measured arithmetic count, fitting, monotonicity,
-the crossover) and of scripts/costmodel_report.py, which renders it."""
+the crossover) and of scripts/reporting/costmodel_report.py, which renders it."""
 
 from __future__ import annotations
 
@@ -249,7 +249,14 @@ def test_cli_report_from_csv(tmp_path):
             w.writerow({**r, "extra": "x"})
     out = tmp_path / "costmodel.md"
     cp = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "costmodel_report.py"), "--csv", str(path), "--out", str(out)],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "reporting" / "costmodel_report.py"),
+            "--csv",
+            str(path),
+            "--out",
+            str(out),
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -281,7 +288,12 @@ def test_cli_names_missing_csv_and_columns(tmp_path):
     assert (
         "nope.csv"
         in subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "costmodel_report.py"), "--csv", str(tmp_path / "nope.csv")],
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "reporting" / "costmodel_report.py"),
+                "--csv",
+                str(tmp_path / "nope.csv"),
+            ],
             capture_output=True,
             text=True,
             timeout=60,
@@ -454,7 +466,7 @@ def test_cli_report_renders_the_two_tiers_and_the_figure(tmp_path):
         w.writeheader()
         w.writerows(rows)
     out, fig = tmp_path / "costmodel.md", tmp_path / "two_tier_choice.png"
-    cmd = [sys.executable, str(ROOT / "scripts" / "costmodel_report.py"), "--two-tier-csv", str(path),
+    cmd = [sys.executable, str(ROOT / "scripts" / "reporting" / "costmodel_report.py"), "--two-tier-csv", str(path),
            "--out", str(out), "--figure", str(fig)]  # fmt: skip
     cp = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert cp.returncode == 0, cp.stderr

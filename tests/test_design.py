@@ -1,5 +1,5 @@
 """Tests of ``python -m cerar.design`` (the per-construction table, flag validation) and of the
-reduced sweep that ``scripts/design_report.py`` renders.
+reduced sweep that ``scripts/reporting/design_report.py`` renders.
 
 The CLI runs as a subprocess, as a user would run it. Codes are kept small (N=4, c<=8) so the
 optimiser's search takes well under a second; its cache goes to a temporary directory.
@@ -111,11 +111,11 @@ def test_bad_flags_are_rejected_naming_the_flag(args, flag, capsys):
 
 @pytest.mark.quick
 def test_bad_sweep_flags_are_rejected_naming_the_flag(capsys):
-    sys.path.insert(0, str(ROOT / "scripts"))
+    sys.path.insert(0, str(ROOT))
     try:
-        import design_report
+        from scripts.reporting import design_report
     finally:
-        sys.path.remove(str(ROOT / "scripts"))
+        sys.path.remove(str(ROOT))
     for args, flag in [(["--grid-c", "8,x"], "--grid-c"), (["--bar", "4,16"], "--bar")]:
         with pytest.raises(SystemExit) as exited:
             design_report.main(args)
@@ -134,7 +134,9 @@ def test_reduced_sweep_writes_csv_png_and_report(tmp_path):
         "--out", str(out), "--grid-N", "4", "--grid-c", "4,8", "--grid-kappa-max", "1e2,1e4",
         "--grid-optimized-kappa-max", "1e3", "--grid-eps", "0.1", "--bar", "4,8,1e2", "--d", "4096",
     ]  # fmt: skip
-    done = run_design(*args, cache_dir=tmp_path / "cache", script=str(ROOT / "scripts" / "design_report.py"))
+    done = run_design(
+        *args, cache_dir=tmp_path / "cache", script=str(ROOT / "scripts" / "reporting" / "design_report.py")
+    )
     assert done.returncode == 0, done.stderr
 
     with (out / "data" / "code_design.csv").open() as handle:
@@ -153,7 +155,7 @@ def test_reduced_sweep_writes_csv_png_and_report(tmp_path):
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
 
     report = (out / "code_design.md").read_text()
-    assert "python scripts/design_report.py --out" in report  # the command that made it
+    assert "python scripts/reporting/design_report.py --out" in report  # the command that made it
     assert "## The optimiser's bar: N=4, c=8, float32, kappa_max=100" in report
     assert "optimized / perturbation = " in report and "**met**" in report
     assert "| 8 | 16 | 0.01 |" in report  # the spec's reference rows, re-measured

@@ -1,4 +1,4 @@
-"""scripts/fidelity_report.py turns run folders into the fidelity report: gaps to nccl with seed spread,
+"""scripts/reporting/fidelity_report.py turns run folders into the fidelity report: gaps to nccl with seed spread,
 when curves separate, error against noise, and the figures. Run folders are written here by hand with
 known curves, so every number the report prints is known in advance."""
 
@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 
-import fidelity_report  # noqa: E402
+from scripts.reporting import fidelity_report  # noqa: E402
 
 
 def write_run(folder: Path, val: dict[int, float], error: float, noise: float, drift: float) -> None:

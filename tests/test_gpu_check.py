@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
+from scripts.gpu_check import MULTI_RANK_SECTIONS, judge_coded, judge_sum, multi_rank_verdicts, proved, resolve_device
 
 import cerar
-from scripts.gpu_check import MULTI_RANK_SECTIONS, judge_coded, judge_sum, multi_rank_verdicts, proved, resolve_device
 
 
 def gpu_check(tmp_path, *extra, timeout=1500):
@@ -15,7 +15,7 @@ def gpu_check(tmp_path, *extra, timeout=1500):
     run = subprocess.run(
         [
             sys.executable,
-            "scripts/gpu_check.py",
+            "scripts/checks/gpu_check.py",
             "--device",
             "cpu",
             "--small",
@@ -66,7 +66,7 @@ def test_gpu_check_training_section_kills_and_resumes_to_the_same_parameters_on_
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible: nothing to refuse")
 def test_gpu_check_refuses_cuda_without_a_device():
-    run = subprocess.run([sys.executable, "scripts/gpu_check.py"], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "scripts/checks/gpu_check.py"], capture_output=True, text=True, timeout=120)
     assert run.returncode != 0 and "no CUDA device" in run.stderr
 
 

@@ -1,5 +1,5 @@
 # ruff: noqa: E501
-"""scripts/make_figures.py and compare_training's report on small synthetic data (no processes, no network).
+"""scripts/reporting/make_figures.py and compare_training's report on small synthetic data (no processes, no network).
 
 Checks that every figure file is produced from local run folders and CSVs, that W&B runs are shaped
 like local run folders (on a stand-in object, no network), and that the training summary computes
@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 
-import compare_training  # noqa: E402
-import make_figures  # noqa: E402
-from bench_allreduce import CSV_COLUMNS, EXTRA_COLUMNS  # noqa: E402
+from scripts.bench import compare_training  # noqa: E402
+from scripts.bench.bench_allreduce import CSV_COLUMNS, EXTRA_COLUMNS  # noqa: E402
+from scripts.reporting import make_figures  # noqa: E402
 
 # The figure groups these tests feed through arguments; the others (fidelity, cost model, hierarchical) read the
 # committed runs and data whatever the arguments, and test_committed_figures.py rebuilds them once per session.
@@ -134,7 +134,7 @@ def test_training_summary_and_report(tmp_path):
 
 @pytest.mark.quick
 def test_report_tables_targets(tmp_path):
-    import report_tables
+    from scripts.reporting import report_tables
 
     ar = tmp_path / "allreduce.csv"
     _write_allreduce(ar)

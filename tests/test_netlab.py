@@ -1,4 +1,4 @@
-"""Tests of scripts/netlab.py: real namespaces, real tc shaping, real TCP and gloo traffic.
+"""Tests of scripts/lab/netlab.py: real namespaces, real tc shaping, real TCP and gloo traffic.
 
 Skipped (with the reason) when not root or when ``ip``/``tc`` are missing. Only lower bounds on
 wall-clock time are asserted (a shaped link cannot be faster than its rate).
@@ -17,14 +17,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
-import netlab  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from scripts.lab import netlab  # noqa: E402
 
 PROBLEM = netlab.requirements_problem()
 needs_lab = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
 pytestmark = pytest.mark.netlab
 PY = sys.executable
-NETLAB = str(ROOT / "scripts" / "netlab.py")
+NETLAB = str(ROOT / "scripts" / "lab" / "netlab.py")
 
 
 def _root_links() -> str:

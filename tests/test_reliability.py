@@ -2,7 +2,7 @@
 `torchrun --max-restarts`, non-finite gradients (exact, CERAR, fp16 with GradScaler), bad configurations
 refused at start, ranks running different code, replica drift and resync. See reports/reliability.md.
 
-The faulted jobs are driven by scripts/chaos.py (its functions), which signals a rank once a step is logged.
+The faulted jobs are driven by scripts/checks/chaos.py (its functions), which signals a rank once a step is logged.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "chaos.py")
+_spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "checks" / "chaos.py")
 chaos = sys.modules.setdefault("chaos", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(chaos)
 

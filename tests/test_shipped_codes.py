@@ -23,7 +23,7 @@ FLOAT64_UNIT_ROUNDOFF = 2.0**-53
 DEFAULT_KAPPA = float(cerar.DEFAULT_KAPPA_MAX)
 TABLE = stored_codes.read_table()
 ENTRIES = [] if TABLE is None else TABLE["codes"]
-REBUILD = "rebuild it: python scripts/build_shipped_codes.py"
+REBUILD = "rebuild it: python scripts/codes/build_shipped_codes.py"
 
 
 def _id(entry: dict) -> str:

@@ -154,7 +154,7 @@ class TrainerConfig:
     bucket_cap_mb: float | None = None  # DDP bucket size, MiB (overlap=true); None: torch's 25, CERAR's own for cerar
     stop_after_step: int = 0  # >0: end this launch after that step, unfinished (simulates a preemption)
     # Fault injection, a testing/chaos tool only: at step k (>0) rank `inject_nonfinite_rank` turns one of its
-    # gradients into inf before the non-finite check (tests/test_reliability.py, scripts/chaos.py).
+    # gradients into inf before the non-finite check (tests/test_reliability.py, scripts/checks/chaos.py).
     inject_nonfinite_at_step: int = 0
     inject_nonfinite_rank: int = 0
 

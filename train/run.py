@@ -215,7 +215,7 @@ def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
 
 
 def write_pid_file(run_dir: Path, rank: int) -> None:
-    """<run dir>/pids/rank<r>.pid: which process is which rank (tests and scripts/chaos.py signal them)."""
+    """<run dir>/pids/rank<r>.pid: which process is which rank (tests and scripts/checks/chaos.py signal them)."""
     folder = run_dir / "pids"
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f".rank{rank}.pid.tmp"

@@ -1,7 +1,7 @@
 """The one-command GPU acceptance check: CERAR's CUDA path on one GPU or several, written to reports/gpu.md.
 
-    python scripts/gpu_check.py                     # on a CUDA machine: one rank per GPU, up to --ranks (8)
-    python scripts/gpu_check.py --device cpu --small --out /tmp/gpu.md   # its dry run on the CPU
+    python scripts/checks/gpu_check.py                     # on a CUDA machine: one rank per GPU, up to --ranks (8)
+    python scripts/checks/gpu_check.py --device cpu --small --out /tmp/gpu.md   # its dry run on the CPU
 
 Checks, each reported PASS / FAIL / NOT RUN (MEASURED where a figure is reported, not judged) with
 its numbers. Every result is judged against the exact sum of the inputs, within a bound derived from
@@ -60,7 +60,7 @@ from unittest import mock
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import cerar  # noqa: E402
@@ -647,7 +647,7 @@ def distributed_checks(device: torch.device, world: int, d: int, options: dict, 
 # ------------------------------------------------------------------------------------------------
 
 DETERMINISM_CALLBACK = '''
-"""Written by scripts/gpu_check.py: makes a training run's CUDA kernels deterministic (a Hydra callback)."""
+"""Written by scripts/checks/gpu_check.py: makes a training run's CUDA kernels deterministic (a Hydra callback)."""
 from hydra.experimental.callback import Callback
 
 
@@ -884,7 +884,7 @@ def main(argv=None) -> int:
     lines = [
         "# CERAR on GPUs: acceptance check",
         "",
-        f"Made by `python scripts/gpu_check.py {command}` on {devices} x {name}, torch {torch.__version__}"
+        f"Made by `python scripts/checks/gpu_check.py {command}` on {devices} x {name}, torch {torch.__version__}"
         + (
             f", CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"
             if device.type == "cuda"

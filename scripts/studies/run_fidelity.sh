@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The long-horizon fidelity study behind reports/fidelity.md (issue: does CERAR train like exact all-reduce?).
-# Usage (from the repo root): scripts/run_fidelity.sh A|B|C|D [OUT]   (halves run side by side on a 2-core box)
+# Usage (from the repo root): scripts/studies/run_fidelity.sh A|B|C|D [OUT]   (halves run side by side on a 2-core box)
 # A and B are the first session's halves; they stopped for lack of session time after five runs, and C and D
 # are the settings they had not reached (run side by side in the next session). E measures the drift of the resync
 # run before each resync (the loop measured it right after the resync until then, so it read 0): the same run as
@@ -15,8 +15,8 @@
 # c=8 optimized, started in G's place once G's two nccl runs had ended (the gaps on v2 were larger than on v1, so
 # c = 2N mattered more than fp16); G, H and I were stopped after their first two runs for session time.
 set -u
-cd "$(dirname "$0")/.."
-half=${1:?usage: scripts/run_fidelity.sh A|B|C|D|E|F|G|H|I|J [OUT]}
+cd "$(dirname "$0")/../.."
+half=${1:?usage: scripts/studies/run_fidelity.sh A|B|C|D|E|F|G|H|I|J [OUT]}
 case "$half" in
 G | H | I | J) OUT=${2:-reports/runs/fidelity-corpus-v2} ;;
 *) OUT=${2:-reports/runs/fidelity} ;;
@@ -26,7 +26,7 @@ COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trai
   trainer.eval_every=100 trainer.eval_batches=16 trainer.drift_every=50 trainer.measure_error_every=50
   trainer.log_every=10 trainer.progress_bar=false checkpoint.every=0 wandb.mode=disabled
   trainer.collective_timeout_s=3600)
-# The long collective timeout changes no result: it lets scripts/pause_runs.sh freeze these runs (SIGSTOP) for the
+# The long collective timeout changes no result: it lets scripts/studies/pause_runs.sh freeze these runs (SIGSTOP) for the
 # minutes a timing benchmark needs the machine to itself, without a pending collective expiring meanwhile.
 case "$half" in
 A) RUNS=("nccl_s1: aggregator=nccl seed=1"

@@ -38,7 +38,7 @@ over the rate: what the shaper alone allows, for every aggregator alike (gloo's 
 Rows go to the CSV with ``where`` = ``lab-<hosts>x<G>[-rails][-mtu<mtu>]``.
 
 Where: ``--where loopback`` spawns N local processes on 127.0.0.1 (memory speed, CPU bound);
-``--lab --rate-mbit R[,R2..]`` runs each rank in a host of ``scripts/netlab.py`` whose links are
+``--lab --rate-mbit R[,R2..]`` runs each rank in a host of ``scripts/lab/netlab.py`` whose links are
 shaped to R Mbit/s each way (needs root), so the time reflects the bytes moved. ``--mtu 9000`` gives
 the lab jumbo frames (rows: ``where`` = ``lab-mtu9000``): fewer packets for the kernel to emulate,
 where many ranks share few cores.
@@ -56,8 +56,8 @@ measured time vs the byte bound L*m*itemsize*8 / link rate, into ``reports/figur
 
 Quick example (a few minutes)::
 
-    python scripts/bench_allreduce.py --n 2 --sizes-mb 1 --repeats 3
-    sudo python scripts/bench_allreduce.py --lab --rate-mbit 200 --n 4 --sizes-mb 8 --repeats 3
+    python scripts/bench/bench_allreduce.py --n 2 --sizes-mb 1 --repeats 3
+    sudo python scripts/bench/bench_allreduce.py --lab --rate-mbit 200 --n 4 --sizes-mb 8 --repeats 3
 """
 
 from __future__ import annotations
@@ -80,10 +80,9 @@ import time
 import traceback
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
-    sys.path.insert(1, str(ROOT))
+    sys.path.insert(0, str(ROOT))
 
 CSV_COLUMNS = [
     "where", "rate_mbit", "aggregator", "construction", "N", "c", "bytes",
@@ -402,7 +401,7 @@ def _default_storage() -> str:
 
 def _commit_of(checkout: Path) -> str:
     """The checkout's commit, with ``+dirty`` when its cerar/ differs from it."""
-    from provenance import checkout_state  # scripts/ is on sys.path
+    from scripts.reporting.provenance import checkout_state  # the repository root is on sys.path
 
     state = checkout_state(checkout, short=12)
     if state is None:
@@ -486,7 +485,7 @@ def run_loopback(args, N: int, rows_out: Path, run_id: str, log_dir: Path) -> bo
 
 
 def run_lab(args, N: int, rate: float, rows_out: Path, run_id: str, log_dir: Path) -> bool:
-    import netlab
+    from scripts.lab import netlab
 
     G = args.ranks_per_host
     with netlab.NetLab(hosts=N // G, rate_mbit=rate, mtu=args.mtu, ranks_per_host=G, rails=args.rails) as lab:
@@ -724,7 +723,7 @@ def main(argv=None) -> int:
             print(f"bench: wrote {p}")
         return 0
     if args.lab:
-        import netlab
+        from scripts.lab import netlab
 
         problem = netlab.requirements_problem()
         if problem:

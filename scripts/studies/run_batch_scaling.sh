@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The batch-scaling study of issue 19: does CERAR's loss gap grow with the batch, and what does c=auto choose?
-# Usage (from the repo root): scripts/run_batch_scaling.sh HALF [OUT]      (HALF: A B C D, or T to time)
+# Usage (from the repo root): scripts/studies/run_batch_scaling.sh HALF [OUT]      (HALF: A B C D, or T to time)
 #
-# The long-horizon study (reports/fidelity.md, scripts/run_fidelity.sh G-J) ran every setting at 16 sequences of
+# The long-horizon study (reports/fidelity.md, scripts/studies/run_fidelity.sh G-J) ran every setting at 16 sequences of
 # 64 tokens per step. Here the same setup (N=4 ranks on gloo, model=tiny, corpus v2, Pythia's recipe, the same
 # seeds) runs at larger global batches, the number of sequences and the sequence length varied separately so that
 # the unit of the gradient noise is measured, not assumed. Shapes, sequences x tokens (tokens per step):
@@ -31,12 +31,12 @@
 #   T  timing probe: 20 steps of every shape with nccl and with c=auto checking every 5 steps, all under
 #      /tmp/batch-scaling-timing (run data and log): each shape's seconds per step (time/step in metrics.jsonl)
 #      and c=auto's check cost (time/auto_c).
-# Run data: OUT/<shape>/<setting>_s<seed>/ (default OUT reports/runs/batch-scaling); scripts/fidelity_report.py
+# Run data: OUT/<shape>/<setting>_s<seed>/ (default OUT reports/runs/batch-scaling); scripts/reporting/fidelity_report.py
 # --batch-scaling-dir builds the report's section from it. The load average before and after each half goes to
 # reports/logs/batch_scaling_runs.log.
 set -u
-cd "$(dirname "$0")/.."
-half=${1:?usage: scripts/run_batch_scaling.sh A|B|C|D|T [OUT]}
+cd "$(dirname "$0")/../.."
+half=${1:?usage: scripts/studies/run_batch_scaling.sh A|B|C|D|T [OUT]}
 OUT=${2:-reports/runs/batch-scaling}
 STEPS=${STEPS:-300}
 EVAL_EVERY=$((STEPS / 10))

@@ -1,6 +1,6 @@
 """Per-phase step times of the training loop for several aggregators side by side, in one launch.
 
-    .venv/bin/python scripts/bench_phases.py            # pythia-14m, 4 CPU processes: nccl, ring, cerar c=16
+    .venv/bin/python scripts/bench/bench_phases.py            # pythia-14m, 4 CPU processes: nccl, ring, cerar c=16
 
 Runs train/sweep.py under torchrun (one process group, the runs interleaved over `--rounds`), then
 reads each run's metrics.jsonl and writes the median seconds of forward, backward, aggregate and
@@ -8,7 +8,7 @@ optimizer per step (the first `--warmup` steps of each run dropped), the bytes s
 aggregation's relative error to reports/data/phases_cpu.csv and reports/phases_cpu.md.
 A benchmark, not a test: the figures depend on the machine and its load.
 
-    .venv/bin/python scripts/bench_phases.py --before /tmp/cerar-before   # before and after, back to back
+    .venv/bin/python scripts/bench/bench_phases.py --before /tmp/cerar-before   # before and after, back to back
 
 ``--before DIR`` first runs the same launch from another checkout (its own train/ and cerar/, e.g. a
 worktree of the commit before the persistent flat gradient buffer and the new arithmetic), then this
@@ -29,7 +29,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 AGGREGATORS = {"nccl": "aggregator=nccl", "ring": "aggregator=ring", "cerar_c16": "aggregator=cerar c=16"}
 PHASES = ("forward", "backward", "aggregate", "optimizer")
 
@@ -52,7 +54,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def commit_of(checkout: Path) -> str:
-    from provenance import checkout_state  # scripts/ is on sys.path
+    from scripts.reporting.provenance import checkout_state  # the repository root is on sys.path
 
     state = checkout_state(checkout)
     return "?" if state is None else state[0]
@@ -147,7 +149,7 @@ def write(args: argparse.Namespace, rows: list[dict]) -> None:
     lines = [
         "# Per-phase step times on CPU: nccl (gloo) vs ring vs CERAR c=16",
         "",
-        f"Produced by `python scripts/bench_phases.py` (data: `{os.path.relpath(args.csv, ROOT)}`). "
+        f"Produced by `python scripts/bench/bench_phases.py` (data: `{os.path.relpath(args.csv, ROOT)}`). "
         f"Model `{args.model}`, {args.nproc} processes on one machine ({machine}), gloo backend, "
         f"micro-batch {args.micro_batch} x {args.seq_len} tokens per rank, overlap=false (backward without "
         "DDP reduction, then one aggregation of all gradients). Median seconds per optimizer step over "

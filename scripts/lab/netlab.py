@@ -67,7 +67,7 @@ Usage
 -----
 CLI (needs root)::
 
-    python scripts/netlab.py --hosts 4 --rate-mbit 200 [--ranks-per-host 2 [--rails]] [--mtu 9000] \
+    python scripts/lab/netlab.py --hosts 4 --rate-mbit 200 [--ranks-per-host 2 [--rails]] [--mtu 9000] \
         [--delay-ms 0.5] [--timeout 600] [--out DIR] -- python my_script.py --arg {rank}
 
 ``{rank}``, ``{world_size}``, ``{local_rank}``, ``{local_world_size}``, ``{host}``, ``{hosts}``,
@@ -89,11 +89,11 @@ agents with c10d rendezvous::
 (The hosts share the machine's hostname, so torchrun can neither tell which one holds the rendezvous
 address, host 0, nor which address its workers are reached at: ``is_host`` and ``--local_addr`` say.)
 The exit status is 0 only if every process exits 0.
-``python scripts/netlab.py --cleanup`` removes stale labs and exits.
+``python scripts/lab/netlab.py --cleanup`` removes stale labs and exits.
 
 Library::
 
-    from netlab import NetLab            # with scripts/ on sys.path
+    from scripts.lab.netlab import NetLab   # with the repository root on sys.path
     with NetLab(hosts=4, rate_mbit=200, ranks_per_host=2, mtu=9000) as lab:
         result = lab.run([sys.executable, "bench.py"], timeout=300)   # 8 ranks, 2 per host
         assert result.ok

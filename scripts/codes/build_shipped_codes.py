@@ -1,8 +1,8 @@
 """Rebuilds cerar/data/optimized_codes.json, the optimized codes that ship with the package.
 
-    nice -n 10 python scripts/build_shipped_codes.py                      # every tier, resumes
-    python scripts/build_shipped_codes.py --tiers used,grid --max-hours 2  # stop starting shapes after 2 h
-    python scripts/build_shipped_codes.py --list                           # the plan, with what is done
+    nice -n 10 python scripts/codes/build_shipped_codes.py                      # every tier, resumes
+    python scripts/codes/build_shipped_codes.py --tiers used,grid --max-hours 2  # stop starting shapes after 2 h
+    python scripts/codes/build_shipped_codes.py --list                           # the plan, with what is done
 
 What: runs ``cerar.optimize.search`` for each (N, c, kappa_max) of the plan and records the points and
 decoder kind of each result (from which ``cerar.stored_codes`` rebuilds the matrices), its kappa and
@@ -92,7 +92,7 @@ def fresh_table() -> dict:
         "search_code_version": optimize.SEARCH_CODE_VERSION,
         "search_parameters": dict(optimize.SEARCH_PARAMETERS),
         "built": {
-            "by": "scripts/build_shipped_codes.py",
+            "by": "scripts/codes/build_shipped_codes.py",
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "python": platform.python_version(),
             "numpy": np.__version__,

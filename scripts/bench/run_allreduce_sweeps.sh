@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The all-reduce measurements behind reports/README.md, in the order they were run.
-# Usage (root, from the repo root): scripts/run_allreduce_sweeps.sh PHASE...
+# Usage (root, from the repo root): scripts/bench/run_allreduce_sweeps.sh PHASE...
 #   PHASE: targets lab loopback loopback256 passes hierarchical hierarchical-rails
 # The hierarchical phases (issue 20: 4 hosts x 2 ranks) write reports/data/hierarchical_lab.csv instead, so the
-# one-rank-per-host figures never mix with them; scripts/run_hierarchical_lab.sh runs the first with training.
+# one-rank-per-host figures never mix with them; scripts/bench/run_hierarchical_lab.sh runs the first with training.
 # Each bench command and the load average before/after it are logged to reports/logs/allreduce_runs.log.
 set -u
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=.venv/bin/python
 LOG=reports/logs/allreduce_runs.log
 CSV=reports/data/allreduce.csv
 run() {
   echo "=== $(date -Is) load before: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
-  echo "\$ $PY scripts/bench_allreduce.py $* --csv ${RUN_CSV:-$CSV} --quiet" >>"$LOG"
+  echo "\$ $PY scripts/bench/bench_allreduce.py $* --csv ${RUN_CSV:-$CSV} --quiet" >>"$LOG"
   local t0=$SECONDS
-  $PY scripts/bench_allreduce.py "$@" --csv "${RUN_CSV:-$CSV}" --quiet >>"$LOG" 2>&1
+  $PY scripts/bench/bench_allreduce.py "$@" --csv "${RUN_CSV:-$CSV}" --quiet >>"$LOG" 2>&1
   echo "=== rc=$? in $((SECONDS - t0)) s; load after: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
 }
 for phase in "$@"; do

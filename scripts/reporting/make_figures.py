@@ -5,9 +5,9 @@
 Sources
 -------
 * training runs: the local run folders (default ``reports/runs/training/<setting>_s<seed>/`` with
-  ``metrics.jsonl`` + ``summary.json``, as written by ``scripts/compare_training.py``), or W&B runs
+  ``metrics.jsonl`` + ``summary.json``, as written by ``scripts/bench/compare_training.py``), or W&B runs
   with ``--wandb ENTITY/PROJECT`` (public API, needs network and, for private projects, a login);
-* ``reports/data/allreduce.csv`` (``scripts/bench_allreduce.py``);
+* ``reports/data/allreduce.csv`` (``scripts/bench/bench_allreduce.py``);
 * ``reports/data/code_design.csv`` (``python -m cerar.design``).
 
 Figures (into ``reports/figures/``)
@@ -29,13 +29,13 @@ Figures (into ``reports/figures/``)
   (``scripts/costmodel_report.two_tier_figure``);
 * ``two_tier_lab_<where>_<rate>.png`` from ``reports/data/hierarchical_lab.csv``
   (``scripts/hierarchical_report.figures``) and ``two_tier_*`` training figures from
-  ``reports/runs/training_hierarchical/``, once ``scripts/run_hierarchical_lab.sh`` has measured them (until
+  ``reports/runs/training_hierarchical/``, once ``scripts/bench/run_hierarchical_lab.sh`` has measured them (until
   then they are skipped with a message, also under ``--strict``, unless ``--only hierarchical`` asks for them).
 
 A missing source skips its figures with a message; ``--strict`` makes that an error.
 
-    .venv/bin/python scripts/make_figures.py
-    .venv/bin/python scripts/make_figures.py --wandb my-entity/cerar-pythia
+    .venv/bin/python scripts/reporting/make_figures.py
+    .venv/bin/python scripts/reporting/make_figures.py --wandb my-entity/cerar-pythia
 """
 
 from __future__ import annotations
@@ -50,12 +50,11 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
-    sys.path.insert(1, str(ROOT))
+    sys.path.insert(0, str(ROOT))
 
-from compare_training import read_metrics  # noqa: E402  (scripts/ is on sys.path)
+from scripts.bench.compare_training import read_metrics  # noqa: E402  (the repository root is on sys.path)
 
 PHASES = ("forward", "backward", "aggregate", "optimizer")
 _RUN_RE = re.compile(r"^(.*)_s(\d+)$")
@@ -216,7 +215,7 @@ def error_vs_kappa(design_csv: Path, out: Path) -> list[Path]:
     if not rows:
         raise ValueError(f"{design_csv}: no sweep rows")
     p = out / "error_vs_kappa.png"
-    from design_report import plot_error_vs_kappa  # scripts/ is on sys.path
+    from scripts.reporting.design_report import plot_error_vs_kappa  # the repository root is on sys.path
 
     plot_error_vs_kappa(rows, p)
     return [p]
@@ -333,7 +332,7 @@ def main(argv=None) -> int:
     if "allreduce" not in groups:
         pass
     elif args.allreduce_csv.exists():
-        import bench_allreduce
+        from scripts.bench import bench_allreduce
 
         written += bench_allreduce.make_figures(args.allreduce_csv, args.out)
         written += saving_vs_n(args.allreduce_csv, args.out)
@@ -346,7 +345,7 @@ def main(argv=None) -> int:
     else:
         missing.append(str(args.design_csv))
     if "fidelity" in groups:
-        import fidelity_report
+        from scripts.reporting import fidelity_report
 
         fidelity_runs = fidelity_report.load_runs(args.fidelity_dir)
         if fidelity_runs:
@@ -358,13 +357,13 @@ def main(argv=None) -> int:
         if batch_rows:  # issue 19's study, once its runs exist
             written.append(fidelity_report.batch_scaling_figure(batch_rows, args.out / "batch_scaling_gap.png"))
     if "costmodel" in groups:
-        from costmodel_report import two_tier_figure
+        from scripts.reporting.costmodel_report import two_tier_figure
 
         written.append(two_tier_figure(args.out / "two_tier_choice.png"))
     if "hierarchical" in groups:
-        import hierarchical_report
+        from scripts.reporting import hierarchical_report
 
-        # measured by scripts/run_hierarchical_lab.sh: absent until then, which only an explicit request calls missing
+        # measured by scripts/bench/run_hierarchical_lab.sh: absent until then, which only an explicit request calls missing
         if args.hierarchical_csv.exists():
             written += hierarchical_report.figures(args.hierarchical_csv, args.out)
         elif args.only:

@@ -4,8 +4,8 @@ random steps (SIGKILL: the rank dies; SIGSTOP: it stops answering, the others mu
 restarts, the steps lost to each fault (steps redone after the restart: the step reached when the fault hit
 minus the checkpoint resumed from) and whether the final `param_sha256` equals a clean run's.
 
-    .venv/bin/python scripts/chaos.py --faults 3 --seed 1            # table on stdout
-    .venv/bin/python scripts/chaos.py --faults 3 --seed 1 --drift --report reports/reliability.md
+    .venv/bin/python scripts/checks/chaos.py --faults 3 --seed 1            # table on stdout
+    .venv/bin/python scripts/checks/chaos.py --faults 3 --seed 1 --drift --report reports/reliability.md
 
 `--drift` adds the replica-drift table of CERAR with c > N for trainer.resync_every in {0, 10, 50}.
 Every worker's output is kept in <work>/*.log. A testing tool: small model, CPU, gloo.
@@ -27,8 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-MARKER = "<!-- end of scripts/chaos.py output; what follows is kept when the report is rebuilt -->"
+ROOT = Path(__file__).resolve().parents[2]
+MARKER = "<!-- end of scripts/checks/chaos.py output; what follows is kept when the report is rebuilt -->"
 
 JOB = [
     "model=tiny",
@@ -277,10 +277,10 @@ def render(args, result: ChaosResult, drift: list[dict] | None) -> str:
     lines = [
         "# Reliability: chaos runs and replica drift",
         "",
-        "Produced by `scripts/chaos.py` (CPU, gloo, torchrun; model=tiny). Command:",
+        "Produced by `scripts/checks/chaos.py` (CPU, gloo, torchrun; model=tiny). Command:",
         "",
         "```",
-        f".venv/bin/python scripts/chaos.py --faults {args.faults} --seed {args.seed} --nproc {args.nproc} "
+        f".venv/bin/python scripts/checks/chaos.py --faults {args.faults} --seed {args.seed} --nproc {args.nproc} "
         f"--steps {args.steps} --checkpoint-every {args.checkpoint_every} --timeout {args.timeout:g}"
         + (f" --drift --drift-c {args.drift_c} --drift-steps {args.drift_steps}" if drift is not None else "")
         + " --report reports/reliability.md",

@@ -3,9 +3,9 @@
 
 Run under torchrun (N ranks on gloo):
 
-    .venv/bin/torchrun --standalone --nproc_per_node=4 scripts/aggregator_plane.py
+    .venv/bin/torchrun --standalone --nproc_per_node=4 scripts/bench/aggregator_plane.py
 
-The model (model=tiny on the embedded corpus, as in scripts/run_fidelity.sh) trains with exact
+The model (model=tiny on the embedded corpus, as in scripts/studies/run_fidelity.sh) trains with exact
 all-reduce; every `--every` steps each rank's real gradient g_r is averaged by every flat aggregator
 (nccl, ring, fp16, bf16, CERAR per construction and c) from the same starting point, and the result
 is compared with the exact mean g_bar: error = max over ranks of ||g_hat_r - g_bar|| / ||g_bar||.
@@ -13,7 +13,7 @@ PowerSGD exists only as a DDP hook with error feedback, so it is measured in a s
 trains with it, comparing the hook's result with an exact all-reduce of the same step's gradients.
 Bytes are what the aggregator reports having sent for the whole gradient (d values).
 
-Writes ``reports/data/aggregator_plane.csv``; ``scripts/make_figures.py --only fidelity`` draws it.
+Writes ``reports/data/aggregator_plane.csv``; ``scripts/reporting/make_figures.py --only fidelity`` draws it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import statistics
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
