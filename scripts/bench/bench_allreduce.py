@@ -502,27 +502,9 @@ def run_lab(args, N: int, rate: float, rows_out: Path, run_id: str, log_dir: Pat
 
 def append_rows(csv_path: Path, rows: list[dict]) -> None:
     """Append rows; write the header if the file is new. Existing files must have our columns first."""
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    fields = CSV_COLUMNS + EXTRA_COLUMNS
-    new = not csv_path.exists() or csv_path.stat().st_size == 0
-    if not new:
-        with open(csv_path, newline="") as f:
-            header = next(csv.reader(f), [])
-        if header[: len(CSV_COLUMNS)] != CSV_COLUMNS:
-            raise ValueError(f"{csv_path}: header {header[: len(CSV_COLUMNS)]} does not start with {CSV_COLUMNS}")
-        fields = header + [c for c in EXTRA_COLUMNS if c not in header]
-        if fields != header:  # columns added since the file was written: old rows get them empty
-            with open(csv_path, newline="") as f:
-                old = list(csv.DictReader(f))
-            with open(csv_path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=fields, restval="")
-                w.writeheader()
-                w.writerows(old)
-    with open(csv_path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerows(rows)
+    from scripts.bench.csv_rows import append_rows as append
+
+    append(csv_path, rows, CSV_COLUMNS + EXTRA_COLUMNS, required_prefix=CSV_COLUMNS)
 
 
 def setting_name(where: str, mtu: int, ranks_per_host: int = 1, hosts: int = 0, rails: bool = False) -> str:

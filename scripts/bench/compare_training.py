@@ -209,25 +209,9 @@ def run_all(args) -> int:
 
 def append_row(csv_path: Path, row: dict) -> None:
     """Append one row; a file written before columns were added gains them (its rows keep theirs)."""
-    csv_path.parent.mkdir(parents=True, exist_ok=True)
-    new = not csv_path.exists() or csv_path.stat().st_size == 0
-    fields = CSV_COLUMNS
-    if not new:
-        with open(csv_path, newline="") as f:
-            header = next(csv.reader(f), [])
-        fields = header + [c for c in CSV_COLUMNS if c not in header]
-        if fields != header:
-            with open(csv_path, newline="") as f:
-                old = list(csv.DictReader(f))
-            with open(csv_path, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=fields, restval="")
-                w.writeheader()
-                w.writerows(old)
-    with open(csv_path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-        if new:
-            w.writeheader()
-        w.writerow(row)
+    from scripts.bench.csv_rows import append_rows
+
+    append_rows(csv_path, [row], CSV_COLUMNS)
 
 
 def _f(x) -> float | None:
