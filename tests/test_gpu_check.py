@@ -5,9 +5,16 @@ import sys
 
 import pytest
 import torch
-from scripts.gpu_check import MULTI_RANK_SECTIONS, judge_coded, judge_sum, multi_rank_verdicts, proved, resolve_device
 
 import cerar
+from scripts.checks.gpu_check import (
+    MULTI_RANK_SECTIONS,
+    judge_coded,
+    judge_sum,
+    multi_rank_verdicts,
+    proved,
+    resolve_device,
+)
 
 
 def gpu_check(tmp_path, *extra, timeout=1500):
