@@ -379,8 +379,10 @@ def test_bpe_cache_is_built_once(tmp_path):
 # ----------------------------------------------------------------------------- the step
 
 
-def test_non_finite_gradients_skip_the_step(tmp_path, cache_dir):
-    """A NaN gradient is caught before aggregation; the step is skipped and counted, the next one runs."""
+@pytest.mark.quick
+def test_non_finite_gradients_skip_the_step(tmp_path):
+    """A NaN gradient is caught before aggregation; the step is skipped and counted, the next one runs.
+    (A small local corpus: the step does not depend on the text, and it needs no embedded token cache.)"""
     import torch.distributed as dist
 
     from train.aggregation import build_aggregator
@@ -388,7 +390,9 @@ def test_non_finite_gradients_skip_the_step(tmp_path, cache_dir):
     from train.model import build_model
     from train.schedule import build_scheduler
 
-    cfg = _cfg(kind="embedded", cache_dir=str(cache_dir), seq_len=16)
+    corpus = _corpus(tmp_path / "corpus", docs=6)
+    local = {"path": str(corpus), "cache_dir": str(tmp_path / "cache"), "bpe_vocab_size": 300}
+    cfg = _cfg(kind="local", name="local", seq_len=16, **local)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
