@@ -27,23 +27,14 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from cerar.precision import rounding_bound
+from tests import runs
 from train.config import ConfigError, register_configs, training_identity, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 U = 2.0**-24
 register_configs()
 
-SMALL = [
-    "trainer.max_steps=6",
-    "trainer.eval_every=3",
-    "trainer.micro_batch_size=4",
-    "trainer.eval_batches=2",
-    "data.seq_len=32",
-    "trainer.progress_bar=false",
-    "wandb.mode=disabled",
-    "checkpoint.every=0",
-    "trainer.drift_every=3",
-]
+SMALL = [*runs.SMALL, "checkpoint.every=0", "trainer.drift_every=3"]  # the shared launches' size, plus drift
 
 
 def composed(*overrides: str):
