@@ -21,7 +21,7 @@ Figures (into ``reports/figures/``)
 * ``fidelity_{val_loss,drift,error}_vs_step.png``, ``fidelity_noise_vs_error.png``: the long-horizon
   runs under ``reports/runs/fidelity/`` (``scripts/fidelity_report.figures``), and
   ``fidelity_corpus_v2_val_loss_vs_step.png`` from those on the grown corpus (``reports/runs/fidelity-corpus-v2/``),
-  and ``batch_scaling_gap.png`` from the batch-scaling runs (``reports/runs/batch-scaling/``) once they exist;
+  and ``batch_scaling_gap.png`` from the batch-scaling runs (``reports/runs/batch-scaling-150/``) once they exist;
 * ``saving_vs_N.png``: 1 - t_cerar / t_ref against N at c = 4N: measured (lab rows of the CSV, against
   the ring and against the backend all_reduce) and modelled (``cerar.costmodel`` fitted to the same
   setting's rows), with the byte-count bound;
@@ -301,7 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wandb", metavar="ENTITY/PROJECT", default=None, help="read training runs from W&B")
     ap.add_argument("--fidelity-dir", type=Path, default=ROOT / "reports" / "runs" / "fidelity")
     ap.add_argument("--fidelity-grown-corpus-dir", type=Path, default=ROOT / "reports" / "runs" / "fidelity-corpus-v2")
-    ap.add_argument("--batch-scaling-dir", type=Path, default=ROOT / "reports" / "runs" / "batch-scaling")
+    ap.add_argument("--batch-scaling-dir", type=Path, default=ROOT / "reports" / "runs" / "batch-scaling-150")
     ap.add_argument("--allreduce-csv", type=Path, default=ROOT / "reports" / "data" / "allreduce.csv")
     ap.add_argument("--design-csv", type=Path, default=ROOT / "reports" / "data" / "code_design.csv")
     ap.add_argument("--hierarchical-csv", type=Path, default=ROOT / "reports" / "data" / "hierarchical_lab.csv")
@@ -348,12 +348,12 @@ def main(argv=None) -> int:
         from scripts.reporting import fidelity_report
 
         fidelity_runs = fidelity_report.load_runs(args.fidelity_dir)
+        batch_rows = fidelity_report.batch_scaling_rows(fidelity_report.load_batch_scaling(args.batch_scaling_dir))
         if fidelity_runs:
             grown_runs = fidelity_report.load_runs(args.fidelity_grown_corpus_dir)
-            written += fidelity_report.figures(fidelity_runs, args.out, grown=grown_runs)
+            written += fidelity_report.figures(fidelity_runs, args.out, grown=grown_runs, batch_rows=batch_rows)
         else:
             missing.append(f"fidelity runs ({args.fidelity_dir})")
-        batch_rows = fidelity_report.batch_scaling_rows(fidelity_report.load_batch_scaling(args.batch_scaling_dir))
         if batch_rows:  # issue 19's study, once its runs exist
             written.append(fidelity_report.batch_scaling_figure(batch_rows, args.out / "batch_scaling_gap.png"))
     if "costmodel" in groups:
