@@ -12,18 +12,28 @@
 # at seed 1 but nccl's second, in this order of priority: nccl_s1, c=16, nccl_s2, c=auto, c=16 resync, c=8.
 # The batch comes from trainer.global_batch_size; micro-batches hold at most 1,024 tokens per rank (accumulation
 # does the rest), and the validation set is 16,384 tokens in every shape (the study's), spread over the split.
-# Steps: every shape runs STEPS optimizer steps (default 300; the lr schedule spans them), so gaps compare at equal
-# steps; the study measured how the gap grows with steps at the smallest batch (optimized c=16, same seed: +0.06 to
-# +0.15 % at step 300, +0.29 % at 500, +0.71 % at 3,000, with nccl's seeds 0.1-0.6 % apart along the way), so at
-# 300 steps a batch that multiplies the gap by 3 or more shows outside the band, and a smaller effect does not.
+# Steps: every shape runs STEPS optimizer steps (the lr schedule spans them), so gaps compare at equal steps.
+# Horizon used: STEPS=150 for every shape (reports/runs/batch-scaling-150/), plus the study's own shape 16x64 at
+# STEPS=300 (reports/runs/batch-scaling-300/) as the horizon check. Why 150 and not 300: the ~6 hours of machine
+# time that 300 steps of every shape need (below) did not fit the session that ran the study (180 minutes, shared
+# with other work). Why 150 is enough for the question: it compares the same-seed gap across batches at equal
+# steps, and the study already measured how that gap grows with steps at the smallest batch (optimized c=16, same
+# seed: +0.06 to +0.15 % at step 300, +0.29 % at 500, +0.71 % at 3,000, with nccl's seeds 0.1-0.6 % apart along
+# the way). What 150 steps can show: a batch effect that multiplies the gap several-fold (what the per-token
+# projection predicted: error above the noise at Pythia's batch) shows outside the band; a smaller effect, or one
+# that only grows out of the band late in a long run as at the small batch, does not. The 300-step run of 16x64
+# says whether the verdict at that shape changes with the horizon.
 # Evaluation every STEPS/10 steps; aggregation error, noise and drift every 50.
 #
-# Cost (timed with half T once, 20 steps per shape, on this 2-core machine while other jobs ran, load average
-# 15-23, so inflated if anything): seconds per step 0.34 (nccl) / 0.43 (c=auto) at 16x64, 1.1 at 64x64, 4.6-7.1
-# at 256x64, 1.2 at 16x256, 5.5-6.0 at 16x1024; a c=auto check 0.13-0.5 s. At STEPS=300, six runs per shape:
+# Cost, seconds per step on an idle machine (measured 2026-12-01 00:40 UTC, 10 steps each, nccl): 1.6-2.2 at
+# 256x64, 2.0-2.4 at 16x1024. An earlier timing (half T once, 20 steps per shape, while other jobs ran, load
+# average 15-23, so inflated): 0.34 (nccl) / 0.43 (c=auto) at 16x64, 1.1 at 64x64, 4.6-7.1 at 256x64, 1.2 at
+# 16x256, 5.5-6.0 at 16x1024; a c=auto check 0.13-0.5 s. From that loaded timing, at STEPS=300 with six runs
+# per shape:
 #   A 256x64 ~3.0 h   B 16x1024 ~3.0 h   C 16x64 ~0.3 h   D 64x64 + 16x256 ~1.2 h   (machine time; two halves side
-# by side share the 2 cores, so the wall time of the two is their sum). ~6 hours: A and B side by side, then C
-# (~6.3 h); D in another session. STEPS=250 fits all four in ~6.2 h.
+# by side share the 2 cores, so the wall time of the two is their sum): ~6 hours for A and B side by side, then C.
+# At STEPS=150 they ran as A beside B, then C beside D (each pair sharing the 2 cores): 150 steps of 256x64 took
+# 689 s (nccl) and 761 s (c=16), of 16x1024 816 s and 860 s (reports/logs/batch_scaling_runs.log.A, .B).
 #
 # Halves (one train/sweep.py launch each, runs one after another; run two side by side on a 2-core box):
 #   A  the 16x sequences shape (256x64)          B  the 16x sequence-length shape (16x1024)
@@ -31,14 +41,15 @@
 #   T  timing probe: 20 steps of every shape with nccl and with c=auto checking every 5 steps, all under
 #      /tmp/batch-scaling-timing (run data and log): each shape's seconds per step (time/step in metrics.jsonl)
 #      and c=auto's check cost (time/auto_c).
-# Run data: OUT/<shape>/<setting>_s<seed>/ (default OUT reports/runs/batch-scaling); scripts/reporting/fidelity_report.py
-# --batch-scaling-dir builds the report's section from it. The load average before and after each half goes to
-# reports/logs/batch_scaling_runs.log.
+# Run data: OUT/<shape>/<setting>_s<seed>/ (default OUT reports/runs/batch-scaling-STEPS);
+# scripts/reporting/fidelity_report.py builds the report's section from reports/runs/batch-scaling-150/
+# (--batch-scaling-dir) with reports/runs/batch-scaling-300/ as its horizon check (--batch-scaling-horizon-dir).
+# The load average before and after each half goes to reports/logs/batch_scaling_runs.log.
 set -u
 cd "$(dirname "$0")/../.."
 half=${1:?usage: scripts/studies/run_batch_scaling.sh A|B|C|D|T [OUT]}
-OUT=${2:-reports/runs/batch-scaling}
 STEPS=${STEPS:-300}
+OUT=${2:-reports/runs/batch-scaling-$STEPS}
 EVAL_EVERY=$((STEPS / 10))
 [[ $half == T ]] && STEPS=20 EVAL_EVERY=100 # timing: evaluate once, at the end
 LOG=${LOG:-reports/logs/batch_scaling_runs.log}
