@@ -3,7 +3,11 @@
     results = run_workers(worker_fn, world_size=4, args=(...))
     results = run_workers(worker_fn, world_size=4, contract="nccl")   # NCCL's contract, on gloo
 
-``worker_fn(rank, world_size, *args)`` must be defined at module level (processes are spawned).
+``worker_fn(rank, world_size, *args)`` must be defined at module level (it is pickled by name).
+Workers are forked from a forkserver that has imported torch and cerar once per test session, so a
+launch costs the fork and the group's set-up, not an interpreter and a torch import per rank (several
+seconds each on a 2-core machine); each worker starts with the parent's environment as it is at the
+call, as a spawned process would.
 Each worker's return value comes back in rank order; an exception in a worker is re-raised in the
 test with the worker's traceback. Workers that are still alive when the test gives up are killed.
 The processes meet in a TCPStore that the parent creates on a port the kernel picks (so no two
@@ -54,14 +58,21 @@ import itertools
 import multiprocessing as mp
 import os
 import queue
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 import traceback
 import weakref
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
-_CONTEXT = mp.get_context("spawn")
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(
+    ["torch", "torch.distributed", "cerar", "tests.distributed", "transformers", "train.main", "train.run"]
+)
 
 
 class WorkerError(RuntimeError):
@@ -285,10 +296,19 @@ def _install_contract(contract: str) -> None:
         )
 
 
-def _entry(fn, rank, world_size, port, args, results, group_timeout_s, contract):
+def _redirect_output(out_path: str, err_path: str) -> None:
+    """This process's stdout and stderr (file descriptors 1 and 2) into the files its parent reads back."""
+    os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 1)
+    os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
+
+
+def _entry(fn, rank, world_size, port, args, results, group_timeout_s, contract, environ, out_path, err_path):
     import torch
     import torch.distributed as dist
 
+    os.environ.clear()  # the caller's environment now, not the forkserver's from when it started
+    os.environ.update(environ)
+    _redirect_output(out_path, err_path)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         _store["store"] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
@@ -310,6 +330,19 @@ def _entry(fn, rank, world_size, port, args, results, group_timeout_s, contract)
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _pass_on_output(outputs: list[tuple[str, str]]) -> None:
+    """The workers' stdout and stderr, rank by rank, onto this process's (where a test's capfd reads them): a
+    forked worker's own descriptors are the forkserver's, not the test's."""
+    for out_path, err_path in outputs:
+        for path, fd in ((out_path, 1), (err_path, 2)):
+            with contextlib.suppress(FileNotFoundError):
+                data = memoryview(Path(path).read_bytes())
+                while data:
+                    data = data[os.write(fd, data) :]
 
 
 def run_workers(
@@ -343,10 +376,13 @@ def run_workers(
     if store is None:
         store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     results = _CONTEXT.Queue()
+    logs = tempfile.TemporaryDirectory(prefix="run-workers-")
+    outputs = [(f"{logs.name}/{rank}.out", f"{logs.name}/{rank}.err") for rank in range(world_size)]
+    environ = dict(os.environ)
     processes = [
         _CONTEXT.Process(
             target=_entry,
-            args=(fn, rank, world_size, store.port, args, results, group_timeout_s, contract),
+            args=(fn, rank, world_size, store.port, args, results, group_timeout_s, contract, environ, *outputs[rank]),
             daemon=True,
         )
         for rank in range(world_size)
@@ -378,6 +414,8 @@ def run_workers(
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        _pass_on_output(outputs)
+        logs.cleanup()
     errors = {r: v for r, (s, v) in collected.items() if s == "error"}
     if errors:
         raise WorkerError("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
@@ -392,3 +430,109 @@ def run_workers(
         else:
             out.append(None)
     return out
+
+
+# ------------------------------------------------------------------ scripts launched as torchrun launches them
+
+
+def _script_entry(script: str, argv: list[str], environ: dict, cwd: str, out_path: str, err_path: str) -> None:
+    """One rank of ``launch_script``: the script run as ``__main__`` with its arguments, in the environment
+    torchrun gives a worker, its stdout and stderr in files (the exit status is the script's)."""
+    import runpy
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    _redirect_output(out_path, err_path)
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def launch_script(script, argv: list[str], nproc: int, env: dict, cwd, timeout_s: float) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=nproc script argv`` as the workers see it, without the agent:
+    every rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, the agent's store
+    at MASTER_ADDR:MASTER_PORT with TORCHELASTIC_USE_AGENT_STORE, restart count 0) and runs the script as
+    ``__main__``, forked from the forkserver that has torch, transformers and train/ imported, so a launch does
+    not pay an interpreter, an agent and a torch import per rank. The store is the parent's, on a port the
+    kernel picks. As torchrun does, the first rank to fail ends the others, and the launch's status is 0 when
+    every rank ended with 0 and 1 otherwise; ``rank_codes`` keeps each rank's.
+
+    What the agent itself does (restarts, rendezvous between nodes, its signal handling) is torchrun's to
+    test: tests that exercise it launch ``python -m torch.distributed.run`` (tests/runs.py ``torchrun``)."""
+    store = held_store()
+    with tempfile.TemporaryDirectory(prefix="launch-script-") as logs:
+        processes = []
+        for rank in range(nproc):
+            environ = {
+                **env,
+                "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
+                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
+                "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", **agent_store_environment(store),
+                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": "launch-script",
+            }  # fmt: skip
+            paths = (f"{logs}/{rank}.out", f"{logs}/{rank}.err")
+            processes.append(
+                _CONTEXT.Process(target=_script_entry, args=(str(script), list(argv), environ, str(cwd), *paths))
+            )
+        for p in processes:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in processes):
+                if any(p.exitcode not in (None, 0) for p in processes):
+                    break  # a rank failed: torchrun's agent stops the others
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired([str(script), *argv], timeout_s)
+                time.sleep(0.05)
+        finally:
+            for p in processes:
+                if p.is_alive():
+                    p.terminate()
+            for p in processes:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+        codes = [p.exitcode for p in processes]
+        read = [tuple(Path(f"{logs}/{r}.{kind}").read_text(errors="replace") for kind in ("out", "err"))
+                for r in range(nproc)]  # fmt: skip
+    done = subprocess.CompletedProcess(
+        [str(script), *argv],
+        0 if all(code == 0 for code in codes) else 1,
+        "".join(out for out, _ in read),
+        "".join(err for _, err in read),
+    )
+    done.rank_codes = codes
+    return done
+
+
+def held_store():
+    """A TCPStore server on a port the kernel picks, held by the test for as long as it keeps the object: the
+    meeting point of processes the test launches itself (no bind-and-close race for a free port)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+def c10d_rendezvous_options(store) -> list[str]:
+    """torchrun's options for agents meeting at the test's ``held_store()``: every agent a client of it."""
+    return [
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{store.port}",
+        "--rdzv-conf=is_host=false",
+    ]
+
+
+def agent_store_environment(store) -> dict[str, str]:
+    """What torchrun tells its workers about its store, for workers a test starts itself around
+    ``held_store()``: the trainer's process group meets there instead of on a port of its own."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(store.port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }

@@ -16,6 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.distributed import launch_script
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SMALL = [
@@ -30,15 +32,28 @@ SMALL = [
 
 
 def torchrun(
-    nproc: int, script: str, args: list[str], cache: Path, timeout: int, expect_ok: bool = True
+    nproc: int,
+    script: str,
+    args: list[str],
+    cache: Path,
+    timeout: int,
+    expect_ok: bool = True,
+    agent: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Launch `script` under torchrun on a free rendezvous port (--standalone picks one)."""
+    """`torchrun --standalone --nproc_per_node=nproc train/<script> ARGS`. By default the ranks are forked as
+    torchrun's agent would start them (tests/distributed.py ``launch_script``: torchrun's environment, a store
+    on a free port, the first failure ends the launch), which spares each launch an agent and a torch import
+    per rank; ``agent=True`` launches the real torchrun, for what only its agent does."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    proc = subprocess.run(
-        [*cmd, str(ROOT / "train" / script), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
-    )
+    if agent:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        proc = subprocess.run(
+            [*cmd, str(ROOT / "train" / script), *args],
+            capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
+        )  # fmt: skip
+    else:
+        proc = launch_script(ROOT / "train" / script, args, nproc, env, ROOT, timeout)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -95,5 +110,6 @@ def sweep_runs(N: int) -> list[str]:
 
 def launch_sweep(N: int, out: Path, cache: Path) -> Path:
     """The N-rank launch of ``sweep_runs(N)`` into ``out``."""
-    torchrun(N, "sweep.py", [str(out), *sweep_runs(N), "--", *MATRIX], cache, timeout=850)
+    # N=2 through the real torchrun: the README's launch, agent and all, once per session
+    torchrun(N, "sweep.py", [str(out), *sweep_runs(N), "--", *MATRIX], cache, timeout=850, agent=N == 2)
     return out
