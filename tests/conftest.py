@@ -52,3 +52,19 @@ def sweep(tmp_path_factory, cache_dir):
         return launched[N]
 
     return folder
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n``, ``--dist loadgroup``) a module's tests run on one worker, so its module
+    fixtures (one launch read by many tests) run once; the tests reading the shared ``sweep`` launches run on
+    one worker, so the session launches them once; and the network-lab tests, which create namespaces and
+    shape links, never run beside each other."""
+    for item in items:
+        if "sweep" in getattr(item, "fixturenames", ()):
+            group = "sweep"
+        elif item.get_closest_marker("netlab"):
+            group = "netlab"
+        else:
+            group = item.module.__name__ if item.module is not None else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))

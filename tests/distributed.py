@@ -70,8 +70,9 @@ from datetime import timedelta
 from pathlib import Path
 
 _CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(
-    ["torch", "torch.distributed", "cerar", "tests.distributed", "transformers", "train.main", "train.run"]
+_CONTEXT.set_forkserver_preload(  # torch._dynamo: what building a DistributedDataParallel imports (seconds)
+    ["torch", "torch.distributed", "torch._dynamo", "cerar", "tests.distributed", "transformers"]
+    + ["train.main", "train.run"]
 )
 
 
@@ -296,6 +297,18 @@ def _install_contract(contract: str) -> None:
         )
 
 
+def _take_environment(environ: dict) -> None:
+    """The caller's environment as a fresh interpreter would start with it: the variables, and the thread count
+    torch reads from OMP_NUM_THREADS when it starts (here torch started in the forkserver, before them; a
+    different count sums in a different order, and runs would not be bit-identical to torchrun's)."""
+    import torch
+
+    os.environ.clear()
+    os.environ.update(environ)
+    if environ.get("OMP_NUM_THREADS"):
+        torch.set_num_threads(int(environ["OMP_NUM_THREADS"]))
+
+
 def _redirect_output(out_path: str, err_path: str) -> None:
     """This process's stdout and stderr (file descriptors 1 and 2) into the files its parent reads back."""
     os.dup2(os.open(out_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 1)
@@ -306,10 +319,8 @@ def _entry(fn, rank, world_size, port, args, results, group_timeout_s, contract,
     import torch
     import torch.distributed as dist
 
-    os.environ.clear()  # the caller's environment now, not the forkserver's from when it started
-    os.environ.update(environ)
+    _take_environment(environ)  # the caller's environment now, not the forkserver's from when it started
     _redirect_output(out_path, err_path)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         _store["store"] = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group(
@@ -440,8 +451,7 @@ def _script_entry(script: str, argv: list[str], environ: dict, cwd: str, out_pat
     torchrun gives a worker, its stdout and stderr in files (the exit status is the script's)."""
     import runpy
 
-    os.environ.clear()
-    os.environ.update(environ)
+    _take_environment(environ)
     os.chdir(cwd)
     _redirect_output(out_path, err_path)
     sys.argv = [script, *argv]

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from hydra import compose, initialize_config_dir
 
 from cerar.precision import rounding_bound
 from tests import runs
+from tests.distributed import c10d_rendezvous_options, held_store
 from train.config import ConfigError, register_configs, training_identity, validate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -168,34 +168,29 @@ def replicas_per_node(summary: dict, G: int) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_nodes_of_two_ranks_train_with_both_hierarchical_aggregators(tmp_path, cache_dir):
-    """One torchrun of 4 processes, two nodes of two (aggregator.local_size=2): hierarchical CERAR coded
-    on the two nodes (perturbation c=4), as the library chooses there (the exact ring between the nodes),
+    """One launch of 4 ranks (as torchrun starts them), two nodes of two (aggregator.local_size=2): hierarchical
+    CERAR coded on the two nodes (perturbation c=4), as the library chooses there (the exact ring between the nodes),
     the exact hierarchy, and both as DDP hooks (the coded one with resync)."""
     c, two_by_two = 4, "aggregator.local_size=2"
     coded = f"aggregator=hier_cerar_perturbation c={c} aggregator.coded_on_two_nodes=true {two_by_two}"
-    runs = {
+    settings = {
         "coded": f"{coded} trainer.measure_error_every=3",
         "as_chosen": f"aggregator=hier_cerar c={c} {two_by_two} trainer.measure_error_every=3",
         "exact": f"aggregator=hier_ring {two_by_two} trainer.measure_error_every=3",
         "coded_hook": f"{coded} trainer.overlap=true trainer.resync_every=3",
         "exact_hook": f"aggregator=hier_ring {two_by_two} trainer.overlap=true",
     }
-    proc = torchrun(
-        ["--standalone", "--nproc_per_node=4"],
-        "sweep.py",
-        [str(tmp_path), *(f"{label}: {o}" for label, o in runs.items()), "--", *SMALL],
-        cache_dir,
-        timeout=850,
-    )
-    out, err = finished(proc, 850)
+    proc = runs.torchrun(4, "sweep.py", [str(tmp_path), *(f"{lb}: {o}" for lb, o in settings.items()), "--", *SMALL],
+                         cache_dir, timeout=850)  # fmt: skip
+    out, err = proc.stdout, proc.stderr
     N, G, nodes = 4, 2, 2
     from cerar import make_code
 
     code = make_code(nodes, c, "perturbation")
-    for label in runs:
+    for label in settings:
         records, summary = read_run(tmp_path / label)
         check_trains(records, summary, 6)
-        flat = "overlap" not in runs[label]
+        flat = "overlap" not in settings[label]
         coded_run = label.startswith("coded")
         check_tiers(records, summary, nodes, G, c if coded_run else None, flat)
         assert summary["method_between_nodes"] == ("cerar" if coded_run else "exact ring"), label
@@ -220,24 +215,17 @@ def test_two_nodes_of_two_ranks_train_with_both_hierarchical_aggregators(tmp_pat
     assert "on 2 nodes: CERAR would send as many bytes between the nodes as the exact ring" in out + err
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_three_torchrun_agents_with_a_c10d_rendezvous_train_with_hierarchical_cerar(tmp_path, cache_dir):
     """torchrun --nnodes=3 --nproc_per_node=2 --rdzv-backend=c10d, three agents on this machine: the layout
     is torchrun's (LOCAL_WORLD_SIZE=2, placement checked against GROUP_RANK), a code for n=3 nodes."""
     c, nodes, G = 4, 3, 2
-    run_dir = tmp_path / "run"
+    run_dir, store = tmp_path / "run", held_store()  # the rendezvous, held here: every agent is its client
     launcher = [
         "--nnodes=3",
         "--nproc_per_node=2",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        *c10d_rendezvous_options(store),
         f"--rdzv-id=hier-{os.getpid()}",
     ]
     args = ["aggregator=hier_cerar_perturbation", f"c={c}", *SMALL, "trainer.max_steps=3", f"hydra.run.dir={run_dir}"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.distributed import agent_store_environment, c10d_rendezvous_options, held_store, launch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "checks" / "chaos.py")
@@ -117,15 +118,9 @@ def faults_sweep(tmp_path_factory, cache_dir) -> Path:
         "cerar_drift: aggregator=cerar c=4 trainer.drift_every=4",
         "cerar_resync: aggregator=cerar c=4 trainer.drift_every=4 trainer.resync_every=4",
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    proc = subprocess.run(
-        [*cmd, str(ROOT / "train" / "sweep.py"), str(out), *runs, "--", *JOB],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=chaos._env(cache_dir),
-        cwd=ROOT,
-    )
+    # the ranks forked as torchrun starts them (tests/distributed.py); the chaos runs below use torchrun's agent
+    args = [str(out), *runs, "--", *JOB]
+    proc = launch_script(ROOT / "train" / "sweep.py", args, 2, chaos._env(cache_dir), ROOT, timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out
 
@@ -221,11 +216,11 @@ def test_stopped_rank_under_gloo_all_reduce_is_bounded_by_the_timeout(tmp_path, 
 def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir):
     """Without torchrun to restart it: rank 1 is killed mid-run; rank 0's next collective fails and it exits
     with status 3 and one line naming the collective (the README's promise), instead of hanging."""
-    port, run_dir = _free_port(), tmp_path / "run"
+    store, run_dir = held_store(), tmp_path / "run"  # the ranks' meeting point, held here
     procs = []
     for rank in range(2):
         env = chaos._env(cache_dir)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", **agent_store_environment(store))
         args = [*JOB, "aggregator=ring", "trainer.max_steps=100000", "checkpoint.every=0", f"hydra.run.dir={run_dir}"]
         cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
@@ -248,17 +243,11 @@ def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir
 # ------------------------------------------------------------------ 6. different code on different nodes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ranks_running_different_code_stop_at_start(tmp_path, cache_dir):
     """Two 'nodes' (torchrun agents) whose code differs ($CERAR_PYTHIA_CODE_TAG stands for another version)."""
-    port = _free_port()
+    store = held_store()  # the rendezvous, held here: both agents are its clients
     procs = []
     for node in range(2):
         env = chaos._env(cache_dir)
@@ -269,8 +258,7 @@ def test_ranks_running_different_code_stop_at_start(tmp_path, cache_dir):
             "torch.distributed.run",
             "--nnodes=2",
             "--nproc_per_node=1",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
+            *c10d_rendezvous_options(store),
             "--rdzv-id=code-mismatch",
             str(ROOT / "train" / "main.py"),
             *JOB,
