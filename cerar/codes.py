@@ -84,7 +84,10 @@ def make_code(
     """Build (or fetch from the cache) the CERAR code for N workers and c components.
 
     The same arguments give bit-identical matrices in every process. Raises ValueError naming the
-    argument for invalid input, and when no code of the construction meets ``kappa_max``.
+    argument for invalid input, and when no code of the construction meets ``kappa_max``: for
+    ``optimized`` a ``cerar.optimize.UnreachableBudgetError`` naming the least kappa the search
+    reached, at once where the shipped table or the host's cache records that the search fails
+    (``cerar.stored_codes``), so that a failed search is paid once per host, not on every call.
     """
     N, c, construction, eps, kappa_max = _validated(N, c, construction, eps, kappa_max)
     return _make_code_cached(N, c, construction, eps, kappa_max)

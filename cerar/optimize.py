@@ -23,7 +23,10 @@ The result is the best of: the perturbation code tuned to kappa_max with its own
 same encoders with least-squares decoders, and the searched patterns with least-squares decoders.
 It is therefore never worse than the closed form it starts from. Everything is deterministic, and a
 result is fully described by its points and its kind of decoder (``matrices_from_points``): that is
-what the table shipped with the package (``cerar.stored_codes``) keeps.
+what the table shipped with the package (``cerar.stored_codes``) keeps. When no candidate meets
+kappa_max the search raises ``UnreachableBudgetError`` with the least kappa of every design it
+evaluated (the closed form's eps grid, every pattern size Nelder-Mead tried): how far out of reach
+the budget is. The table and the host's cache keep such refusals too, so that they are paid once.
 
 ``SEARCH_CODE_VERSION`` digests this module and the closed forms it starts from, so that codes
 searched by other code (the host cache, the shipped table) are recognised as such.
@@ -51,6 +54,7 @@ from cerar.closed_forms import (
     encoders,
     max_condition,
     ordered_points,
+    perturbation_points,
     roots_of_unity,
     smallest_feasible,
 )
@@ -122,29 +126,65 @@ def budget(N: int, c: int, eps: float | None, kappa_max: float | None) -> float:
     return closed_form_code(N, c, "perturbation", eps, None).kappa if eps is not None else DEFAULT_KAPPA_MAX
 
 
+class UnreachableBudgetError(ValueError):
+    """No candidate of the search meets kappa_max at (N, c). ``best_kappa`` is the smallest kappa of
+    every design the search evaluated: how far the budget is out of reach, so that a caller knows what
+    to ask for instead. A ValueError, as every refusal of ``make_code``."""
+
+    def __init__(self, N: int, c: int, kappa_max: float, best_kappa: float):
+        self.N, self.c, self.kappa_max, self.best_kappa = N, c, float(kappa_max), float(best_kappa)
+        super().__init__(
+            f"kappa_max={kappa_max:g} is unreachable for construction 'optimized' at N={N}, c={c} "
+            f"(the least kappa the search reached is {best_kappa:.4g}); raise kappa_max or lower c"
+        )
+
+    def __reduce__(self):  # picklable (a worker process may report it): rebuilt from its fields
+        return type(self), (self.N, self.c, self.kappa_max, self.best_kappa)
+
+
 def search(N: int, c: int, kappa_max: float) -> Found:
     """The best candidate with kappa <= kappa_max (see module docstring), for N >= 2 and c > N.
 
-    Raises ValueError naming kappa_max when no candidate meets it.
+    Raises UnreachableBudgetError, naming kappa_max and the least kappa reached, when no candidate meets it.
     """
     candidates = []
+    least_kappa = _LeastKappa()
     try:
         start = closed_form_code(N, c, "perturbation", None, kappa_max)
     except ValueError:
-        pass  # the closed form cannot meet this budget; the pattern search may
+        # the closed form cannot meet this budget; the pattern search may. Its least kappa, over the
+        # eps the closed form tried, counts towards what the search reached.
+        smallest_feasible(least_kappa.of(lambda eps: perturbation_points(N, c, eps), N), kappa_max)
     else:
         candidates += [
             _candidate(start.points, N, "polynomial", "perturbation"),
             _candidate(start.points, N, "least_squares", "perturbation+least_squares"),
         ]
     if c % N == 0:
-        candidates += _pattern_search(N, c, kappa_max)
+        candidates += _pattern_search(N, c, kappa_max, least_kappa)
     if not candidates:
-        raise ValueError(
-            f"kappa_max={kappa_max:g} is unreachable for construction 'optimized' at N={N}, c={c}; "
-            "raise kappa_max or lower c"
-        )
+        raise UnreachableBudgetError(N, c, kappa_max, least_kappa.value)
     return min(candidates, key=lambda cand: cand.error)
+
+
+class _LeastKappa:
+    """The least kappa of the designs evaluated so far (inf before any)."""
+
+    def __init__(self):
+        self.value = math.inf
+
+    def of(self, points_for, N: int):
+        """kappa(x) of the encoders at ``points_for(x)`` (inf where they do not exist), recorded."""
+
+        def kappa(x):
+            try:
+                value = max_condition(encoders(ordered_points(points_for(x)), N))
+            except (ValueError, np.linalg.LinAlgError):
+                value = math.inf
+            self.value = min(self.value, value)
+            return value
+
+        return kappa
 
 
 def _candidate(points, N: int, decoder_kind: str, origin: str) -> Found:
@@ -167,20 +207,13 @@ def _pattern_points(N: int, params: np.ndarray, n_real: int, size: float) -> np.
     return (roots_of_unity(N)[:, None] * pattern[None, :]).reshape(-1)
 
 
-def _smallest_feasible_size(N, params, n_real, kappa_max) -> float | None:
+def _smallest_feasible_size(N, params, n_real, kappa_max, least_kappa: _LeastKappa) -> float | None:
     """The smallest pattern size (the smallest error) whose encoders meet kappa_max, or None."""
-
-    def kappa(size):
-        try:
-            points = ordered_points(_pattern_points(N, params, n_real, size))
-            return max_condition(encoders(points, N))
-        except (ValueError, np.linalg.LinAlgError):
-            return math.inf
-
+    kappa = least_kappa.of(lambda size: _pattern_points(N, params, n_real, size), N)
     return smallest_feasible(kappa, kappa_max)
 
 
-def _pattern_search(N: int, c: int, kappa_max: float) -> list[Found]:
+def _pattern_search(N: int, c: int, kappa_max: float, least_kappa: _LeastKappa) -> list[Found]:
     q = c // N
     n_pairs = (q - 1) // 2
     n_real = (q - 1) - 2 * n_pairs
@@ -188,7 +221,7 @@ def _pattern_search(N: int, c: int, kappa_max: float) -> list[Found]:
         return []  # a single real offset: the perturbation shape is the only one
 
     def evaluate(params):
-        size = _smallest_feasible_size(N, params, n_real, kappa_max)
+        size = _smallest_feasible_size(N, params, n_real, kappa_max, least_kappa)
         if size is None:
             return None
         return _candidate(_pattern_points(N, params, n_real, size), N, "least_squares", "pattern")

@@ -218,14 +218,16 @@ def test_codes_are_bit_identical_in_another_process():
 
 def test_searched_codes_are_kept_in_the_suites_cache_under_the_search_codes_version(cerar_code_cache):
     """tests/conftest.py points $CERAR_CACHE_DIR at the pytest cache; the file name carries the search
-    code's version (tests/test_shipped_codes.py checks what changes it), so an edited search never
-    reads its predecessor's codes. (3, 5) at kappa_max 2e3 is outside the shipped table: searched."""
+    code's version and its parameters' digest (tests/test_shipped_codes.py checks what changes them),
+    so an edited search never reads its predecessor's codes. (3, 5) at kappa_max 2e3 is outside the
+    shipped table: searched."""
     from cerar import optimize, stored_codes
 
     assert (3, 5, 2e3) not in stored_codes.shipped_entries()
     cerar.make_code(3, 5, "optimized", kappa_max=2e3)
     assert stored_codes.cache_dir() == Path(cerar_code_cache)
-    assert (Path(cerar_code_cache) / f"optimized-{optimize.SEARCH_CODE_VERSION}-N3-c5-k2000.0.npz").is_file()
+    key = f"{optimize.SEARCH_CODE_VERSION}-p{stored_codes.search_parameters_digest()}"
+    assert (Path(cerar_code_cache) / f"optimized-{key}-N3-c5-k2000.0.npz").is_file()
 
 
 def test_the_optimiser_and_the_closed_forms_do_not_import_each_other_in_a_circle():

@@ -5,7 +5,8 @@ rebuilt by make_code's path and checked for what the specification requires, aga
 ``tests/spec_reference.py``: the matrices A_j and D_i from its points as the spec builds them, kappa
 within the budget, each worker's error on Gaussian gradients, run through the spec's protocol in
 float64, as the code predicts, and the last worker exact. ``make_code`` must read a shipped shape
-without searching.
+without searching, and refuse a shape the table records as unreachable without searching. A search
+that fails outside the table is paid once: its refusal is cached under the search's identity.
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import pytest
 
 import cerar
 from cerar import optimize, stored_codes
+from scripts.codes import build_shipped_codes
 from tests.spec_reference import spec_all_reduce, spec_least_squares_decoders, spec_matrices
 
 FLOAT64_UNIT_ROUNDOFF = 2.0**-53
 DEFAULT_KAPPA = float(cerar.DEFAULT_KAPPA_MAX)
 TABLE = stored_codes.read_table()
 ENTRIES = [] if TABLE is None else TABLE["codes"]
+UNREACHABLE = [] if TABLE is None else TABLE["unreachable"]
 REBUILD = "rebuild it: python scripts/codes/build_shipped_codes.py"
 
 
@@ -67,6 +70,7 @@ def test_the_table_was_searched_by_the_current_search_code():
     assert TABLE is not None, f"{stored_codes.SHIPPED_TABLE} is missing; {REBUILD}"
     assert TABLE["search_code_version"] == optimize.SEARCH_CODE_VERSION, f"the search code changed; {REBUILD}"
     assert TABLE["search_parameters"] == json.loads(json.dumps(optimize.SEARCH_PARAMETERS)), REBUILD
+    assert stored_codes.shipped_entries() and stored_codes.shipped_unreachable()  # so the package uses it
 
 
 def test_the_search_codes_version_ignores_comments_and_docstrings_only():
@@ -102,8 +106,18 @@ def test_the_table_holds_the_grid_and_the_presets_shapes():
     wanted |= {(4, 16, DEFAULT_KAPPA), (8, 16, DEFAULT_KAPPA), (8, 32, DEFAULT_KAPPA)}
     missing = sorted(wanted - set(shipped))
     assert not missing, f"not in the table: {missing}; {REBUILD}"
-    for entry in ENTRIES:
+    for entry in ENTRIES + UNREACHABLE:
         assert entry["search_cpu_seconds"] >= 0 and entry["search_seconds"] >= 0, _id(entry)
+
+
+def test_every_shape_the_builder_plans_is_in_the_table_as_a_code_or_as_unreachable():
+    """So that make_code neither searches nor fails slowly for any of them: a shape whose budget the
+    search cannot meet is recorded as such, never left out."""
+    refused = [_shape(e) for e in UNREACHABLE]
+    assert len(refused) == len(set(refused)) and not set(refused) & {_shape(e) for e in ENTRIES}
+    planned = {(N, c, kappa_max) for _, N, c, kappa_max in build_shipped_codes.plan(list(build_shipped_codes.TIERS))}
+    missing = sorted(planned - {_shape(e) for e in ENTRIES} - set(refused))
+    assert not missing, f"planned but neither shipped nor recorded as unreachable: {missing}; {REBUILD}"
 
 
 # --- a sample searched again ---------------------------------------------------------------------
@@ -129,6 +143,23 @@ def test_a_sample_of_the_table_is_what_the_search_finds(N, c):
     assert np.abs(found.points - shipped_points).max() <= 10 * optimize.SEARCH_PARAMETERS["pattern_xatol"] * size
     assert abs(found.error - entry["predicted_error"]) <= 10 * optimize.SEARCH_PARAMETERS["pattern_fatol"]
     assert optimize.matrices_from_points(shipped_points, N, entry["decoders"])[1].shape == found.A.shape
+
+
+UNREACHABLE_SAMPLE = [(3, 16, DEFAULT_KAPPA), (4, 16, 1e2)]
+"""The cheapest recorded failures of each kind: (3, 16) tries the perturbation family only (c is not a
+multiple of N, 0.1 s), (4, 16) at kappa_max 1e2 the patterns too (c = 4N, 2 CPU seconds)."""
+
+
+@pytest.mark.parametrize("N, c, kappa_max", UNREACHABLE_SAMPLE)
+def test_a_sample_of_the_recorded_failures_is_what_the_search_reaches(N, c, kappa_max):
+    """The search, run here, fails as recorded, reaching the recorded least kappa: a minimum over the
+    condition numbers of the designs it tried, which are the same on every machine (the closed form's
+    fixed eps grid; Nelder-Mead's path over patterns that are all infeasible, whose objective is one
+    constant), so equal up to the rounding of the condition numbers themselves."""
+    entry = stored_codes.shipped_unreachable()[(N, c, kappa_max)]
+    with pytest.raises(optimize.UnreachableBudgetError) as refusal:
+        optimize.search(N, c, kappa_max)
+    assert refusal.value.best_kappa == pytest.approx(entry["best_kappa"], rel=1e-6)
 
 
 # --- every shipped code, against the spec --------------------------------------------------------
@@ -217,6 +248,31 @@ def test_every_shipped_code_has_the_properties_the_spec_requires(entry, no_store
 # --- make_code reads the table first -------------------------------------------------------------
 
 
+@pytest.mark.parametrize("entry", UNREACHABLE, ids=_id)
+def test_a_shape_recorded_as_unreachable_is_refused_at_once_naming_what_the_search_reached(
+    entry, no_stored_codes, counted_searches
+):
+    N, c, kappa_max = _shape(entry)
+    with pytest.raises(ValueError) as refusal:
+        cerar.make_code(N, c, "optimized", kappa_max=kappa_max)
+    assert isinstance(refusal.value, optimize.UnreachableBudgetError)
+    message = str(refusal.value)
+    for named in (f"N={N}, c={c}", f"kappa_max={kappa_max:g}", f"reached is {entry['best_kappa']:.4g}"):
+        assert named in message, (named, message)
+    assert refusal.value.best_kappa == entry["best_kappa"] > kappa_max
+    assert counted_searches == []
+    assert not stored_codes.cache_dir().exists()  # nothing searched, nothing cached
+
+
+def test_no_shape_is_recorded_as_out_of_reach_at_a_budget_above_one_it_met():
+    """Every design that meets a budget meets every larger one, so a code shipped at (N, c, k) and a
+    failure recorded at (N, c, k') with k' >= k contradict each other: one of them is stale."""
+    for failure in UNREACHABLE:
+        N, c, kappa_max = _shape(failure)
+        met = [entry["kappa_max"] for entry in ENTRIES if (entry["N"], entry["c"]) == (N, c)]
+        assert all(budget > kappa_max for budget in met), (_id(failure), met)
+
+
 def test_make_code_reads_a_shipped_shape_without_searching(no_stored_codes, counted_searches):
     for N, c in [(4, 16), (8, 16), (8, 32)]:
         code = cerar.make_code(N, c, "optimized")
@@ -234,7 +290,69 @@ def test_a_shape_outside_the_table_is_searched_once_then_read_from_the_cache(no_
     again = cerar.make_code(3, 5, "optimized", kappa_max=2e3)
     assert counted_searches == [shape]
     assert np.array_equal(first.A, again.A) and np.array_equal(first.D, again.D)
-    assert len(list(stored_codes.cache_dir().glob(f"optimized-{optimize.SEARCH_CODE_VERSION}-N3-c5-*.npz"))) == 1
+    key = f"{optimize.SEARCH_CODE_VERSION}-p{stored_codes.search_parameters_digest()}"
+    assert len(list(stored_codes.cache_dir().glob(f"optimized-{key}-N3-c5-*.npz"))) == 1
+
+
+FAILING = (2, 4, 1.5)
+"""A shape outside the table whose budget no code meets: c = 2N has no pattern to search, so the
+search fails at once (0.1 s) and the test can run it several times."""
+
+
+def _refusal(N, c, kappa_max) -> optimize.UnreachableBudgetError:
+    cerar.codes._make_code_cached.cache_clear()
+    with pytest.raises(optimize.UnreachableBudgetError) as refusal:
+        cerar.make_code(N, c, "optimized", kappa_max=kappa_max)
+    return refusal.value
+
+
+def test_a_failed_search_is_recorded_in_the_cache_and_refused_at_once_the_next_time(no_stored_codes, counted_searches):
+    assert FAILING not in stored_codes.shipped_entries() and FAILING not in stored_codes.shipped_unreachable()
+    first = _refusal(*FAILING)
+    assert counted_searches == [FAILING]
+    assert "kappa_max=1.5 is unreachable for construction 'optimized' at N=2, c=4" in str(first)
+    # the least kappa the search reached: no more than the perturbation design's at the largest eps the
+    # search tries (0.999), whose kappa the closed form reports independently, and beyond the budget
+    widest = cerar.make_code(2, 4, "perturbation", eps=0.999)
+    assert FAILING[2] < first.best_kappa <= widest.kappa * (1 + 1e-9)
+
+    records = list(stored_codes.cache_dir().glob("*.unreachable.json"))
+    assert len(records) == 1
+    record = json.loads(records[0].read_text(encoding="utf-8"))
+    identity = stored_codes.search_identity()
+    assert record == {"N": 2, "c": 4, "kappa_max": 1.5, "best_kappa": first.best_kappa, **identity}
+
+    again = _refusal(*FAILING)  # a fresh memo, as in another process: read from the cache
+    assert counted_searches == [FAILING]  # not searched again
+    assert str(again) == str(first) and again.best_kappa == first.best_kappa
+
+
+def test_a_recorded_failure_is_searched_again_by_another_search_code_or_parameters(
+    no_stored_codes, counted_searches, monkeypatch
+):
+    _refusal(*FAILING)
+    assert len(counted_searches) == 1
+    with monkeypatch.context() as edited:
+        edited.setattr(optimize, "SEARCH_CODE_VERSION", "edited-search")
+        _refusal(*FAILING)
+        assert len(counted_searches) == 2
+    with monkeypatch.context() as edited:
+        edited.setitem(optimize.SEARCH_PARAMETERS, "pattern_iterations", 7)
+        _refusal(*FAILING)
+        assert len(counted_searches) == 3
+        _refusal(*FAILING)  # each search's refusal is its own record
+        assert len(counted_searches) == 3
+    _refusal(*FAILING)  # the original search's record is still there
+    assert len(counted_searches) == 3
+    assert len(list(stored_codes.cache_dir().glob("*.unreachable.json"))) == 3
+
+    # a record whose contents name another search (say, a file copied between hosts) is not believed
+    for record_path in stored_codes.cache_dir().glob("*.unreachable.json"):
+        record = json.loads(record_path.read_text(encoding="utf-8"))
+        record["search_code_version"] = "another-search"
+        record_path.write_text(json.dumps(record), encoding="utf-8")
+    _refusal(*FAILING)
+    assert len(counted_searches) == 4
 
 
 def test_a_table_from_other_search_code_is_not_used(no_stored_codes, counted_searches, monkeypatch):
@@ -254,6 +372,23 @@ def test_a_shipped_code_that_does_not_rebuild_as_recorded_is_refused(tmp_path, m
     monkeypatch.setattr(stored_codes, "SHIPPED_TABLE", forged)
     with pytest.raises(stored_codes.ShippedTableError, match="N=4, c=16"):
         stored_codes.shipped_code(4, 16, DEFAULT_KAPPA)
+
+
+def test_a_table_from_other_search_parameters_is_not_used(no_stored_codes, counted_searches, monkeypatch):
+    monkeypatch.setitem(optimize.SEARCH_PARAMETERS, "pattern_iterations", 7)
+    assert stored_codes.shipped_entries() == {} and stored_codes.shipped_unreachable() == {}
+    cerar.make_code(3, 7, "optimized")
+    assert counted_searches == [(3, 7, DEFAULT_KAPPA)]
+
+
+def test_a_failure_recorded_within_its_budget_is_refused_as_malformed(tmp_path, monkeypatch):
+    table = json.loads(stored_codes.SHIPPED_TABLE.read_text(encoding="utf-8"))
+    table["unreachable"][0]["best_kappa"] = table["unreachable"][0]["kappa_max"] / 2
+    forged = tmp_path / "optimized_codes.json"
+    forged.write_text(json.dumps(table), encoding="utf-8")
+    monkeypatch.setattr(stored_codes, "SHIPPED_TABLE", forged)
+    with pytest.raises(stored_codes.ShippedTableError, match="within the budget"):
+        stored_codes.shipped_unreachable()
 
 
 def test_a_malformed_table_is_named(tmp_path, monkeypatch):

@@ -6,11 +6,14 @@
 
 What: runs ``cerar.optimize.search`` for each (N, c, kappa_max) of the plan and records the points and
 decoder kind of each result (from which ``cerar.stored_codes`` rebuilds the matrices), its kappa and
-predicted error, and what the search cost (wall and CPU seconds, one BLAS thread). The tiers, in
+predicted error, and what the search cost (wall and CPU seconds, one BLAS thread). A shape whose
+budget the search cannot meet is recorded under ``unreachable`` with the least kappa the search
+reached and what finding that out cost, so that ``make_code`` refuses it at once. The tiers, in
 order:
 
 - ``used``: the shapes the presets, the README and the tests build at the default kappa_max
-  (N=8, c=16 and c=32; N=4, c=16; N=2 and N=4 at small c);
+  (N=8, c=16 and c=32; N=4, c=16; N=2 and N=4 at small c), and the root's c=16 and c=32 on 2 and 3
+  ranks (``aggregator=cerar`` on the quick start's 2 processes), beyond 4N and unreachable at 1e4;
 - ``grid``: N = 2..8, c = N+1..4N at the default kappa_max (c <= N is the exact code, no search),
   the cheap shapes first (those whose c is not 3N or 4N search no pattern);
 - ``budgets``: the other budgets the tests use, then the design report's sweep (N = 4, 8;
@@ -51,7 +54,10 @@ def plan(tiers: list[str]) -> list[tuple[str, int, int, float]]:
     """(tier, N, c, kappa_max) in the order they are searched, each shape once."""
     k = float(DEFAULT_KAPPA_MAX)
     shapes: dict[str, list[tuple[int, int, float]]] = {
-        "used": [(4, 16, k), (8, 16, k), (8, 32, k), (2, 6, k), (2, 8, k), (4, 8, k), (4, 12, k), (3, 7, k)],
+        "used": [
+            *[(4, 16, k), (8, 16, k), (8, 32, k), (2, 6, k), (2, 8, k), (4, 8, k), (4, 12, k), (3, 7, k)],
+            *[(2, 16, k), (3, 16, k), (2, 32, k), (3, 32, k)],
+        ],
         "grid": sorted(
             [(N, c, k) for N in range(2, 9) for c in range(N + 1, 4 * N + 1)],
             key=lambda s: (_searches_a_pattern(s[0], s[1]), s[0], s[1]),
@@ -89,8 +95,7 @@ def _searches_a_pattern(N: int, c: int) -> bool:
 def fresh_table() -> dict:
     return {
         "format": stored_codes.TABLE_FORMAT,
-        "search_code_version": optimize.SEARCH_CODE_VERSION,
-        "search_parameters": dict(optimize.SEARCH_PARAMETERS),
+        **stored_codes.search_identity(),
         "built": {
             "by": "scripts/codes/build_shipped_codes.py",
             "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -105,21 +110,27 @@ def fresh_table() -> dict:
             "time, which includes waiting for the CPU on a machine shared with other work"
         ),
         "codes": [],
+        "unreachable": [],
     }
 
 
-def search_one(N: int, c: int, kappa_max: float) -> dict:
-    """Search one shape and check that its record rebuilds the searched matrices bit for bit."""
+def search_one(N: int, c: int, kappa_max: float) -> tuple[str, dict]:
+    """Search one shape: ("codes", its record), checked to rebuild the searched matrices bit for bit,
+    or ("unreachable", the record of the refusal)."""
     wall, cpu = time.perf_counter(), time.process_time()
-    found = optimize.search(N, c, kappa_max)
+    try:
+        found = optimize.search(N, c, kappa_max)
+    except optimize.UnreachableBudgetError as refusal:
+        found = refusal
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    entry = stored_codes.table_entry(
-        N, c, kappa_max, found, search_seconds=round(wall, 2), search_cpu_seconds=round(cpu, 2)
-    )
+    cost = {"search_seconds": round(wall, 2), "search_cpu_seconds": round(cpu, 2)}
+    if isinstance(found, optimize.UnreachableBudgetError):
+        return "unreachable", stored_codes.unreachable_entry(found, **cost)
+    entry = stored_codes.table_entry(N, c, kappa_max, found, **cost)
     points, A, D = optimize.matrices_from_points(stored_codes.entry_points(entry), N, entry["decoders"])
     if not (np.array_equal(points, found.points) and np.array_equal(A, found.A) and np.array_equal(D, found.D)):
         raise SystemExit(f"N={N} c={c} kappa_max={kappa_max:g}: the recorded points do not rebuild the searched code")
-    return entry
+    return "codes", entry
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,13 +145,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not tiers:
         ap.error(f"--tiers: unknown tier(s) {unknown or [args.tiers]}; choose from {TIERS}")
 
-    table = stored_codes.read_table(args.out)
-    if table is None or table["search_code_version"] != optimize.SEARCH_CODE_VERSION:
-        if table is not None:
-            print(f"{args.out} was searched by search code {table['search_code_version']}, the current one is "
-                  f"{optimize.SEARCH_CODE_VERSION}: starting afresh", flush=True)  # fmt: skip
-        table = fresh_table()
-    done = {(e["N"], e["c"], float(e["kappa_max"])) for e in table["codes"]}
+    try:
+        table = stored_codes.read_table(args.out)
+    except stored_codes.ShippedTableError as err:  # e.g. an older format: rebuilt, as a stale table
+        print(f"{err}: starting afresh", flush=True)
+        table = None
+    current = fresh_table()
+    if table is not None and any(table[key] != current[key] for key in ("search_code_version", "search_parameters")):
+        print(f"{args.out} was searched by search code {table['search_code_version']} with parameters "
+              f"{table['search_parameters']}; the current search is {current['search_code_version']} with "
+              f"{current['search_parameters']}: starting afresh", flush=True)  # fmt: skip
+        table = None
+    table = current if table is None else table
+    done = {(e["N"], e["c"], float(e["kappa_max"])) for part in ("codes", "unreachable") for e in table[part]}
     todo = plan(tiers)
     if args.list:
         for tier, N, c, kappa_max in todo:
@@ -154,19 +171,20 @@ def main(argv: list[str] | None = None) -> int:
         if deadline is not None and time.monotonic() > deadline:
             print(f"--max-hours reached: N={N} c={c} kappa_max={kappa_max:g} and later shapes not searched", flush=True)
             break
-        try:
-            entry = search_one(N, c, kappa_max)
-        except ValueError as err:  # the budget is unreachable at this shape: nothing to ship
-            print(f"{tier} N={N} c={c} kappa_max={kappa_max:g}: {err}", flush=True)
-            continue
-        table["codes"].append(entry)
+        part, entry = search_one(N, c, kappa_max)
+        table[part].append(entry)
         table["built"]["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         stored_codes.write_table(table, args.out)
         done.add((N, c, kappa_max))
+        found = (
+            f"{entry['origin']}, kappa {entry['kappa']:.4g}, error {entry['predicted_error']:.4g}"
+            if part == "codes"
+            else f"unreachable, least kappa reached {entry['best_kappa']:.4g}"
+        )
         print(
-            f"{tier} N={N} c={c} kappa_max={kappa_max:g}: {entry['origin']}, kappa {entry['kappa']:.4g}, "
-            f"error {entry['predicted_error']:.4g}, {entry['search_cpu_seconds']:.1f} s CPU "
-            f"({entry['search_seconds']:.1f} s wall)  [{len(table['codes'])} in the table]",
+            f"{tier} N={N} c={c} kappa_max={kappa_max:g}: {found}, {entry['search_cpu_seconds']:.1f} s CPU "
+            f"({entry['search_seconds']:.1f} s wall)  [{len(table['codes'])} codes, "
+            f"{len(table['unreachable'])} unreachable in the table]",
             flush=True,
         )
     return 0
