@@ -38,7 +38,7 @@ def gaussian(N, d, dtype=torch.float32, seed=0):
 # --- exact codes ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("N", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("N", [*(pytest.param(N, marks=pytest.mark.quick) for N in (1, 2, 3, 4)), 5, 6, 8])
 def test_exact_codes_are_exact_in_float32_for_every_c_up_to_N(N):
     for c in range(1, N + 1):
         code = cerar.make_code(N, c, "exact")
@@ -46,12 +46,14 @@ def test_exact_codes_are_exact_in_float32_for_every_c_up_to_N(N):
         assert relative_errors(gaussian(N, 1000 + c), code).max() <= rounding_bound(code, torch.float32), (N, c)
 
 
+@pytest.mark.quick
 def test_exact_code_at_c_equal_N_is_perfectly_conditioned_up_to_F():
     # V is sqrt(N) times a unitary matrix at c = N; what is left of kappa is F's sqrt(2).
     for N in (3, 4, 8):
         assert cerar.make_code(N, N, "exact").kappa == pytest.approx(np.sqrt(2))
 
 
+@pytest.mark.quick
 def test_exact_points_are_conjugate_closed_roots_of_unity():
     code = cerar.make_code(4, 3, "exact")  # the spec's example: 1, i, -i
     assert np.allclose(np.sort_complex(code.points), np.sort_complex(np.array([1, 1j, -1j])))
@@ -60,6 +62,7 @@ def test_exact_points_are_conjugate_closed_roots_of_unity():
 # --- the analytic error of the closed forms ------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "N, c, construction, eps",
     [
@@ -86,6 +89,7 @@ def test_each_worker_errs_by_a_N_minus_one_times_the_wrapped_partial_sum(N, c, c
     assert (result[N - 1] - S).abs().max() <= 1e-14 * code.kappa * S.abs().max()  # worker N-1 never wraps
 
 
+@pytest.mark.quick
 def test_level_zero_components_are_exact_on_every_worker():
     N, c = 4, 8
     code = cerar.make_code(N, c, "perturbation", eps=0.05)
@@ -97,6 +101,7 @@ def test_level_zero_components_are_exact_on_every_worker():
     assert error[0, ~level0].abs().max() > 1e-4  # the other level does err
 
 
+@pytest.mark.quick
 def test_predicted_error_matches_the_measured_gaussian_error():
     for construction in ("perturbation", "optimized"):
         code = cerar.make_code(4, 16, construction, kappa_max=1e3)
@@ -104,6 +109,7 @@ def test_predicted_error_matches_the_measured_gaussian_error():
         assert measured.max().item() == pytest.approx(code.predicted_error(), rel=0.05)
 
 
+@pytest.mark.quick
 def test_spec_reference_figures_for_the_perturbation_construction():
     # (N, c, delta) -> the spec's worst relative error, float32 transport, Gaussian gradients
     for N, c, delta, expected in [(8, 16, 0.01, 6.6e-3), (4, 8, 0.01, 6.1e-3)]:
@@ -111,6 +117,7 @@ def test_spec_reference_figures_for_the_perturbation_construction():
         assert relative_errors(gaussian(N, c * 4096), code).max().item() == pytest.approx(expected, rel=0.05)
 
 
+@pytest.mark.quick
 def test_error_shrinks_with_eps_while_kappa_grows():
     codes = [cerar.make_code(4, 12, "perturbation", eps=eps) for eps in (0.3, 0.1, 0.03)]
     assert [c.predicted_error() for c in codes] == sorted([c.predicted_error() for c in codes], reverse=True)
@@ -120,6 +127,7 @@ def test_error_shrinks_with_eps_while_kappa_grows():
 # --- rates ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("N, c, d", [(4, 16, 1000), (8, 16, 33), (3, 7, 7), (5, 2, 1), (2, 9, 4), (1, 4, 10)])
 def test_rounds_and_values_sent_match_the_rate_table(N, c, d):
     code = cerar.make_code(N, c)
@@ -134,6 +142,7 @@ def test_rounds_and_values_sent_match_the_rate_table(N, c, d):
     assert ring_rounds(N, c) == code.L
 
 
+@pytest.mark.quick
 def test_cerar_sends_less_than_the_ring_only_when_c_exceeds_N():
     assert cerar.make_code(4, 4).comm_rate == pytest.approx(cerar.make_code(4, 4).ring_rate)
     assert cerar.make_code(4, 16).comm_rate < cerar.make_code(4, 16).ring_rate
@@ -143,17 +152,20 @@ def test_cerar_sends_less_than_the_ring_only_when_c_exceeds_N():
 # --- edge cases ----------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_a_ring_of_one_is_the_identity():
     G = gaussian(1, 37)
     assert torch.equal(cerar.simulate(G, cerar.make_code(1, 5)), G)
 
 
+@pytest.mark.quick
 def test_two_workers_and_a_single_component():
     for N, c in [(2, 1), (2, 2), (5, 1)]:
         code = cerar.make_code(N, c)
         assert relative_errors(gaussian(N, 101), code).max() <= rounding_bound(code, torch.float32)
 
 
+@pytest.mark.quick
 def test_gradients_shorter_than_c_and_not_a_multiple_of_c():
     for N, c, d in [(4, 16, 5), (3, 3, 1), (4, 4, 1001)]:
         code = cerar.make_code(N, c, "exact" if c <= N else "perturbation", eps=0.2)
@@ -164,6 +176,7 @@ def test_gradients_shorter_than_c_and_not_a_multiple_of_c():
         assert relative_errors(G, code).max() <= bound
 
 
+@pytest.mark.quick
 def test_simulate_works_in_float64_and_keeps_the_dtype():
     G = gaussian(4, 200, torch.float64)
     code = cerar.make_code(4, 4)
@@ -187,6 +200,7 @@ def test_simulate_on_cuda_matches_the_cpu():
 # --- determinism ---------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_codes_are_cached_and_bit_identical_when_rebuilt():
     first = cerar.make_code(4, 12, "perturbation", kappa_max=1e3)
     assert cerar.make_code(4, 12, "perturbation", kappa_max=1e3) is first
@@ -254,6 +268,7 @@ def test_the_optimiser_and_the_closed_forms_do_not_import_each_other_in_a_circle
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+@pytest.mark.quick
 def test_optimized_halves_the_perturbation_error_at_kappa_max_1e4():
     """The bar: N = 4, c = 16, float32, kappa_max = 1e4."""
     perturbation = cerar.make_code(4, 16, "perturbation", kappa_max=1e4)
@@ -263,6 +278,7 @@ def test_optimized_halves_the_perturbation_error_at_kappa_max_1e4():
     assert relative_errors(G, optimized).max() <= 0.5 * relative_errors(G, perturbation).max()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("N, c, kappa_max", [(3, 7, 1e4), (4, 8, 1e3), (2, 8, 1e4), (4, 12, 1e4)])
 def test_optimized_is_never_worse_than_its_closed_form_start(N, c, kappa_max):
     start = cerar.make_code(N, c, "perturbation", kappa_max=kappa_max)
@@ -272,6 +288,7 @@ def test_optimized_is_never_worse_than_its_closed_form_start(N, c, kappa_max):
     assert optimized.worker_errors()[N - 1] <= rounding_bound(optimized, torch.float64)  # the last worker: exact
 
 
+@pytest.mark.quick
 def test_optimized_makes_two_workers_exact():
     code = cerar.make_code(2, 8, "optimized")
     assert relative_errors(gaussian(2, 800, torch.float64), code).max() <= rounding_bound(code, torch.float64)
@@ -280,6 +297,7 @@ def test_optimized_makes_two_workers_exact():
 # --- bad arguments -------------------------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "kwargs, named",
     [
@@ -300,6 +318,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument(kwargs, named):
         cerar.make_code(**kwargs)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize(
     "G, named",
     [
@@ -316,6 +335,7 @@ def test_simulate_rejects_bad_gradients_with_a_clear_message(G, named):
         cerar.simulate(G, code)
 
 
+@pytest.mark.quick
 def test_sixteen_bit_transport_is_allowed_for_exact_codes():
     G = gaussian(4, 100, torch.bfloat16)
     result = cerar.simulate(G, cerar.make_code(4, 4))

@@ -45,6 +45,7 @@ def restore_precision():
     assert matmul_precision_settings() == (legacy, "none")
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("way", WAYS_TO_ALLOW_TF32)
 def test_every_way_of_allowing_tf32_is_switched_off_inside_the_guard_and_restored_after(way, restore_precision):
     WAYS_TO_ALLOW_TF32[way]()
@@ -56,6 +57,7 @@ def test_every_way_of_allowing_tf32_is_switched_off_inside_the_guard_and_restore
     assert matmul_precision_settings() == caller  # exactly the caller's settings again
 
 
+@pytest.mark.quick
 def test_full_precision_settings_are_left_untouched(restore_precision):
     caller = matmul_precision_settings()
     assert not reduced_precision_allowed(caller)
@@ -64,6 +66,7 @@ def test_full_precision_settings_are_left_untouched(restore_precision):
     assert matmul_precision_settings() == caller
 
 
+@pytest.mark.quick
 def test_nested_and_concurrent_guards_restore_only_when_the_last_one_leaves(restore_precision):
     torch.set_float32_matmul_precision("high")
     caller = matmul_precision_settings()
@@ -90,6 +93,7 @@ def test_nested_and_concurrent_guards_restore_only_when_the_last_one_leaves(rest
     assert matmul_precision_settings() == caller
 
 
+@pytest.mark.quick
 def test_the_guard_restores_the_settings_when_the_work_inside_raises(restore_precision):
     torch.set_float32_matmul_precision("medium")
     caller = matmul_precision_settings()
@@ -98,6 +102,7 @@ def test_the_guard_restores_the_settings_when_the_work_inside_raises(restore_pre
     assert matmul_precision_settings() == caller
 
 
+@pytest.mark.quick
 def test_the_cublas_override_variable_makes_cuda_calls_refuse_naming_it():
     with pytest.raises(PrecisionError, match=TF32_OVERRIDE_VARIABLE):
         check_no_tf32_override(torch.device("cuda", 0), environ={TF32_OVERRIDE_VARIABLE: "1"})
@@ -106,6 +111,7 @@ def test_the_cublas_override_variable_makes_cuda_calls_refuse_naming_it():
     check_no_tf32_override(torch.device("cpu"), environ={TF32_OVERRIDE_VARIABLE: "1"})  # cuBLAS only
 
 
+@pytest.mark.quick
 def test_the_guard_refuses_before_any_work_when_the_override_is_set(monkeypatch):
     monkeypatch.setenv(TF32_OVERRIDE_VARIABLE, "1")
     ran = []

@@ -64,6 +64,7 @@ def counted_searches(monkeypatch):
 # --- the table and what it covers ----------------------------------------------------------------
 
 
+@pytest.mark.quick
 def test_the_table_was_searched_by_the_current_search_code():
     """The package uses the table only while this holds; a changed search must be rebuilt into it
     before it ships (comments and docstrings do not count, see the next test)."""
@@ -73,6 +74,7 @@ def test_the_table_was_searched_by_the_current_search_code():
     assert stored_codes.shipped_entries() and stored_codes.shipped_unreachable()  # so the package uses it
 
 
+@pytest.mark.quick
 def test_the_search_codes_version_ignores_comments_and_docstrings_only():
     sources = [path.read_text(encoding="utf-8") for path in optimize.SEARCH_CODE_MODULES]
     search, closed_forms = sources
@@ -248,6 +250,7 @@ def test_every_shipped_code_has_the_properties_the_spec_requires(entry, no_store
 # --- make_code reads the table first -------------------------------------------------------------
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("entry", UNREACHABLE, ids=_id)
 def test_a_shape_recorded_as_unreachable_is_refused_at_once_naming_what_the_search_reached(
     entry, no_stored_codes, counted_searches
@@ -273,6 +276,7 @@ def test_no_shape_is_recorded_as_out_of_reach_at_a_budget_above_one_it_met():
         assert all(budget > kappa_max for budget in met), (_id(failure), met)
 
 
+@pytest.mark.quick
 def test_make_code_reads_a_shipped_shape_without_searching(no_stored_codes, counted_searches):
     for N, c in [(4, 16), (8, 16), (8, 32)]:
         code = cerar.make_code(N, c, "optimized")
@@ -306,6 +310,7 @@ def _refusal(N, c, kappa_max) -> optimize.UnreachableBudgetError:
     return refusal.value
 
 
+@pytest.mark.quick
 def test_a_failed_search_is_recorded_in_the_cache_and_refused_at_once_the_next_time(no_stored_codes, counted_searches):
     assert FAILING not in stored_codes.shipped_entries() and FAILING not in stored_codes.shipped_unreachable()
     first = _refusal(*FAILING)
@@ -327,6 +332,7 @@ def test_a_failed_search_is_recorded_in_the_cache_and_refused_at_once_the_next_t
     assert str(again) == str(first) and again.best_kappa == first.best_kappa
 
 
+@pytest.mark.quick
 def test_a_recorded_failure_is_searched_again_by_another_search_code_or_parameters(
     no_stored_codes, counted_searches, monkeypatch
 ):
@@ -363,6 +369,7 @@ def test_a_table_from_other_search_code_is_not_used(no_stored_codes, counted_sea
     assert code.kappa <= DEFAULT_KAPPA * (1 + 1e-9)
 
 
+@pytest.mark.quick
 def test_a_shipped_code_that_does_not_rebuild_as_recorded_is_refused(tmp_path, monkeypatch):
     table = json.loads(stored_codes.SHIPPED_TABLE.read_text(encoding="utf-8"))
     entry = next(e for e in table["codes"] if _shape(e) == (4, 16, DEFAULT_KAPPA))
@@ -381,6 +388,7 @@ def test_a_table_from_other_search_parameters_is_not_used(no_stored_codes, count
     assert counted_searches == [(3, 7, DEFAULT_KAPPA)]
 
 
+@pytest.mark.quick
 def test_a_failure_recorded_within_its_budget_is_refused_as_malformed(tmp_path, monkeypatch):
     table = json.loads(stored_codes.SHIPPED_TABLE.read_text(encoding="utf-8"))
     table["unreachable"][0]["best_kappa"] = table["unreachable"][0]["kappa_max"] / 2
@@ -391,6 +399,7 @@ def test_a_failure_recorded_within_its_budget_is_refused_as_malformed(tmp_path, 
         stored_codes.shipped_unreachable()
 
 
+@pytest.mark.quick
 def test_a_malformed_table_is_named(tmp_path, monkeypatch):
     broken = tmp_path / "optimized_codes.json"
     broken.write_text('{"format": 1, "codes": [', encoding="utf-8")

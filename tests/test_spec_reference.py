@@ -46,6 +46,7 @@ CODES = [
 ]
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("N, c, construction, kwargs", CODES)
 def test_the_code_matrices_are_the_specs(N, c, construction, kwargs):
     """A_j from the points as the spec builds them; D_i the spec's polynomial decoder or, for the
@@ -110,7 +111,9 @@ SMALL_CASES = [(N, c) for N in (2, 3, 4, 5) for c in (1, 2, N - 1, N, N + 1, 2 *
 
 
 @pytest.mark.parametrize("storage", STORAGE_CHOICES)
-@pytest.mark.parametrize("d", [1, 29, 1000])
+@pytest.mark.parametrize(
+    "d", [pytest.param(1, marks=pytest.mark.quick), pytest.param(29, marks=pytest.mark.quick), 1000]
+)
 def test_every_ring_size_and_c_on_small_gradients(d, storage):
     """Every batch layout of the message rows (N, c, d and the storage choice decide it) decodes
     what the spec's protocol computes, in float64."""
@@ -122,6 +125,7 @@ def test_every_ring_size_and_c_on_small_gradients(d, storage):
         assert errors.max() <= tolerance(code, torch.float64), (N, c, errors)
 
 
+@pytest.mark.quick
 def test_an_unknown_storage_choice_is_refused_by_name():
     with pytest.raises(ValueError, match="storage must be one of"):
         cerar.simulate(torch.zeros(3, 10), cerar.make_code(3, 3), storage="disk")

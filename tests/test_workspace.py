@@ -7,6 +7,7 @@ never share a buffer, and the storage can be given back."""
 
 import resource
 
+import pytest
 import torch
 
 import cerar
@@ -63,6 +64,7 @@ def test_a_repeated_call_reuses_its_working_storage_and_never_reads_stale_values
         assert released >= working  # the kept storage is what release_workspaces() frees
 
 
+@pytest.mark.quick
 def test_the_pool_hands_each_caller_its_own_buffer_and_keeps_the_largest():
     pool = WorkspacePool(keep=2)
     a, b = pool.take(100, torch.float32, "cpu"), pool.take(100, torch.float32, "cpu")
