@@ -495,6 +495,10 @@ def _stall(rank: int, world: int, device: torch.device, store, timeout_s: float,
     store.set(f"stall/ready/{rank}", "1")
     if rank == victim:
         store.wait([f"stall/ready/{r}" for r in range(world)], timedelta(seconds=60))
+        # This rank's results, sent by the queue's feeder thread, must be in the pipe before it stops: a message
+        # cut off by SIGSTOP would hold the parent in mid-read, and the queue's lock from the other ranks, forever.
+        results.close()
+        results.join_thread()
         os.kill(os.getpid(), signal.SIGSTOP)
     store.wait([f"stall/ready/{victim}"], timedelta(seconds=60))
     start = time.monotonic()
@@ -505,6 +509,8 @@ def _stall(rank: int, world: int, device: torch.device, store, timeout_s: float,
     except cerar.CollectiveError as error:
         outcome = f"CollectiveError: {error}"
     results.put((rank, "stall", (outcome, time.monotonic() - start)))
+    results.close()
+    results.join_thread()  # the report is in the pipe before os._exit, which would end the queue's feeder thread
     with contextlib.suppress(Exception):
         dist.distributed_c10d._abort_process_group()
     os._exit(0)
