@@ -380,12 +380,11 @@ def run_workers(
     """
     if contract not in CONTRACTS:
         raise ValueError(f"contract must be one of {CONTRACTS}, got {contract!r}")
-    import torch.distributed as dist
 
     exits = set(exits)
     expect = set(range(world_size)) - exits if expect is None else set(expect)
     if store is None:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+        store = held_store()
     results = _CONTEXT.Queue()
     logs = tempfile.TemporaryDirectory(prefix="run-workers-")
     outputs = [(f"{logs.name}/{rank}.out", f"{logs.name}/{rank}.err") for rank in range(world_size)]
