@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import subprocess
 from pathlib import Path
@@ -10,10 +12,23 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def cache_dir(tmp_path_factory) -> Path:
-    """One token cache (CERAR_PYTHIA_CACHE / data.cache_dir) for the whole session: the embedded corpus's
-    BPE tokenizer is trained and its token arrays written once, not once per test module."""
-    return tmp_path_factory.mktemp("token-cache")
+def run_folder(tmp_path_factory) -> Path:
+    """A folder that every pytest-xdist worker of this pytest run shares (the workers' own temporary
+    folders are siblings under one per-run root); without xdist, the session's own."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def cache_dir(run_folder) -> Path:
+    """One token cache (CERAR_PYTHIA_CACHE / data.cache_dir) for the whole pytest run, shared by its workers:
+    the embedded corpus's BPE tokenizer is trained and its token arrays written once (train/data.py builds
+    an entry under a file lock, so a worker asking while another builds waits for it)."""
+    folder = run_folder / "token-cache"
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -32,39 +47,48 @@ def cerar_code_cache(request, tmp_path_factory):
         os.environ["CERAR_CACHE_DIR"] = previous
 
 
+@contextlib.contextmanager
+def held_exclusively(lock_file: Path):
+    """Hold an advisory lock on ``lock_file`` against the other workers of the run."""
+    with open(lock_file, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="session")
-def sweep(tmp_path_factory, cache_dir):
+def sweep(run_folder, cache_dir):
     """``sweep(N)``: the folder of the one train/sweep.py launch of N ranks that test_train_runs,
     test_fidelity_metrics and test_export read (tests/runs.py says what it trains). Launched on first use,
-    once per session; a failed launch fails every test that asks for it, without launching again."""
+    once per pytest run: the first worker to ask launches it while the others wait on its lock. A failed
+    launch fails every test that asks for it, on every worker, without launching again."""
     from tests.runs import launch_sweep
 
-    launched: dict[int, Path | str] = {}
-
     def folder(N: int) -> Path:
-        if N not in launched:
-            try:
-                launched[N] = launch_sweep(N, tmp_path_factory.mktemp(f"sweep-n{N}"), cache_dir)
-            except (AssertionError, subprocess.TimeoutExpired) as error:
-                launched[N] = f"the N={N} sweep launch failed: {error}"
-        if isinstance(launched[N], str):
-            pytest.fail(launched[N])
-        return launched[N]
+        out, failure = run_folder / f"sweep-n{N}", run_folder / f"sweep-n{N}.failed"
+        with held_exclusively(run_folder / f"sweep-n{N}.lock"):
+            if not (out / "launched").exists() and not failure.exists():
+                out.mkdir(exist_ok=True)
+                try:
+                    launch_sweep(N, out, cache_dir)
+                    (out / "launched").touch()
+                except (AssertionError, subprocess.TimeoutExpired) as error:
+                    failure.write_text(f"the N={N} sweep launch failed: {error}")
+        if failure.exists():
+            pytest.fail(failure.read_text())
+        return out
 
     return folder
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
-def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (``-n``, ``--dist loadgroup``) a module's tests run on one worker, so its module
-    fixtures (one launch read by many tests) run once; the tests reading the shared ``sweep`` launches run on
-    one worker, so the session launches them once; and the network-lab tests, which create namespaces and
-    shape links, never run beside each other."""
-    for item in items:
-        if "sweep" in getattr(item, "fixturenames", ()):
-            group = "sweep"
-        elif item.get_closest_marker("netlab"):
-            group = "netlab"
-        else:
-            group = item.module.__name__ if item.module is not None else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+@pytest.fixture(autouse=True)
+def one_network_lab_at_a_time(request, run_folder):
+    """The network-lab tests (marked ``netlab``) create namespaces and shape links, and some measure rates:
+    they never run beside each other, on any worker."""
+    if request.node.get_closest_marker("netlab") is None:
+        yield
+        return
+    with held_exclusively(run_folder / "netlab.lock"):
+        yield

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -25,14 +26,10 @@ _spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "chec
 chaos = sys.modules.setdefault("chaos", importlib.util.module_from_spec(_spec))
 _spec.loader.exec_module(chaos)
 
-TIMEOUT_S = 5.0  # trainer.collective_timeout_s of the faulted jobs
+TIMEOUT_S = 5.0  # trainer.collective_timeout_s of the jobs whose ranks are killed or stopped
 STEPS = 16
-JOB = [
-    *chaos.JOB,
-    f"trainer.max_steps={STEPS}",
-    "checkpoint.every=4",
-    f"trainer.collective_timeout_s={TIMEOUT_S}",
-]
+UNSTOPPED_JOB = [*chaos.JOB, f"trainer.max_steps={STEPS}", "checkpoint.every=4"]
+JOB = [*UNSTOPPED_JOB, f"trainer.collective_timeout_s={TIMEOUT_S}"]
 INJECT = "trainer.inject_nonfinite_at_step=5 trainer.inject_nonfinite_rank=1"
 FP16_STEPS = 8  # fp16 autocast on the CPU is slow: the skipped step 5 and three after it show the scale's rule
 FP16 = f"trainer.max_steps={FP16_STEPS}"
@@ -118,8 +115,10 @@ def faults_sweep(tmp_path_factory, cache_dir) -> Path:
         "cerar_drift: aggregator=cerar c=4 trainer.drift_every=4",
         "cerar_resync: aggregator=cerar c=4 trainer.drift_every=4 trainer.resync_every=4",
     ]
-    # the ranks forked as torchrun starts them (tests/distributed.py); the chaos runs below use torchrun's agent
-    args = [str(out), *runs, "--", *JOB]
+    # the ranks forked as torchrun starts them (tests/distributed.py); the chaos runs below use torchrun's agent.
+    # No rank is stopped here: the default collective timeout, not the chaos jobs' 5 s, which a rank starved
+    # for seconds on a loaded 2-core machine can overrun (seen: a 'checkpoint barrier' timing out)
+    args = [str(out), *runs, "--", *UNSTOPPED_JOB]
     proc = launch_script(ROOT / "train" / "sweep.py", args, 2, chaos._env(cache_dir), ROOT, timeout_s=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out
@@ -201,27 +200,25 @@ def test_stopped_rank_makes_the_others_fail_within_the_timeout_naming_op_and_pee
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_stopped_rank_under_gloo_all_reduce_is_bounded_by_the_timeout(tmp_path, cache_dir):
-    """aggregator=nccl (dist.all_reduce on gloo): the stall is bounded by the process-group timeout too."""
-    faults = [chaos.Fault("stop", 6, 1)]
-    result = chaos.chaos_run(tmp_path, 2, [*JOB, "aggregator=nccl"], faults, cache_dir, None, timeout_s=300)
-    assert faults[0].detect_s < 5 * TIMEOUT_S + 10
-    assert any("rank 1" in e for e in result.collective_errors), result.collective_errors
-    assert result.returncode == 0 and result.restarts == 1 and result.final_step == STEPS
-
-
-@pytest.mark.slow
 @pytest.mark.timeout(800)
-def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir):
-    """Without torchrun to restart it: rank 1 is killed mid-run; rank 0's next collective fails and it exits
-    with status 3 and one line naming the collective (the README's promise), instead of hanging."""
+@pytest.mark.parametrize(
+    ("aggregator", "fault"),
+    [("ring", signal.SIGKILL), ("nccl", signal.SIGSTOP)],
+    ids=["ring-peer-killed", "gloo-all-reduce-peer-stopped"],
+)
+def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir, aggregator, fault):
+    """Without torchrun to restart it: rank 1 is killed or stopped mid-run; rank 0's next collective fails
+    within the collective timeout, both on the ring's sends and on dist.all_reduce over gloo
+    (aggregator=nccl), and it exits with status 3 and one line naming the collective (the README's
+    promise), and for a stopped peer the peer, instead of hanging. (Restarting after a stall is torchrun's:
+    the chaos job above resumes after its stopped rank.)"""
     store, run_dir = held_store(), tmp_path / "run"  # the ranks' meeting point, held here
     procs = []
     for rank in range(2):
         env = chaos._env(cache_dir)
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", **agent_store_environment(store))
-        args = [*JOB, "aggregator=ring", "trainer.max_steps=100000", "checkpoint.every=0", f"hydra.run.dir={run_dir}"]
+        args = [*JOB, f"aggregator={aggregator}", "trainer.max_steps=100000", "checkpoint.every=0"]
+        args.append(f"hydra.run.dir={run_dir}")
         cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
     try:
@@ -229,14 +226,18 @@ def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir
         while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
             assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "the run did not start"
             time.sleep(0.2)
-        procs[1].kill()
+        procs[1].send_signal(fault)
+        signalled = time.monotonic()
         _, stderr = procs[0].communicate(timeout=5 * TIMEOUT_S + 60)
+        detect_s = time.monotonic() - signalled
     finally:
         for p in procs:
             p.kill()
     assert procs[0].returncode == 3, stderr[-3000:]
+    assert detect_s < 5 * TIMEOUT_S + 10, detect_s
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("error: collective '") and "step" in last, stderr[-3000:]
+    assert fault == signal.SIGKILL or "rank 1" in last, last
     assert "Traceback" not in stderr
 
 
