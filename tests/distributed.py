@@ -461,14 +461,17 @@ def _script_entry(script: str, argv: list[str], environ: dict, cwd: str, out_pat
         sys.stderr.flush()
 
 
-def launch_script(script, argv: list[str], nproc: int, env: dict, cwd, timeout_s: float) -> subprocess.CompletedProcess:
+def launch_script(
+    script, argv: list[str], nproc: int, env: dict, cwd, timeout_s: float, rank_env: list[dict] | None = None
+) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=nproc script argv`` as the workers see it, without the agent:
     every rank gets torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, the agent's store
     at MASTER_ADDR:MASTER_PORT with TORCHELASTIC_USE_AGENT_STORE, restart count 0) and runs the script as
     ``__main__``, forked from the forkserver that has torch, transformers and train/ imported, so a launch does
     not pay an interpreter, an agent and a torch import per rank. The store is the parent's, on a port the
     kernel picks. As torchrun does, the first rank to fail ends the others, and the launch's status is 0 when
-    every rank ended with 0 and 1 otherwise; ``rank_codes`` keeps each rank's.
+    every rank ended with 0 and 1 otherwise; ``rank_codes`` keeps each rank's. ``rank_env[r]``, if given, is
+    added to rank r's environment (what differs between nodes: another build, another setting).
 
     What the agent itself does (restarts, rendezvous between nodes, its signal handling) is torchrun's to
     test: tests that exercise it launch ``python -m torch.distributed.run`` (tests/runs.py ``torchrun``)."""
@@ -482,7 +485,7 @@ def launch_script(script, argv: list[str], nproc: int, env: dict, cwd, timeout_s
                 "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
                 "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", **agent_store_environment(store),
                 "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": "launch-script",
+                "TORCHELASTIC_RUN_ID": "launch-script", **(rank_env[rank] if rank_env else {}),
             }  # fmt: skip
             paths = (f"{logs}/{rank}.out", f"{logs}/{rank}.err")
             processes.append(

@@ -74,6 +74,7 @@ def test_the_hierarchical_choices_compose_and_validate(monkeypatch):
         (["aggregator=hier_cerar", "aggregator.construction=exact", "c=4"], {"LOCAL_WORLD_SIZE": "2"}, 6, "c <= N"),
         (["aggregator=hier_cerar", "c=auto"], {"LOCAL_WORLD_SIZE": "2"}, 6, "c=auto chooses a CERAR code"),
         (["aggregator=hier_ring", "aggregator.local_size=0"], {}, 4, "aggregator.local_size=0 must be >= 1"),
+        (["aggregator=hier_cerar"], {}, 4, "aggregator=hier_cerar needs the node layout: launch with torchrun"),
     ],
 )
 def test_a_layout_or_code_that_cannot_work_stops_at_validation(monkeypatch, overrides, environ, world_size, message):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import agent_store_environment, c10d_rendezvous_options, held_store, launch_script
+from tests.distributed import agent_store_environment, held_store, launch_script
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "checks" / "chaos.py")
@@ -247,33 +247,13 @@ def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ranks_running_different_code_stop_at_start(tmp_path, cache_dir):
-    """Two 'nodes' (torchrun agents) whose code differs ($CERAR_PYTHIA_CODE_TAG stands for another version)."""
-    store = held_store()  # the rendezvous, held here: both agents are its clients
-    procs = []
-    for node in range(2):
-        env = chaos._env(cache_dir)
-        env["CERAR_PYTHIA_CODE_TAG"] = f"build-{node}"
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=2",
-            "--nproc_per_node=1",
-            *c10d_rendezvous_options(store),
-            "--rdzv-id=code-mismatch",
-            str(ROOT / "train" / "main.py"),
-            *JOB,
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
-    try:
-        outputs = [p.communicate(timeout=250) for p in procs]
-    finally:
-        for p in procs:
-            p.kill()
-    assert all(p.returncode != 0 for p in procs)
-    stderr = "".join(err for _, err in outputs)
-    assert "run code different from rank 0's" in stderr, stderr[-4000:]
+    """Two ranks whose code differs, as two nodes with different installs would ($CERAR_PYTHIA_CODE_TAG
+    stands for another version): every rank stops at start, naming the ranks that differ."""
+    builds = [{"CERAR_PYTHIA_CODE_TAG": f"build-{rank}"} for rank in range(2)]
+    args = [*JOB, f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = launch_script(ROOT / "train" / "main.py", args, 2, chaos._env(cache_dir), ROOT, 250, rank_env=builds)
+    assert all(code != 0 for code in proc.rank_codes), proc.rank_codes
+    assert "error: ranks [1] run code different from rank 0's" in proc.stderr, proc.stderr[-4000:]
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 

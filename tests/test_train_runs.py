@@ -276,7 +276,7 @@ def test_resume_flags_as_the_readme_promises(tmp_path, cache_dir):
     assert "Traceback" not in refused.stderr.split("error: resume=true")[0][-2000:]
     single_process([*base, "trainer.max_steps=4", "checkpoint.every=1", "checkpoint.keep=9"], cache_dir, 300)
     assert [s for s, _ in ckpt_list(run_dir)] == [4, 3, 2, 1]
-    single_process([*base, "trainer.max_steps=2", "model.lr=1e-3", "resume=false"], cache_dir, 300)
+    torchrun(1, "main.py", [*base, "trainer.max_steps=2", "model.lr=1e-3", "resume=false"], cache_dir, 300)
     _, summary = read_run(run_dir)
     assert summary["resumed_from_step"] is None and summary["final_step"] == 2
     assert [s for s, _ in ckpt_list(run_dir)] == [2]  # the old run's four are gone; this run's end remains

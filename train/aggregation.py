@@ -338,16 +338,9 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
         c, construction = (world_size, "exact") if cfg.c == "auto" else (cfg.c, a.construction)
         return CerarAggregator(world_size, timeout, c, construction, a.eps, a.kappa_max, exact_ring=False)
     if a.kind in ("hier_cerar", "hier_ring"):
-        from cerar.hierarchical import NodeLayout
-        from train.config import ConfigError, node_layout
+        from train.config import node_layout
 
         layout = node_layout(cfg, world_size)
-        if layout is None and world_size > 1:
-            raise ConfigError(
-                f"aggregator={a.name} needs the node layout: launch with torchrun (which sets LOCAL_WORLD_SIZE) "
-                "or set aggregator.local_size"
-            )
-        layout = layout or NodeLayout(1, 1)
         exact_ring = a.kind == "hier_ring"
         return HierarchicalAggregator(
             world_size, timeout, layout, cfg.c, a.construction, a.eps, a.kappa_max, exact_ring, a.coded_on_two_nodes

@@ -381,14 +381,21 @@ def _validate_cerar_code(cfg, world_size: int) -> None:
 
 def node_layout(cfg, world_size: int, environ=None):
     """The cerar.hierarchical.NodeLayout of a hierarchical aggregator: world_size split into nodes of
-    aggregator.local_size ranks, or of torchrun's LOCAL_WORLD_SIZE; None when neither is known (not launched
-    by torchrun and no override). Raises ConfigError when the world does not divide into such nodes."""
+    aggregator.local_size ranks, or of torchrun's LOCAL_WORLD_SIZE; one node for a world of one. Raises
+    ConfigError when neither is known for a larger world (launched without torchrun and no override) or
+    when the world does not divide into such nodes."""
     environ = os.environ if environ is None else environ
     a = cfg.aggregator
-    if a.local_size is None and "LOCAL_WORLD_SIZE" not in environ:
-        return None
+    unknown = a.local_size is None and "LOCAL_WORLD_SIZE" not in environ
+    if unknown and world_size > 1:
+        raise ConfigError(
+            f"aggregator={a.name} needs the node layout: launch with torchrun (which sets LOCAL_WORLD_SIZE) "
+            "or set aggregator.local_size"
+        )
     from cerar.hierarchical import NodeLayout
 
+    if unknown:
+        return NodeLayout(1, 1)
     try:
         return NodeLayout.from_env(local_size=a.local_size, world_size=world_size, environ=environ)
     except ValueError as err:
@@ -401,7 +408,7 @@ def _validate_hierarchical(cfg, world_size: int | None) -> None:
     _require(a.local_size is None or a.local_size >= 1, f"aggregator.local_size={a.local_size} must be >= 1 or null")
     layout = None if world_size is None else node_layout(cfg, world_size)
     if layout is None or layout.nodes < 2 or a.kind != "hier_cerar":
-        return  # the layout is known once launched; one node aggregates exactly; hier_ring needs no code
+        return  # the world is known once launched; one node aggregates exactly; hier_ring needs no code
     import cerar
 
     try:

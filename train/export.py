@@ -64,17 +64,17 @@ def export_tokenizer(cfg, out_dir: Path) -> None:
 
 def export(run_dir: str | Path, out_dir: str | Path) -> Path:
     """Write the newest valid checkpoint of run_dir to out_dir as a HF model + tokenizer; return its path."""
-    import torch
-    from transformers import GPTNeoXForCausalLM
-
-    from train.model import gpt_neox_config
-
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     loaded = ckpt.load_latest_checkpoint(run_dir)
     if loaded is None:
         raise ExportError(f"{ckpt.checkpoint_dir(run_dir)} holds no valid checkpoint to export")
     state, path = loaded
     cfg = run_config(run_dir, state)
+    import torch  # transformers only now: a refusal above comes in a second, not after its import
+    from transformers import GPTNeoXForCausalLM
+
+    from train.model import gpt_neox_config
+
     config = gpt_neox_config(cfg.model)
     config.use_cache = True  # for generation by whoever loads the export
     with torch.device("meta"):

@@ -242,8 +242,7 @@ def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: 
         cerar_hook = overlap and cfg.aggregator.kind == "cerar"  # c=auto is flat-only (config.validate)
         cap = default_bucket_cap_mb(dist.get_world_size(), cfg.c) if cerar_hook else DDP_DEFAULT_BUCKET_CAP_MB
         if overlap and cfg.aggregator.kind == "hier_cerar":  # each rail's rounds carry d/(G c): scaled for n nodes
-            layout = node_layout(cfg, dist.get_world_size())
-            cap = default_bucket_cap_mb(layout.nodes, cfg.c) if layout is not None else cap
+            cap = default_bucket_cap_mb(node_layout(cfg, dist.get_world_size()).nodes, cfg.c)
     cap = float(cap)
     if overlap and cfg.aggregator.kind == "powersgd" and device.type == "cpu":
         model_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
