@@ -49,7 +49,7 @@ def _options(group: str) -> list[str]:
     return sorted(p.stem for p in (CONFIGS / group).glob("*.yaml"))
 
 
-def test_every_group_option_composes_and_validates(tmp_path):
+def test_every_group_option_composes_and_validates(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("some text")
     assert {
         "nccl",
@@ -71,6 +71,7 @@ def test_every_group_option_composes_and_validates(tmp_path):
         validate(composed(f"model={model}"))
     for data in _options("data"):
         validate(composed(f"data={data}", f"data.path={tmp_path}", "model=pythia-70m"))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # as torchrun sets it: the hierarchical options need the layout
     for aggregator in _options("aggregator"):
         cfg = composed(f"aggregator={aggregator}", "c=4")
         validate(cfg, world_size=4 if aggregator != "cerar_vandermonde" else 2)

@@ -699,7 +699,7 @@ def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
 
 
 def training_run(device: torch.device, precision: str, workdir: Path, small: bool, timeout_s: float) -> dict:
-    steps, every = (48, 4) if small else (200, 20)  # small: enough steps after the first checkpoint to kill mid-run
+    steps, every = (24, 4) if small else (200, 20)  # small: enough steps after the first checkpoint to kill mid-run
     overrides = [
         "model=tiny",
         f"trainer.max_steps={steps}",
