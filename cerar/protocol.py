@@ -446,6 +446,17 @@ def _check_op(op: str, operation: str) -> None:
         raise ValueError(f"{operation}: op must be one of {OPS}, got {op!r}")
 
 
+def check_coded_call(tensor: torch.Tensor, code, op: str, storage: str, operation: str) -> None:
+    """The arguments of a coded all-reduce (flat or hierarchical), checked on this rank before any
+    collective: a ValueError naming the call and the bad argument."""
+    _check_tensor(tensor, operation)
+    _check_op(op, operation)
+    if not isinstance(code, Code):
+        raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
+    check_transport_dtype(tensor.dtype, code, "tensor")
+    check_storage(storage)
+
+
 def _bytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -552,12 +563,7 @@ def all_reduce(
     storage is kept for the next call (``cerar.workspace``; ``cerar.release_workspaces()`` frees it).
     """
     operation = "cerar.all_reduce"
-    _check_tensor(tensor, operation)
-    _check_op(op, operation)
-    if not isinstance(code, Code):
-        raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
-    check_transport_dtype(tensor.dtype, code, "tensor")
-    check_storage(storage)
+    check_coded_call(tensor, code, op, storage, operation)
     check_no_tf32_override(tensor.device)
     ring = _Ring.of(group, timeout, operation)
     d = tensor.numel()

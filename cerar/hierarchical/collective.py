@@ -41,7 +41,6 @@ from cerar.codes import Code
 from cerar.hierarchical.inter_node import RAIL_METHODS, rail_method, reduce_on_rail
 from cerar.hierarchical.intra_node import all_gather, reduce_scatter
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups, tier_groups
-from cerar.matrices import check_transport_dtype
 from cerar.protocol import (
     PROTOCOL_VERSION,
     AllReduceStats,
@@ -51,8 +50,9 @@ from cerar.protocol import (
     _Ring,
     _Rounds,
     check_agreement,
+    check_coded_call,
 )
-from cerar.rounds import DEFAULT_STORAGE, PhaseTimer, check_storage
+from cerar.rounds import DEFAULT_STORAGE, PhaseTimer
 
 
 @dataclass
@@ -112,12 +112,7 @@ def hierarchical_all_reduce(
     what ran. Raises ValueError for bad input and CollectiveError when a peer fails, stalls past the
     timeout, or disagrees on the layout, the code, the op or the length (on every rank)."""
     operation = "cerar.hierarchical_all_reduce"
-    _check_tensor(tensor, operation)
-    _check_op(op, operation)
-    if not isinstance(code, Code):
-        raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
-    check_transport_dtype(tensor.dtype, code, "tensor")
-    check_storage(storage)
+    check_coded_call(tensor, code, op, storage, operation)
     groups = _groups(layout, timeout, operation)
     nodes = groups.layout.nodes
     if nodes != code.N:
