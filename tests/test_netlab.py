@@ -47,50 +47,18 @@ def _wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-TCP_SCRIPT = textwrap.dedent("""
-    import os, socket, sys, time
-    rank, n, port = int(os.environ["RANK"]), int(sys.argv[1]), 29601
-    if rank == 0:
-        s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((os.environ["LAB_ADDR"], port)); s.listen(1); s.settimeout(30)
-        c, _ = s.accept(); c.settimeout(30)
-        got, t0 = 0, time.perf_counter()
-        while got < n:
-            b = c.recv(1 << 20)
-            if not b:
-                break
-            got += len(b)
-        print(got, time.perf_counter() - t0)
-    else:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                c = socket.create_connection((os.environ["MASTER_ADDR"], port), timeout=5)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-        c.sendall(b"x" * n)
-        c.close()
-""")
-
-
 @needs_lab
 def test_shaped_tcp_transfer_is_rate_limited(tmp_path):
     """A 4 MB TCP transfer over a 40 Mbit/s link cannot take less than ~bytes*8/rate."""
-    script = tmp_path / "tcp.py"
-    script.write_text(TCP_SCRIPT)
     nbytes, rate = 4_000_000, 40.0
     with netlab.NetLab(hosts=2, rate_mbit=rate) as lab:
-        res = lab.run([PY, str(script), str(nbytes)], timeout=60)
+        got, _ = _transfer(lab, tmp_path, [(1, 0, nbytes)], timeout=60)
         lab_id = lab.lab_id
-    assert res.ok, res.describe() + res.ranks[0].stderr + res.ranks[1].stderr
-    got, seconds = res.ranks[0].stdout.split()
-    assert int(got) == nbytes
+    received, seconds = got[0]
+    assert received == nbytes
     bound = nbytes * 8 / (rate * 1e6)
     # Unshaped veths move 4 MB in a few ms; the shaped link needs >= 0.8 s.
-    assert float(seconds) >= bound / 1.3, (seconds, bound)
+    assert seconds >= bound / 1.3, (seconds, bound)
     _assert_gone(lab_id)
 
 
@@ -98,15 +66,14 @@ def test_shaped_tcp_transfer_is_rate_limited(tmp_path):
 def test_jumbo_frame_lab_keeps_the_rate(tmp_path):
     """With mtu=9000 the links carry jumbo frames (fewer packets for the kernel to emulate) and the
     shaped transfer is still held to the rate."""
-    script = tmp_path / "tcp.py"
-    script.write_text(TCP_SCRIPT + "\nprint(open('/sys/class/net/lab0/mtu').read().strip())\n")
     nbytes, rate = 4_000_000, 40.0
     with netlab.NetLab(hosts=2, rate_mbit=rate, mtu=9000) as lab:
-        res = lab.run([PY, str(script), str(nbytes)], timeout=60)
-    assert res.ok, res.describe() + res.ranks[0].stderr + res.ranks[1].stderr
-    got, seconds, mtu = res.ranks[0].stdout.split()
-    assert int(got) == nbytes and mtu == "9000" and res.ranks[1].stdout.split() == ["9000"]
-    assert float(seconds) >= nbytes * 8 / (rate * 1e6) / 1.3
+        got, _ = _transfer(lab, tmp_path, [(1, 0, nbytes)], timeout=60)
+        mtus = lab.run(["cat", "/sys/class/net/lab0/mtu"], timeout=30)
+    assert mtus.ok, mtus.describe()
+    assert [r.stdout.strip() for r in mtus.ranks] == ["9000", "9000"]
+    received, seconds = got[0]
+    assert received == nbytes and seconds >= nbytes * 8 / (rate * 1e6) / 1.3
     with pytest.raises(netlab.NetLabError, match="mtu"):
         netlab.NetLab(hosts=2, rate_mbit=rate, mtu=100)
 
