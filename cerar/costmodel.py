@@ -390,14 +390,19 @@ def is_two_tier_row(row: dict) -> bool:
 def fit_groups(rows: Sequence[dict], itemsize: int = 4) -> dict[tuple[str, str], Fit | str]:
     """One fit per (where, rate_mbit) setting; a string explains settings that cannot be fitted.
     Rows of two-tier runs (more than one rank per host) are ``fit_two_tier_groups``'s."""
+    return _fit_each_setting([r for r in rows if not is_two_tier_row(r)], fit, itemsize)
+
+
+def _fit_each_setting(rows: Sequence[dict], fitter, itemsize: int) -> dict[tuple[str, str], object]:
+    """``fitter(rows of one (where, rate_mbit) setting, itemsize)`` for every setting, in order; a
+    setting that cannot be fitted gets the ValueError's text instead."""
     groups: dict[tuple[str, str], list[dict]] = {}
     for r in rows:
-        if not is_two_tier_row(r):
-            groups.setdefault((r["where"], r["rate_mbit"]), []).append(r)
-    out: dict[tuple[str, str], Fit | str] = {}
+        groups.setdefault((r["where"], r["rate_mbit"]), []).append(r)
+    out: dict[tuple[str, str], object] = {}
     for key, rs in sorted(groups.items()):
         try:
-            out[key] = fit(rs, itemsize)
+            out[key] = fitter(rs, itemsize)
         except ValueError as e:
             out[key] = str(e)
     return out
@@ -731,17 +736,7 @@ def fit_two_tier(rows: Iterable[dict], itemsize: int = 4) -> TwoTierFit:
 
 def fit_two_tier_groups(rows: Sequence[dict], itemsize: int = 4) -> dict[tuple[str, str], TwoTierFit | str]:
     """One two-tier fit per (where, rate_mbit) setting of rows with more than one rank per host."""
-    groups: dict[tuple[str, str], list[dict]] = {}
-    for r in rows:
-        if is_two_tier_row(r):
-            groups.setdefault((r["where"], r["rate_mbit"]), []).append(r)
-    out: dict[tuple[str, str], TwoTierFit | str] = {}
-    for key, rs in sorted(groups.items()):
-        try:
-            out[key] = fit_two_tier(rs, itemsize)
-        except ValueError as e:
-            out[key] = str(e)
-    return out
+    return _fit_each_setting([r for r in rows if is_two_tier_row(r)], fit_two_tier, itemsize)
 
 
 # The projection's cluster: 8-GPU nodes, NVLink or PCIe inside, Ethernet between. Bandwidths are what

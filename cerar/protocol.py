@@ -446,6 +446,19 @@ def _check_op(op: str, operation: str) -> None:
         raise ValueError(f"{operation}: op must be one of {OPS}, got {op!r}")
 
 
+def as_equal_shards(tensor: torch.Tensor, parts: int) -> tuple[torch.Tensor, bool]:
+    """``tensor`` as one flat buffer that ``parts`` equal shards of ceil(d / parts) values tile, and
+    whether that buffer is the tensor itself (contiguous, d a multiple of ``parts``); otherwise it is
+    a zero-padded copy, whose first d values the caller copies back."""
+    d = tensor.numel()
+    shard = -(-d // parts)
+    in_place = tensor.is_contiguous() and d == parts * shard
+    flat = tensor.view(-1) if in_place else tensor.new_zeros(parts * shard)
+    if not in_place:
+        flat[:d] = tensor.reshape(-1)
+    return flat, in_place
+
+
 def check_coded_call(tensor: torch.Tensor, code, op: str, storage: str, operation: str) -> None:
     """The arguments of a coded all-reduce (flat or hierarchical), checked on this rank before any
     collective: a ValueError naming the call and the bad argument."""
@@ -649,13 +662,9 @@ def ring_all_reduce(
         return stats
 
     timer = PhaseTimer(tensor.device, enabled=timed)
-    chunk = -(-d // N)
-    in_place = tensor.is_contiguous() and d == N * chunk
-    flat = tensor.view(-1) if in_place else tensor.new_zeros(N * chunk)
-    if not in_place:
-        flat[:d] = tensor.reshape(-1)
-    chunks = flat.view(N, chunk)
-    incoming = flat.new_empty(chunk)
+    flat, in_place = as_equal_shards(tensor, N)
+    chunks = flat.view(N, -1)
+    incoming = flat.new_empty(chunks.shape[1])
     i = ring.rank
 
     def add(target: torch.Tensor) -> None:

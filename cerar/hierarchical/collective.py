@@ -49,6 +49,7 @@ from cerar.protocol import (
     _check_tensor,
     _Ring,
     _Rounds,
+    as_equal_shards,
     check_agreement,
     check_coded_call,
 )
@@ -195,13 +196,9 @@ def _two_tiers(
 
     timer = PhaseTimer(tensor.device, enabled=timed)
     ring = _Ring.of(groups.intra_node, _as_timedelta(timeout), f"{operation}: inside node {groups.node}")
-    s = -(-d // G)
-    in_place = tensor.is_contiguous() and d == G * s
-    flat = tensor.view(-1) if in_place else tensor.new_zeros(G * s)
-    if not in_place:
-        flat[:d] = tensor.reshape(-1)
-    shards = flat.view(G, s)
-    incoming = flat.new_empty(s)
+    flat, in_place = as_equal_shards(tensor, G)
+    shards = flat.view(G, -1)
+    incoming = flat.new_empty(shards.shape[1])
     mine = shards[groups.local_rank]
 
     def divide() -> None:  # the rail divides by n, for 1 / (n G) in all
