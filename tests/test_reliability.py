@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import agent_store_environment, held_store, launch_script
+from tests.distributed import agent_store_environment, held_store, launch_script, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "checks" / "chaos.py")
@@ -258,6 +258,48 @@ def test_ranks_running_different_code_stop_at_start(tmp_path, cache_dir):
 
 
 # ------------------------------------------------------------------ 3. checkpoints (the rest: test_train_units.py)
+
+
+WRITE_S, SHORT_TIMEOUT_S = 8.0, 3.0  # a checkpoint write longer than the collective timeout
+
+
+def _training_with_a_slow_checkpoint_writer(rank, world_size, cache, run_dir):
+    """One step of model=tiny whose checkpoint takes WRITE_S to write, as a large model's does on a slow disk;
+    every other wait is bounded by SHORT_TIMEOUT_S (the process group's timeout and the trainer's)."""
+    from hydra import compose, initialize_config_dir
+
+    from train import checkpoint as ckpt
+    from train.config import register_configs
+    from train.run import run
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    save = ckpt.save_checkpoint
+
+    def slow_save(*args, **kwargs):
+        time.sleep(WRITE_S)
+        return save(*args, **kwargs)
+
+    ckpt.save_checkpoint = slow_save
+    register_configs()
+    overrides = [*chaos.JOB, "trainer.max_steps=1", "checkpoint.every=1", "aggregator=ring", f"data.cache_dir={cache}"]
+    overrides += [f"trainer.collective_timeout_s={SHORT_TIMEOUT_S}", "checkpoint.write_timeout_s=120"]
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    return run(cfg, Path(run_dir))["final_step"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_ranks_wait_for_a_checkpoint_write_longer_than_the_collective_timeout(tmp_path, cache_dir):
+    """Rank N-1 writes the checkpoint while the others wait at a barrier: that wait is bounded by
+    checkpoint.write_timeout_s, not by trainer.collective_timeout_s, so a write that outlasts the collective
+    timeout (8 s against 3 s here) ends in a checkpoint, not in a collective failure."""
+    args = (str(cache_dir), str(tmp_path / "run"))
+    steps = run_workers(
+        _training_with_a_slow_checkpoint_writer, 2, args=args, timeout_s=240, group_timeout_s=SHORT_TIMEOUT_S
+    )
+    assert steps == [1, 1]
+    assert (tmp_path / "run" / "checkpoints" / "step-00000001.pt").exists()
 
 
 @pytest.mark.quick

@@ -164,6 +164,9 @@ class CheckpointConfig:
     every: int = 100  # 0: no periodic checkpoints
     keep: int = 2
     at_end: bool = True
+    # how long the other ranks wait for rank N-1 to write a checkpoint: a large model's write can take far
+    # longer than trainer.collective_timeout_s, which bounds every other wait
+    write_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -313,6 +316,7 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
     _require(t.collective_timeout_s > 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0")
     _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0")
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
+    _require(ck.write_timeout_s > 0, f"checkpoint.write_timeout_s={ck.write_timeout_s} must be > 0")
     _one_of(cfg.wandb.mode, ("offline", "online", "disabled"), "wandb.mode")
     if world_size is not None and a.kind == "cerar":
         _validate_cerar_code(cfg, world_size)

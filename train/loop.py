@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
 from train import checkpoint as ckpt
-from train.distributed import all_reduce_mean, guarded, set_step
+from train.distributed import all_reduce_mean, group_with_timeout, guarded, set_step
 from train.loss_scale import build_loss_scaler
 
 log = logging.getLogger(__name__)
@@ -286,11 +286,14 @@ class Trainer:
 
     def save_checkpoint(self) -> None:
         state = self.checkpoint_state()  # collective: every rank takes part
+        if self.world_size > 1:  # asked by every rank before the write: creating the group is collective
+            writing = group_with_timeout(self.cfg.checkpoint.write_timeout_s)
         if self.rank == self.world_size - 1:  # the rank that always holds the exact aggregate
             path = ckpt.save_checkpoint(self.run_dir, self.state.step, state, self.cfg.checkpoint.keep)
             log.info("checkpoint %s", path)
-        with guarded("checkpoint barrier"):
-            dist.barrier()
+        if self.world_size > 1:
+            with guarded(f"checkpoint barrier (rank {self.world_size - 1} writes; checkpoint.write_timeout_s)"):
+                dist.barrier(group=writing)
 
     def restore(self, state: dict) -> None:
         if state["world_size"] != self.world_size:
