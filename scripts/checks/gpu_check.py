@@ -728,13 +728,14 @@ def training_run(device: torch.device, precision: str, workdir: Path, small: boo
     full = json.loads((full_dir / "summary.json").read_text())
 
     process = _launch([*overrides, f"hydra.run.dir={killed_dir}"], env)
-    first = killed_dir / "checkpoints" / f"step-{every:08d}.pt"
+    # the checksum is written after the checkpoint's rename: once it exists the checkpoint is whole (a kill
+    # between the two leaves one that resume rightly ignores, and the check would fail on a race of its own)
+    first = killed_dir / "checkpoints" / f"step-{every:08d}.pt.sha256"
     deadline = time.monotonic() + timeout_s
     while not first.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.02)
     killed_at = None
     if process.poll() is None:
-        time.sleep(0.2)  # let the checkpoint's rename and checksum land, then kill mid-run
         # torchrun may start its worker in a session of its own: kill the worker by its pid file, then the agent
         with contextlib.suppress(OSError, ValueError):
             os.kill(int((killed_dir / "pids" / "rank0.pid").read_text()), signal.SIGKILL)
