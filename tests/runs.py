@@ -59,6 +59,17 @@ def torchrun(
     return proc
 
 
+def composed(*overrides: str):
+    """The job's config as train/main.py composes it: configs/ with these overrides, the schemas registered."""
+    from hydra import compose, initialize_config_dir
+
+    from train.config import register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 def single_process(args: list[str], cache: Path, timeout: int, expect_ok: bool = True) -> subprocess.CompletedProcess:
     """`python train/main.py ARGS`: the README's single-process run (a group of one; no torchrun agent to start)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -110,6 +121,6 @@ def sweep_runs(N: int) -> list[str]:
 
 def launch_sweep(N: int, out: Path, cache: Path) -> Path:
     """The N-rank launch of ``sweep_runs(N)`` into ``out``."""
-    # N=2 through the real torchrun: the README's launch, agent and all, once per session
+    # N=2 through the real torchrun: the README's launch, agent and all, once per pytest run
     torchrun(N, "sweep.py", [str(out), *sweep_runs(N), "--", *MATRIX], cache, timeout=850, agent=N == 2)
     return out

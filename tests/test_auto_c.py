@@ -11,7 +11,6 @@ process groups measure; real training runs resume.
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,25 +135,21 @@ def test_candidates_bytes_and_the_schedule():
 def test_training_identity_keeps_c_auto_whatever_it_chose():
     """A resumed c=auto run is the same training whichever c it has moved to; fixed-c runs do not carry the
     c=auto settings (so their checkpoints' identity is unchanged by them)."""
-    from hydra import compose, initialize_config_dir
+    from tests.runs import composed
+    from train.config import ConfigError, training_identity, validate
 
-    from train.config import ConfigError, register_configs, training_identity, validate
-
-    register_configs()
-    root = Path(__file__).resolve().parents[1]
-    with initialize_config_dir(config_dir=str(root / "configs"), version_base="1.3"):
-        auto = compose("config", overrides=["aggregator=cerar", "c=auto", "aggregator.error_budget=0.02"])
-        fixed = compose("config", overrides=["aggregator=cerar", "c=16"])
-        wrong = [
-            (["aggregator=nccl", "c=auto"], "c=auto chooses a CERAR code: it needs aggregator=cerar"),
-            (["aggregator=cerar", "c=abc"], "c='abc' must be an integer >= 1 or auto"),
-            (["aggregator=cerar", "c=auto", "trainer.overlap=true"], "c=auto needs trainer.overlap=false"),
-            (["aggregator=cerar", "c=auto", "aggregator.error_budget=0"], "error_budget=0.0 must be > 0"),
-            (["aggregator=cerar_vandermonde", "c=auto"], "no c in (4, 16] of construction 'vandermonde'"),
-        ]
-        for overrides, message in wrong:
-            with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace("]", "\\]")):
-                validate(compose("config", overrides=overrides), world_size=N)
+    auto = composed("aggregator=cerar", "c=auto", "aggregator.error_budget=0.02")
+    fixed = composed("aggregator=cerar", "c=16")
+    wrong = [
+        (["aggregator=nccl", "c=auto"], "c=auto chooses a CERAR code: it needs aggregator=cerar"),
+        (["aggregator=cerar", "c=abc"], "c='abc' must be an integer >= 1 or auto"),
+        (["aggregator=cerar", "c=auto", "trainer.overlap=true"], "c=auto needs trainer.overlap=false"),
+        (["aggregator=cerar", "c=auto", "aggregator.error_budget=0"], "error_budget=0.0 must be > 0"),
+        (["aggregator=cerar_vandermonde", "c=auto"], "no c in (4, 16] of construction 'vandermonde'"),
+    ]
+    for overrides, message in wrong:
+        with pytest.raises(ConfigError, match=message.replace("(", "\\(").replace("]", "\\]")):
+            validate(composed(*overrides), world_size=N)
     identity = training_identity(auto, N)
     assert identity["c"] == "auto" and identity["aggregator.error_budget"] == 0.02
     assert not any(

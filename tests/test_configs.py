@@ -9,19 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from train.config import ConfigError, config_fingerprint, register_configs, validate
+from tests.runs import composed
+from train.config import ConfigError, config_fingerprint, validate
 from train.model import build_model, count_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
-register_configs()
-
-
-def composed(*overrides: str):
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 PYTHIA_PARAMETERS = {

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.distributed import run_workers
-from tests.runs import MATRIX, ROOT, WORLDS
+from tests.runs import MATRIX, WORLDS
 
 
 def _noise_worker(rank, world_size, d, sigma, delta):
@@ -123,16 +123,12 @@ def test_validation_loss_is_the_reference_replicas_and_drift_is_measured_against
 
     # The logged validation loss is the reference replica's (rank N-1, whose weights the checkpoint keeps) on
     # the whole validation set: evaluate that checkpoint here, over every rank's share.
-    from hydra import compose, initialize_config_dir
-
-    from train.config import register_configs
+    from tests.runs import composed
     from train.data import build_data
     from train.model import build_model
 
     monkeypatch.setenv("CERAR_PYTHIA_CACHE", str(cache_dir))
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        run_cfg = compose("config", overrides=[*MATRIX, "aggregator=cerar", f"c={c}"])
+    run_cfg = composed(*MATRIX, "aggregator=cerar", f"c={c}")
     state = torch.load(sorted((runs / "cerar" / "checkpoints").glob("*.pt"))[-1], weights_only=False)
     model = build_model(run_cfg.model)
     model.load_state_dict(state["model"])

@@ -23,23 +23,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
 from cerar.precision import rounding_bound
 from tests import runs
 from tests.distributed import c10d_rendezvous_options, held_store
-from train.config import ConfigError, register_configs, training_identity, validate
+from tests.runs import composed
+from train.config import ConfigError, training_identity, validate
 
 ROOT = Path(__file__).resolve().parents[1]
 U = 2.0**-24
-register_configs()
 
 SMALL = [*runs.SMALL, "checkpoint.every=0", "trainer.drift_every=3"]  # the shared launches' size, plus drift
-
-
-def composed(*overrides: str):
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 # --- configuration: refused before any process group --------------------------------------------------

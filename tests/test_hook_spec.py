@@ -221,10 +221,8 @@ KAPPA_MAX_OVERLAP = 100.0  # aggregator=cerar's construction (optimized), condit
 
 
 def _overlap_trainer_worker(rank, world_size, corpus, cache, run_dir, c):
-    from hydra import compose, initialize_config_dir
-
     import cerar.ddp
-    from train.config import register_configs
+    from tests.runs import composed
     from train.run import run
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -237,7 +235,6 @@ def _overlap_trainer_worker(rank, world_size, corpus, cache, run_dir, c):
         return hook(state, bucket).then(lambda f: pairs.append((given, f.value().clone())) or f.value())
 
     cerar.ddp.cerar_hook = recording_hook  # train.aggregation imports it when it registers the hook
-    register_configs()
     overrides = [
         "model=tiny",
         "data=local",
@@ -258,9 +255,7 @@ def _overlap_trainer_worker(rank, world_size, corpus, cache, run_dir, c):
         "checkpoint.every=0",
         "wandb.mode=disabled",
     ]
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    summary = run(cfg, Path(run_dir))
+    summary = run(composed(*overrides), Path(run_dir))
     return pairs, summary["overlap"], summary["aggregator"]
 
 

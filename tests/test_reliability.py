@@ -266,10 +266,8 @@ WRITE_S, SHORT_TIMEOUT_S = 8.0, 3.0  # a checkpoint write longer than the collec
 def _training_with_a_slow_checkpoint_writer(rank, world_size, cache, run_dir):
     """One step of model=tiny whose checkpoint takes WRITE_S to write, as a large model's does on a slow disk;
     every other wait is bounded by SHORT_TIMEOUT_S (the process group's timeout and the trainer's)."""
-    from hydra import compose, initialize_config_dir
-
+    from tests.runs import composed
     from train import checkpoint as ckpt
-    from train.config import register_configs
     from train.run import run
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
@@ -280,12 +278,9 @@ def _training_with_a_slow_checkpoint_writer(rank, world_size, cache, run_dir):
         return save(*args, **kwargs)
 
     ckpt.save_checkpoint = slow_save
-    register_configs()
     overrides = [*chaos.JOB, "trainer.max_steps=1", "checkpoint.every=1", "aggregator=ring", f"data.cache_dir={cache}"]
     overrides += [f"trainer.collective_timeout_s={SHORT_TIMEOUT_S}", "checkpoint.write_timeout_s=120"]
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        cfg = compose(config_name="config", overrides=overrides)
-    return run(cfg, Path(run_dir))["final_step"]
+    return run(composed(*overrides), Path(run_dir))["final_step"]
 
 
 @pytest.mark.slow
