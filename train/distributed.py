@@ -105,14 +105,14 @@ def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-_groups_with_timeout: dict[tuple[int, float], object] = {}
+_groups_with_timeout: dict[tuple[object, float], object] = {}
 
 
 def group_with_timeout(timeout_s: float):
     """Every rank in a gloo group whose collectives wait up to ``timeout_s`` instead of the default group's
     timeout (for a wait known to be long: a checkpoint being written). Created on first use, once per
     default group and timeout: every rank must ask at the same point of the run."""
-    key = (id(dist.group.WORLD), float(timeout_s))
+    key = (dist.group.WORLD, float(timeout_s))  # the group itself: a later default group never matches it
     if key not in _groups_with_timeout:
         _groups_with_timeout[key] = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
     return _groups_with_timeout[key]
