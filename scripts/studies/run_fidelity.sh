@@ -14,15 +14,22 @@
 # the default first (nccl and optimized c=16 with two seeds, perturbation c=16, resync), the rest after. J is
 # c=8 optimized, started in G's place once G's two nccl runs had ended (the gaps on v2 were larger than on v1, so
 # c = 2N mattered more than fp16); G, H and I were stopped after their first two runs for session time.
+# K and L are the aggregators study (issue 25: every aggregator a user would weigh): 1,500 steps each (schedule
+# of 1,500), the same shape and corpus v2; K the settings that existed when it started (nccl two seeds, the fp16
+# ring, CERAR fp32 c=auto), L the new aggregators (the 8-bit all-reduce, CERAR over fp16 messages at c = N+1 = 5
+# and c = 2N = 8).
 set -u
 cd "$(dirname "$0")/../.."
-half=${1:?usage: scripts/studies/run_fidelity.sh A|B|C|D|E|F|G|H|I|J [OUT]}
+half=${1:?usage: scripts/studies/run_fidelity.sh A|B|C|D|E|F|G|H|I|J|K|L [OUT]}
 case "$half" in
 G | H | I | J) OUT=${2:-reports/runs/fidelity-corpus-v2} ;;
+K | L) OUT=${2:-reports/runs/aggregators-1500} ;;
 *) OUT=${2:-reports/runs/fidelity} ;;
 esac
 LOG=reports/logs/fidelity_runs.log
-COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=3000
+STEPS=3000
+case "$half" in K | L) STEPS=1500 ;; esac
+COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=$STEPS
   trainer.eval_every=100 trainer.eval_batches=16 trainer.drift_every=50 trainer.measure_error_every=50
   trainer.log_every=10 trainer.progress_bar=false checkpoint.every=0 wandb.mode=disabled
   trainer.collective_timeout_s=3600)
@@ -58,7 +65,11 @@ I) RUNS=("cerar_c16_perturbation_s1: aggregator=cerar_perturbation c=16 seed=1"
     "cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1"
     "cerar_c8_perturbation_s1: aggregator=cerar_perturbation c=8 seed=1") ;;
 J) RUNS=("cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1") ;;
-*) echo "unknown half $half (A to J)" >&2; exit 2 ;;
+K) RUNS=("nccl_s1: aggregator=nccl seed=1"
+    "cerar_auto_s1: aggregator=cerar c=auto seed=1"
+    "fp16_s1: aggregator=fp16 seed=1"
+    "nccl_s2: aggregator=nccl seed=2") ;;
+*) echo "unknown half $half (A to L)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
