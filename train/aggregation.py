@@ -11,7 +11,8 @@ Every aggregator offers the two modes of the loop:
 their own (made when the aggregator is built, on every rank); `powersgd`, `fp16` and `bf16` are the hooks
 torch ships (fp16/bf16 are also implemented on the flat gradient for overlap=false). `hier_cerar` and
 `hier_ring` are the two-tier aggregators of `cerar.hierarchical` (exact inside each node; CERAR with a code
-for the nodes, or the exact ring, between them), on process groups of their own per tier.
+for the nodes, or the exact ring, between them), on process groups of their own per tier. `int8` and
+`hier_int8` are the 8-bit all-reduce of `cerar.quantized` (flat, and between the nodes of the two tiers).
 """
 
 from __future__ import annotations
@@ -345,4 +346,124 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
         return HierarchicalAggregator(
             world_size, timeout, layout, cfg.c, a.construction, a.eps, a.kappa_max, exact_ring, a.coded_on_two_nodes
         )
+    if a.kind in ("int8", "hier_int8"):
+        return build_quantized_aggregator(cfg, world_size)
     raise ValueError(f"aggregator.kind={a.kind!r} is unknown")
+
+
+# ------------------------------------------------------------------------------------------------
+# The 8-bit all-reduce (cerar.quantized, issue 25): aggregator=int8 and aggregator=hier_int8
+# ------------------------------------------------------------------------------------------------
+
+
+class QuantizedAggregator(Aggregator):
+    """`cerar.quantized.quantized_all_reduce`: int8 messages with one float32 scale per `block` values, each
+    contribution quantized once and summed in float32, the reduced shards quantized once and all-gathered.
+    Every rank decodes the same bytes, so every rank receives the same average and the replicas stay
+    identical (replicas_differ stays False: the loop checks that they do). On a process group of its own."""
+
+    name = "int8"
+
+    def __init__(self, world_size: int, timeout_s: float, block: int):
+        super().__init__(world_size, timeout_s)
+        from cerar import quantized
+
+        self.quantized, self.block = quantized, block
+        self.hook_state = None
+        self.transport = None  # its own group: its batches never mix with the loop's collectives
+        if world_size > 1 and dist.is_initialized():
+            from cerar.ddp import transport_group
+
+            self.transport = transport_group(None, self.timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        if self.world_size < 2:
+            return 0
+        stats = self.quantized.quantized_all_reduce(
+            flat, self.transport, op="avg", timeout=self.timeout, block=self.block
+        )
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.quantized_hook import QuantizedHookState, quantized_hook
+
+        self.hook_state = QuantizedHookState(timeout=self.timeout, transport=self.transport, block=self.block)
+        ddp.register_comm_hook(self.hook_state, quantized_hook)
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        if self.hook_state is None:
+            return 0
+        sent = sum(int(s.bytes_sent) for s in self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        return sent
+
+
+class HierarchicalQuantizedAggregator(Aggregator):
+    """`cerar.hierarchical.quantized`: exact float32 reduce-scatter and all-gather inside each node, the 8-bit
+    all-reduce on the rails between the nodes. Every rank receives the same average (the replicas stay
+    identical). `step_metrics` reports the bytes each tier sent in the last step."""
+
+    name = "hier_int8"
+
+    def __init__(self, world_size: int, timeout_s: float, layout, block: int):
+        super().__init__(world_size, timeout_s)
+        from cerar.hierarchical import quantized, tier_groups
+
+        self.hierarchical_quantized, self.layout, self.block = quantized, layout, block
+        self.method = quantized.RAIL_METHOD if layout.nodes > 1 else "none"
+        self.tier_bytes = {"intra_node": 0, "inter_node": 0}
+        self.hook_state = None
+        self.groups = None  # the tiers' own groups: their batches never mix with the loop's collectives
+        if world_size > 1 and dist.is_initialized():
+            self.groups = tier_groups(layout, self.timeout)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            where = "LOCAL_WORLD_SIZE" if layout.from_launcher else "aggregator.local_size"
+            log.info("%s: %s (local size from %s); between the nodes: %s, block %d", self.name, layout, where,
+                     self.method, block)  # fmt: skip
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        if self.world_size < 2:
+            return 0
+        stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
+            flat, self.groups, op="avg", timeout=self.timeout, block=self.block
+        )
+        self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.quantized_hook import HierarchicalQuantizedHookState, hierarchical_quantized_hook
+
+        self.hook_state = HierarchicalQuantizedHookState(timeout=self.timeout, layout=self.layout, block=self.block)
+        ddp.register_comm_hook(self.hook_state, hierarchical_quantized_hook)
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        if self.hook_state is None:
+            return 0
+        stats = list(self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        self.tier_bytes = {
+            "intra_node": sum(s.intra_node.bytes_sent for s in stats),
+            "inter_node": sum(s.inter_node.bytes_sent for s in stats),
+        }
+        return sum(self.tier_bytes.values())
+
+    def step_metrics(self) -> dict:
+        return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
+
+
+def build_quantized_aggregator(cfg, world_size: int) -> Aggregator:
+    """aggregator=int8 or hier_int8 (the layout as for hier_ring: aggregator.local_size or LOCAL_WORLD_SIZE)."""
+    a, timeout = cfg.aggregator, float(cfg.trainer.collective_timeout_s)
+    if a.kind == "int8":
+        return QuantizedAggregator(world_size, timeout, int(a.block))
+    from train.config import node_layout
+
+    return HierarchicalQuantizedAggregator(world_size, timeout, node_layout(cfg, world_size), int(a.block))

@@ -94,6 +94,8 @@ class AggregatorConfig:
     ring (cerar's exact ring), cerar (coded approximate ring), powersgd, fp16, bf16; on nodes of several
     ranks, hier_cerar (cerar.hierarchical: exact inside each node, CERAR with a code for the nodes between
     them) and hier_ring (the same tiers with the exact ring between the nodes).
+    int8 (cerar.quantized: 8-bit messages, one float32 scale per `block` values, every rank the same
+    result) and hier_int8 (exact inside each node, int8 between the nodes).
     """
 
     name: str = MISSING
@@ -119,6 +121,9 @@ class AggregatorConfig:
     # the same d bytes per node and add its error) unless coded_on_two_nodes=true.
     local_size: int | None = None
     coded_on_two_nodes: bool = False
+    # int8 / hier_int8 (cerar.quantized, docs/int8.md): values per float32 scale of the 8-bit messages (>= 1);
+    # 128: the scales cost 3% of the int8 payload, the messages 0.258 of float32's bytes
+    block: int = 128
 
 
 @dataclass
@@ -203,6 +208,12 @@ CERAR_CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
 DATA_KINDS = ("embedded", "pile", "local")
 INIT_METHODS = ("small_init", "wang_init", "normal")  # GPT-NeoX's names (init_functions.py); train/model.py
 
+# The 8-bit all-reduce (cerar.quantized, issue 25): int8 flat, hier_int8 on the two tiers (layout as hier_ring)
+QUANTIZED_KINDS = ("int8", "hier_int8")
+QUANTIZED_FIELDS = ("block",)  # in a run's identity only for the quantized kinds (older runs' identities unchanged)
+AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, *QUANTIZED_KINDS)
+HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int8")
+
 
 def register_configs() -> None:
     """Make TrainConfig the schema of configs/config.yaml (its defaults list names `train_schema`)."""
@@ -274,6 +285,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             f"aggregator.kappa_max={a.kappa_max} must be >= 1 (a condition number) or null",
         )
         _require(a.eps is None or 0 < a.eps < 1, f"aggregator.eps={a.eps} must lie in (0, 1) or be null")
+    if a.kind in QUANTIZED_KINDS:
+        _require(a.block >= 1, f"aggregator.block={a.block} must be >= 1 (values per scale of the 8-bit messages)")
     if cfg.c == AUTO_C:
         _validate_auto_c(cfg)
     if a.kind == "powersgd":
@@ -473,6 +486,8 @@ def training_identity(cfg, world_size: int) -> dict:
             hierarchical_setting = section == "aggregator" and key in HIERARCHICAL_FIELDS
             if hierarchical_setting and cfg.aggregator.kind not in HIERARCHICAL_KINDS:
                 continue  # absent from the identities of runs that do not use them (and of older runs)
+            if section == "aggregator" and key in QUANTIZED_FIELDS and cfg.aggregator.kind not in QUANTIZED_KINDS:
+                continue
             if (section, key) != ("data", "cache_dir") and (auto or not auto_setting):
                 identity[f"{section}.{key}"] = value
     # c as asked: "auto" stays "auto" whatever it has chosen (the choice is checkpointed and resumed)
