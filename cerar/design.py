@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, LOW_PRECISION_KAPPA_LIMIT, make_code
+from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, make_code
 from cerar.simulate import simulate
 
 DTYPES = {
@@ -391,7 +391,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=tuple(DTYPES),
         default="float32",
-        help=f"transport dtype of the measurement; 16-bit only for kappa <= {LOW_PRECISION_KAPPA_LIMIT:g}",
+        help="dtype of the measurement (all arithmetic in it); 16-bit only for admissible codes (cerar.precision)",
     )
     ap.add_argument("--d", type=_positive_int, default=2**16, help="gradient length measured (default 65536)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the Gaussian gradients (default 0)")
