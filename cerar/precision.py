@@ -83,28 +83,28 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 def admissible_kappa(code, dtype: torch.dtype, wire: torch.dtype | None = None) -> float:
     """The largest kappa a code with ``code``'s truncation error may have on a 16-bit wire (or in
-    16-bit arithmetic): max(1, E / b), E = ``code.predicted_error()``, b = ``rounding_bound`` / kappa.
+    16-bit arithmetic): max(E, R) / b, with E = ``code.predicted_error()``, b = ``rounding_bound`` /
+    kappa (the rounding bound per unit of kappa) and R = ``sum_rounding_bound(N, dtype, wire)``, the
+    rounding of the exact ring on the same wire.
 
     The rule (the condition-number-constrained design applied to the precision on the wire): a code
-    is admissible when its rounding bound does not exceed its own predicted error, so the wire at most
-    doubles the error the code was chosen for. An exact code (c <= N: no truncation error, kappa of
-    order 1) is always admissible (infinite here): rounding is then all its error, as for any exact
-    collective on that wire, and kappa <= sqrt(2) amplifies it no more than the ring's sums do. Since
-    E falls about as 1 / kappa along a construction while the rounding grows as kappa, E = b kappa is
-    also where their sum is least: the default 16-bit kappa_max (``cerar.wire.default_kappa_max``)
-    sits at that balance."""
+    is admissible when its rounding bound, kappa b, does not exceed the larger of its own predicted
+    error and what the exact ring on the same wire rounds: the wire then at most doubles the error
+    the code was chosen for, and a code without truncation error (an exact one, or the optimized
+    codes at N = 2) may round as much as the 16-bit exact collectives do, no more. Since E falls about
+    as 1 / kappa along a construction while kappa b grows as kappa, E = kappa b is also where their
+    sum is least: the default 16-bit kappa_max (``cerar.wire.default_kappa_max``) is chosen there."""
     wire = dtype if wire is None else wire
-    if code.is_exact:
-        return math.inf
     per_kappa = rounding_bound(code, dtype, wire) / max(float(code.kappa), 1.0)
-    return max(1.0, float(code.predicted_error()) / per_kappa)
+    allowed = max(float(code.predicted_error()), sum_rounding_bound(code.N, dtype, wire))
+    return allowed / per_kappa
 
 
 def check_admissible(code, dtype: torch.dtype, wire: torch.dtype | None = None, what: str = "cerar") -> None:
     """Refuse, in one line naming N, c, kappa, the dtype and the largest admissible kappa, a code whose
-    rounding on a 16-bit wire (or in 16-bit arithmetic) would exceed its own error
-    (``admissible_kappa``). float32 and float64 are not judged here (their rounding at the default
-    kappa_max is the spec's, about 1e-3 at worst)."""
+    rounding on a 16-bit wire (or in 16-bit arithmetic) would exceed its own error or the exact
+    ring's on that wire (``admissible_kappa``). float32 and float64 are not judged here (their
+    rounding at the default kappa_max is the spec's, about 1e-3 at worst)."""
     wire = dtype if wire is None else wire
     low = wire if wire in LOW_PRECISION else dtype if dtype in LOW_PRECISION else None
     if low is None:
@@ -112,13 +112,18 @@ def check_admissible(code, dtype: torch.dtype, wire: torch.dtype | None = None, 
     limit = admissible_kappa(code, dtype, wire)
     kappa = max(float(code.kappa), 1.0)
     if kappa > limit * (1 + 1e-9):
-        E = float(code.predicted_error())
-        balance = math.sqrt(E * kappa / (rounding_bound(code, dtype, wire) / kappa))
+        E, bound, ring = (
+            float(code.predicted_error()),
+            rounding_bound(code, dtype, wire),
+            sum_rounding_bound(code.N, dtype, wire),
+        )
+        balance = math.sqrt(E * kappa / (bound / kappa))  # where E ~ 1/kappa meets kappa b, along this construction
+        hint = f", and codes of this shape balance near kappa_max ~ {balance:.3g}" if balance > limit else ""
         raise ValueError(
             f"{what}: N={code.N}, c={code.c} ({code.construction}) with kappa={kappa:.3g} is not admissible on "
-            f"{str(low).replace('torch.', '')}: its rounding bound {rounding_bound(code, dtype, wire):.3g} exceeds "
-            f"its own error {E:.3g}; the largest admissible kappa for this code is {limit:.3g} (codes of this shape "
-            f"balance near kappa_max ~ {balance:.3g}; set kappa_max, or use float32 transport)"
+            f"{str(low).replace('torch.', '')}: its rounding bound {bound:.3g} exceeds its own error {E:.3g} "
+            f"(and the exact ring's {ring:.3g}); the largest admissible kappa for this code is {limit:.3g}{hint} "
+            "(set kappa_max, or use float32 transport)"
         )
 
 
