@@ -316,3 +316,24 @@ def test_a_16bit_transport_needs_a_float32_tensor_and_a_known_dtype():
         cerar.ring_all_reduce(torch.ones(4), transport="float8")
     with pytest.raises(ValueError, match="carries float32 tensors"):
         cerar.ring_all_reduce(torch.ones(4, dtype=torch.float64), transport="float16")
+
+
+@pytest.mark.quick
+def test_the_trainer_takes_a_16bit_transport_and_refuses_a_bad_one_before_any_group():
+    """aggregator.transport is validated with the config: a typo, a kind that does not take it, c=auto, and a
+    code the rule refuses each stop the run naming the field; the presets are hier_ring on 16 bits."""
+    from tests.runs import composed
+    from train.config import ConfigError, validate
+
+    for overrides, named in [
+        (("aggregator=cerar", "aggregator.transport=float8", "c=5"), "aggregator.transport"),
+        (("aggregator=nccl", "aggregator.transport=float16"), "aggregator.transport=float16 is for"),
+        (("aggregator=cerar", "aggregator.transport=float16", "c=auto"), "c=auto"),
+        (("aggregator=cerar", "aggregator.transport=float16", "c=5", "aggregator.kappa_max=1e4"), "not admissible"),
+    ]:
+        with pytest.raises(ConfigError, match=named):
+            validate(composed(*overrides), world_size=4)
+    validate(composed("aggregator=cerar", "aggregator.transport=float16", "c=5"), world_size=4)
+    for preset, transport in (("hier_fp16", "float16"), ("hier_bf16", "bfloat16")):
+        a = composed(f"aggregator={preset}").aggregator
+        assert (a.kind, a.transport) == ("hier_ring", transport)
