@@ -46,6 +46,12 @@ FLAT_SETTINGS = [  # (label, overrides)
     ],
     ("cerar_exact_c4", ["aggregator=cerar", "aggregator.construction=exact", "c=4"]),
 ]
+FLAT_SETTINGS += [  # 16-bit messages (docs/cerar-16bit.md): the library's exact ring, and CERAR at the 16-bit default
+    # kappa_max for c = N+1 and 2N at N = 4 and 8 (a c the rule refuses or cannot reach at this N is skipped)
+    ("ring_fp16", ["aggregator=ring", "aggregator.transport=float16"]),
+    ("ring_bf16", ["aggregator=ring", "aggregator.transport=bfloat16"]),
+    *[(f"cerar_fp16_c{c}", ["aggregator=cerar", "aggregator.transport=float16", f"c={c}"]) for c in (5, 8, 9, 16)],
+]
 COLUMNS = ["aggregator", "bytes_per_call", "bytes_ratio_to_fp32_ring", "error_median", "error_max", "calls"]
 
 
