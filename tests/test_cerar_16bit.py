@@ -334,6 +334,12 @@ def test_the_trainer_takes_a_16bit_transport_and_refuses_a_bad_one_before_any_gr
         with pytest.raises(ConfigError, match=named):
             validate(composed(*overrides), world_size=4)
     validate(composed("aggregator=cerar", "aggregator.transport=float16", "c=5"), world_size=4)
+    # float32, the default, stays out of a run's identity, so runs from before the field resume unchanged
+    from train.config import training_identity
+
+    assert "aggregator.transport" not in training_identity(composed("aggregator=cerar", "c=5"), 4)
+    sixteen = training_identity(composed("aggregator=cerar", "aggregator.transport=float16", "c=5"), 4)
+    assert sixteen["aggregator.transport"] == "float16"
     for preset, transport in (("hier_fp16", "float16"), ("hier_bf16", "bfloat16")):
         a = composed(f"aggregator={preset}").aggregator
         assert (a.kind, a.transport) == ("hier_ring", transport)
