@@ -178,8 +178,9 @@ def test_flat_16bit_messages_against_the_spec_and_the_format(contract):
     """ring_all_reduce and all_reduce on float16 and bfloat16 messages, under gloo's contract and NCCL's
     (emulated): the spec's protocol in float64 within kappa (N u16 + sqrt(c+L) u32) ||G||, the exact ring
     within N casts per value at gradients of size 1, 1e-7 and 1e6, every rank the same bits, bytes equal
-    to the formula, an inf carried through."""
-    transports = ("float16", "bfloat16")
+    to the formula, an inf carried through. bfloat16 under gloo's contract only: the contracts differ in how
+    rounds are waited for, not in what travels."""
+    transports = ("float16", "bfloat16") if contract == "gloo" else ("float16",)
     check_flat(run_workers(_flat_worker, N, args=(transports,), contract=contract), transports)
 
 
