@@ -319,7 +319,6 @@ def test_a_16bit_transport_needs_a_float32_tensor_and_a_known_dtype():
         cerar.ring_all_reduce(torch.ones(4, dtype=torch.float64), transport="float16")
 
 
-@pytest.mark.quick
 def test_the_trainer_takes_a_16bit_transport_and_refuses_a_bad_one_before_any_group():
     """aggregator.transport is validated with the config: a typo, a kind that does not take it, c=auto, and a
     code the rule refuses each stop the run naming the field; the presets are hier_ring on 16 bits."""
