@@ -16,6 +16,11 @@ CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
 DEFAULT_KAPPA_MAX = 1e4
 """Default condition-number budget: float32 transport then errs by about 1e-3 from rounding (spec)."""
 
+LOW_PRECISION_KAPPA_LIMIT = 4.0
+"""Retired: nothing reads it. 16-bit transport is decided by the derived rule instead
+(``cerar.precision.check_admissible``: a code's rounding bound on the wire against its own error).
+It stays only because this module's tokens version the search of the shipped optimized codes
+(``cerar.optimize.SEARCH_CODE_VERSION``): removing it would make the shipped table stale."""
 
 _IMAG_TOLERANCE = 1e-9
 """Relative size of the imaginary parts that construction rounding may leave in A_j and D_i."""

@@ -90,11 +90,15 @@ def admissible_kappa(code, dtype: torch.dtype, wire: torch.dtype | None = None) 
     The rule (the condition-number-constrained design applied to the precision on the wire): a code
     is admissible when its rounding bound, kappa b, does not exceed the larger of its own predicted
     error and what the exact ring on the same wire rounds: the wire then at most doubles the error
-    the code was chosen for, and a code without truncation error (an exact one, or the optimized
-    codes at N = 2) may round as much as the 16-bit exact collectives do, no more. Since E falls about
+    the code was chosen for, and a code without truncation error (the optimized codes at N = 2)
+    may round as much as the 16-bit exact ring does, no more. An exact code (c <= N, kappa <= sqrt(2))
+    is always admissible (infinite here): its rounding is then all its error, as for any exact
+    collective, in 16-bit arithmetic as on a 16-bit wire. Since E falls about
     as 1 / kappa along a construction while kappa b grows as kappa, E = kappa b is also where their
     sum is least: the default 16-bit kappa_max (``cerar.wire.default_kappa_max``) is chosen there."""
     wire = dtype if wire is None else wire
+    if code.is_exact:  # c <= N, kappa <= sqrt(2): rounding is all its error, as for any exact collective
+        return math.inf
     per_kappa = rounding_bound(code, dtype, wire) / max(float(code.kappa), 1.0)
     allowed = max(float(code.predicted_error()), sum_rounding_bound(code.N, dtype, wire))
     return allowed / per_kappa
@@ -121,7 +125,7 @@ def check_admissible(code, dtype: torch.dtype, wire: torch.dtype | None = None, 
         hint = f", and codes of this shape balance near kappa_max ~ {balance:.3g}" if balance > limit else ""
         raise ValueError(
             f"{what}: N={code.N}, c={code.c} ({code.construction}) with kappa={kappa:.3g} is not admissible on "
-            f"{str(low).replace('torch.', '')}: its rounding bound {bound:.3g} exceeds its own error {E:.3g} "
+            f"{str(low).replace('torch.', '')} (16-bit): its rounding bound {bound:.3g} exceeds its own error {E:.3g} "
             f"(and the exact ring's {ring:.3g}); the largest admissible kappa for this code is {limit:.3g}{hint} "
             "(set kappa_max, or use float32 transport)"
         )

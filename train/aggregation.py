@@ -284,7 +284,7 @@ class HierarchicalAggregator(Aggregator):
         if self.code is not None:
             log.info(
                 "%s: code for n=%d nodes, c=%d: %d rounds, %.4f d per node between nodes (the exact ring: %.4f d), "
-                "kappa %.3g, predicted error %.3g; the last node's ranks are exact",
+                "kappa %.3g, predicted error %.3g; the last node's ranks are exact%s",
                 self.name,
                 n,
                 self.c,
@@ -293,6 +293,7 @@ class HierarchicalAggregator(Aggregator):
                 self.code.ring_rate,
                 self.code.kappa,
                 self.code.predicted_error(),
+                "" if self.transport == "float32" else f" up to the rounding of {self.transport} messages",
             )
         elif not exact_ring and n == 2:
             log.warning(

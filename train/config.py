@@ -211,6 +211,7 @@ AUTO_C_FIELDS = ("error_budget", "auto_warmup_steps", "auto_check_every", "auto_
 CERAR_CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
 TRANSPORT_KINDS = ("ring", "cerar", "hier_cerar", "hier_ring")  # the aggregators that take aggregator.transport
 TRANSPORT_DTYPES = ("float32", "float16", "bfloat16")  # cerar.wire.TRANSPORTS
+PRESET_TRANSPORTS = {"hier_fp16": "float16", "hier_bf16": "bfloat16"}  # presets whose name says their transport
 DATA_KINDS = ("embedded", "pile", "local")
 INIT_METHODS = ("small_init", "wang_init", "normal")  # GPT-NeoX's names (init_functions.py); train/model.py
 
@@ -607,6 +608,9 @@ def code_fingerprint() -> str:
 def run_identity(cfg, world_size: int) -> tuple[str, str, list[str]]:
     """W&B run name, group and tags from model, data, aggregator, c and N."""
     agg = cfg.aggregator.name + (f"-c{cfg.c}" if cfg.aggregator.kind in ("cerar", "hier_cerar") else "")
+    transport = cfg.aggregator.transport
+    if transport != "float32" and PRESET_TRANSPORTS.get(cfg.aggregator.name) != transport:
+        agg += f"-{transport}"  # 16-bit messages, where the preset's name does not say so
     name = f"{cfg.model.name}_{cfg.data.name}_{agg}_n{world_size}_s{cfg.seed}"
     group = cfg.wandb.group or f"{cfg.model.name}_{cfg.data.name}_n{world_size}"
     tags = [

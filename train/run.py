@@ -62,13 +62,14 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         )
     model = build_model(cfg.model, device)
     log.info(
-        "model %s: %s parameters; %d ranks on %s; aggregator %s (c=%s)",
+        "model %s: %s parameters; %d ranks on %s; aggregator %s (c=%s)%s",
         cfg.model.name,
         f"{count_parameters(model):,}",
         launch.world_size,
         device,
         cfg.aggregator.name,
         cfg.c,
+        "" if cfg.aggregator.transport == "float32" else f", {cfg.aggregator.transport} messages",
     )
     m = cfg.model
     optimizer = torch.optim.AdamW(

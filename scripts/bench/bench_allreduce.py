@@ -26,9 +26,10 @@ LOCAL_WORLD_SIZE, node-major ranks), and adds the hierarchical aggregators of ``
   exact ring on each rail (the ranks with one local rank), exact all-gather: the baseline;
 * ``hier_cerar``  -- ``hierarchical_all_reduce``, CERAR on the rails with a code for the n = N/G
   hosts, for each construction and each c in ``--hier-c`` (default ``--c-mult`` x n);
-* ``hier_ring16`` -- ``hier_ring`` on a ``--half-dtype`` copy (16-bit messages on both tiers, the
-  casts included in the time; torch's fp16 compression hook does the same on a flat ring): the peer
-  to beat on bytes.
+* ``hier_ring16`` -- ``hier_ring`` with ``--half-dtype`` messages on both tiers: the library's 16-bit
+  exact hierarchy (``transport=``, ``cerar.wire``: each block cast with its power-of-two scale, one
+  2-byte scale per message, sums in float32; the trainer's ``aggregator=hier_fp16`` / ``hier_bf16``):
+  the peer to beat on bytes.
 
 The 8-bit all-reduce (issue 25, ``cerar.quantized``; ``--int8-block`` values per float32 scale, default
 128, recorded in ``int8_block``): ``int8`` flat (any ``--ranks-per-host``), and ``hier_int8``, exact
@@ -227,7 +228,6 @@ def worker(args) -> int:
 
         # the node and rail groups, made once (a collective call) before anything is timed
         tiers = hierarchical.tier_groups(hierarchical.NodeLayout.from_env(), args.collective_timeout)
-    half = getattr(torch, args.half_dtype)
     configs = []  # (aggregator, construction, c, code, storage, pipeline chunks)
     skipped = []
     if "nccl" in args.aggregators:
@@ -270,11 +270,8 @@ def worker(args) -> int:
             return cerar.ring_all_reduce(buf, timeout=ct)
         if agg == "hier_ring":
             return hierarchical.hierarchical_ring_all_reduce(buf, tiers, timeout=ct)
-        if agg == "hier_ring16":
-            message = buf.to(half)
-            st = hierarchical.hierarchical_ring_all_reduce(message, tiers, timeout=ct)
-            buf.copy_(message)
-            return st
+        if agg == "hier_ring16":  # the library's 16-bit exact hierarchy (docs/cerar-16bit.md)
+            return hierarchical.hierarchical_ring_all_reduce(buf, tiers, timeout=ct, transport=args.half_dtype)
         if agg in ("int8", "hier_int8"):  # issue 25: the sum, like the others (rel_error is against the sum)
             from cerar.hierarchical.quantized import hierarchical_quantized_all_reduce
             from cerar.quantized import quantized_all_reduce

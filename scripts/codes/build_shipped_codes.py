@@ -18,7 +18,9 @@ order:
   the cheap shapes first (those whose c is not 3N or 4N search no pattern);
 - ``budgets``: the other budgets the tests use, then the design report's sweep (N = 4, 8;
   c = 8, 16, 32; kappa_max = 1e2 .. 1e7);
-- ``large``: N = 9..16 at c = 2N, 3N, 4N and the powers of two between N and 4N.
+- ``large``: N = 9..16 at c = 2N, 3N, 4N and the powers of two between N and 4N;
+- ``transport16``: the grid (N = 2..8, c = N+1..4N) at the 16-bit default budgets
+  (``cerar.wire.DEFAULT_TRANSPORT_KAPPA_MAX``: float16's, then bfloat16's), the cheap shapes first.
 
 Why: a first use of ``make_code(N, c, "optimized")`` otherwise searches for seconds to minutes on
 every host. The table is written after every shape, so an interrupted build keeps what it found and
@@ -45,8 +47,9 @@ import scipy  # noqa: E402
 
 from cerar import optimize, stored_codes  # noqa: E402
 from cerar.closed_forms import DEFAULT_KAPPA_MAX  # noqa: E402
+from cerar.wire import DEFAULT_TRANSPORT_KAPPA_MAX  # noqa: E402
 
-TIERS = ("used", "grid", "budgets", "large")
+TIERS = ("used", "grid", "budgets", "large", "transport16")
 DESIGN_SWEEP_BUDGETS = (1e2, 1e3, 1e4, 1e6, 1e7)  # cerar.design.DEFAULT_SWEEP_OPTIMIZED_KAPPA_MAX
 
 
@@ -70,6 +73,14 @@ def plan(tiers: list[str]) -> list[tuple[str, int, int, float]]:
             ],
             key=lambda s: (_searches_a_pattern(s[0], s[1]), s[0], s[1]),
         ),
+        "transport16": [
+            (N, c, k16)
+            for k16 in dict.fromkeys(DEFAULT_TRANSPORT_KAPPA_MAX[t] for t in ("float16", "bfloat16"))
+            for N, c in sorted(
+                {(N, c) for N in range(2, 9) for c in range(N + 1, 4 * N + 1)},
+                key=lambda s: (_searches_a_pattern(*s), s),
+            )
+        ],
         "budgets": [
             (4, 8, 1e3),
             (4, 16, 1e3),

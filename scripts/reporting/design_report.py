@@ -6,6 +6,13 @@ rendered here, with the scripts that own ``reports/``.
 
     python scripts/reporting/design_report.py --out reports
     python scripts/reporting/design_report.py --out /tmp/r --grid-N 4 --grid-c 4,8 --d 4096   # a reduced sweep
+    python scripts/reporting/design_report.py --transport        # reports/code_design_transport.md only
+
+``--transport`` writes the 16-bit messages' part (docs/cerar-16bit.md): for the shapes the 16-bit default
+kappa_max is chosen over (``cerar.design.TRANSPORT_SWEEP_SHAPES``), code error, rounding bound on the wire
+and their total against kappa_max on float32, float16 and bfloat16 messages, which budgets the derived
+rule admits, the kappa_max with the least total per shape, and the default those choices support
+(``cerar.design.chosen_default``) beside the one the library ships (``cerar.wire.DEFAULT_TRANSPORT_KAPPA_MAX``).
 """
 
 from __future__ import annotations
@@ -402,6 +409,79 @@ delta sqrt((N-1)/c). A spec error below the floor cannot come from this construc
 """
 
 
+def run_transport(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    """reports/code_design_transport.md and reports/data/code_design_transport.csv (module docstring)."""
+    from cerar.design import (
+        TRANSPORT_SWEEP_SHAPES,
+        best_kappa_max,
+        chosen_default,
+        least_total_kappa_max,
+        transport_rows,
+    )
+    from cerar.wire import DEFAULT_TRANSPORT_KAPPA_MAX
+
+    started = time.perf_counter()
+    out = Path(args.out)
+    transports = ("float32", "float16", "bfloat16")
+    rows = []
+    for N, c in TRANSPORT_SWEEP_SHAPES:
+        for construction in ("optimized", "perturbation"):
+            rows += transport_rows(N, c, construction, transports=transports)
+    seconds = time.perf_counter() - started
+    csv_path, md_path = out / "data" / "code_design_transport.csv", out / "code_design_transport.md"
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    fields = [f.name for f in dataclasses.fields(rows[0])] + ["total"]
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(fields)
+        for r in rows:
+            writer.writerow([getattr(r, name) for name in fields])
+    parts = [
+        "# Code design for 16-bit messages: code error, rounding and their total against kappa_max\n",
+        f"Written by `python scripts/reporting/design_report.py {shlex.join(argv)}` in {seconds:.0f} s "
+        f"({_provenance()}). Code error: `code.predicted_error()` (Gaussian gradients, no rounding). Rounding: "
+        "`cerar.precision.rounding_bound(code, float32, wire)` = kappa (N u_wire + sqrt(c + L) u_32), relative "
+        "to ||G||_F, float32 arithmetic. A code is admitted on a 16-bit wire when that bound is at most the larger "
+        "of its code error and the exact ring's rounding on the same wire (`cerar.precision.admissible_kappa`; "
+        "docs/cerar-16bit.md). Raw rows: `" + str(csv_path) + "`.\n",
+    ]
+    shapes = list(dict.fromkeys((r.N, r.c, r.construction) for r in rows))
+    for N, c, construction in shapes:
+        mine = [r for r in rows if (r.N, r.c, r.construction) == (N, c, construction)]
+        body = []
+        for kappa_max in dict.fromkeys(r.kappa_max for r in mine):
+            by = {r.transport: r for r in mine if r.kappa_max == kappa_max}
+            first = by["float32"]
+            if not first.ok:
+                body.append([_fmt(kappa_max), "unreachable", "", *["" for _ in transports]])
+                continue
+            cells = [
+                f"{_fmt(by[t].rounding_error)} / {_fmt(by[t].total)}" + ("" if by[t].admissible else " (refused)")
+                for t in transports
+            ]
+            body.append([_fmt(kappa_max), _fmt(first.kappa), _fmt(first.code_error), *cells])
+        header = ["kappa_max", "kappa", "code error", *[f"{t}: rounding / total" for t in transports]]
+        picks = ", ".join(
+            f"{t} {_fmt(best_kappa_max(mine, t)) if best_kappa_max(mine, t) else 'none admitted'}"
+            f" (least total admitted or not: {_fmt(least_total_kappa_max(mine, t) or math.nan)})"
+            for t in transports
+        )
+        parts.append(f"## N={N}, c={c}, {construction}\n\n{_md_table(header, body)}\n\nLeast total: {picks}.\n")
+    optimized = [r for r in rows if r.construction == "optimized"]
+    parts.append(
+        "## The 16-bit defaults\n\n"
+        + "\n".join(
+            f"- {t}: the optimized codes' per-shape choices support kappa_max {_fmt(chosen_default(optimized, t))}; "
+            f"the library ships {_fmt(DEFAULT_TRANSPORT_KAPPA_MAX[t])} (`cerar.default_kappa_max`)."
+            for t in ("float16", "bfloat16")
+        )
+        + "\n"
+    )
+    md_path.write_text("\n".join(parts))
+    print(f"wrote {md_path}, {csv_path} in {seconds:.0f} s")
+    return 0
+
+
 def run_sweep(args: argparse.Namespace, argv: Sequence[str]) -> int:
     started = time.perf_counter()
     out = Path(args.out)
@@ -440,6 +520,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="reports", help="report directory (default reports)")
     ap.add_argument("--d", type=_positive_int, default=2**16, help="gradient length measured (default 65536)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the Gaussian gradients (default 0)")
+    ap.add_argument(
+        "--transport",
+        action="store_true",
+        help="write only reports/code_design_transport.md: error, rounding and total on float32/float16/bfloat16",
+    )
     sweep = ap.add_argument_group("sweep")
     sweep.add_argument("--grid-N", type=_list_of(_positive_int), default=DEFAULT_SWEEP_N, help="e.g. 4,8")
     sweep.add_argument("--grid-c", type=_list_of(_positive_int), default=DEFAULT_SWEEP_C, help="e.g. 8,16,32")
@@ -472,7 +557,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    return run_sweep(build_parser().parse_args(argv), argv)
+    args = build_parser().parse_args(argv)
+    if args.transport:
+        return run_transport(args, argv)
+    return run_sweep(args, argv)
 
 
 if __name__ == "__main__":
