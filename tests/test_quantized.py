@@ -363,3 +363,20 @@ def test_two_tiers_2x2_are_within_the_format_bound_and_the_same_on_every_rank(co
         assert all(torch.equal(grads[0], g) for g in grads)
         per_rank = torch.stack([_local_gradient(r) for r in range(N)])
         check_two_tiers(grads[0].reshape(-1), per_rank, G, B, "hierarchical hook")
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer's options
+# ------------------------------------------------------------------------------------------------
+
+
+def test_trainer_refuses_a_bad_block_before_any_process_group_and_keeps_older_identities():
+    from tests.runs import composed
+    from train.config import ConfigError, training_identity, validate
+
+    with pytest.raises(ConfigError, match=r"aggregator.block=0 must be >= 1"):
+        validate(composed("aggregator=hier_int8", "aggregator.block=0", "aggregator.local_size=1"), world_size=2)
+    int8 = composed("aggregator=int8", "aggregator.block=64")
+    validate(int8, world_size=4)
+    assert training_identity(int8, 2)["aggregator.block"] == 64
+    assert "aggregator.block" not in training_identity(composed("aggregator=ring"), 2)  # runs before issue 25 resume
