@@ -12,6 +12,9 @@ Public API:
     cerar.hierarchical                                         nodes of several ranks: exact inside a node, CERAR
                                                                between nodes (hierarchical_all_reduce, its exact
                                                                baseline, NodeLayout, the DDP hook)
+    quantized_all_reduce(tensor, group, op, timeout, block)    the 8-bit all-reduce (cerar.quantized; two tiers:
+                                                               cerar.hierarchical.quantized; DDP hooks:
+                                                               cerar.quantized_hook), docs/int8.md
     full_fp32_products(device)                                 the TF32 guard every CERAR product runs under
     release_workspaces()                                       free the CPU working storage kept between calls
 """
@@ -26,6 +29,7 @@ from cerar.protocol import (
     all_reduce,
     ring_all_reduce,
 )
+from cerar.quantized import quantized_all_reduce
 from cerar.simulate import simulate
 from cerar.wire import TRANSPORTS, default_kappa_max
 from cerar.workspace import release_workspaces
@@ -44,6 +48,7 @@ __all__ = [
     "all_reduce",
     "full_fp32_products",
     "make_code",
+    "quantized_all_reduce",
     "release_workspaces",
     "ring_all_reduce",
     "simulate",

@@ -512,6 +512,64 @@ TWO_TIER_AGGREGATORS = ("hier_ring", "hier_cerar", "hier_ring16", "ring", "cerar
 16-bit messages (the fp32 gradient cast there and back); ``ring`` / ``cerar`` / ``ring16``: one flat
 ring over all n G ranks (node-major; NCCL's ring), whose every round waits for its slowest hop."""
 
+# issue 25: the 8-bit all-reduce (cerar.quantized; cerar.hierarchical.quantized), priced by its bytes (int8
+# values and a float32 scale per block, as cerar.int8_blocks lays them out) and by its quantize/dequantize passes
+TWO_TIER_AGGREGATORS = (*TWO_TIER_AGGREGATORS, "hier_int8", "int8")
+"""``hier_int8``: the exact fp32 tier inside the node, the 8-bit all-reduce on the rails; ``int8``: the
+8-bit all-reduce flat over all n G ranks."""
+INT8_BLOCK = 128
+"""Values per float32 scale (``cerar.int8_blocks.DEFAULT_BLOCK``)."""
+INT8_QUANTIZE_BYTES = 25
+"""Memory traffic per value quantized (``cerar.int8_blocks.quantize_into``): absmax read 4, times the inverse
+scale read 4 + write 4, rounded read 4 + write 4, stored read 4 + write 1."""
+INT8_DEQUANTIZE_ADD_BYTES = 17
+"""Per value dequantized and added: int8 read 1 + float32 write 4, then read 4 + 4, write 4."""
+INT8_DEQUANTIZE_BYTES = 13
+"""Per value dequantized into place: int8 read 1 + write 4, then read 4 + write 4 (scaled)."""
+
+
+def int8_message_bytes(s, block: int = INT8_BLOCK):
+    """Bytes of one 8-bit message of s values: s int8 values and 4 per block's float32 scale."""
+    return np.asarray(s) + 4 * _ceil(s, block)
+
+
+def int8_rail_terms(s, n: int, block: int = INT8_BLOCK) -> tuple[int, np.ndarray, np.ndarray]:
+    """(rounds, bytes one rank sends, bytes its arithmetic moves) of ``quantized_all_reduce`` of s values
+    over n ranks (shards of ceil(s/n)): n-1 shards quantized and sent, n-1 received dequantized and added,
+    the reduced shard quantized, n messages dequantized after the all-gather."""
+    shard = _ceil(s, n)
+    if n == 1:
+        return 0, 0 * shard, 0 * shard
+    moved = shard * ((n - 1) * (INT8_QUANTIZE_BYTES + INT8_DEQUANTIZE_ADD_BYTES) + INT8_QUANTIZE_BYTES
+                     + n * INT8_DEQUANTIZE_BYTES)  # fmt: skip
+    return 2 * (n - 1), 2 * (n - 1) * int8_message_bytes(shard, block), moved
+
+
+def int8_two_tier_features(aggregator: str, d, n: int, G: int, nics_per_node: int = 1, block: int = INT8_BLOCK):
+    """``TWO_TIER_TERMS`` of ``hier_int8`` and ``int8`` (``two_tier_features`` calls it).
+
+    ``hier_int8``: inside the node as ``hier_ring`` in fp32 (2 (G-1) rounds, 2 (G-1) s x 4 bytes, the
+    reduce-scatter's adds), on each rail ``int8_rail_terms`` of the shard s = ceil(d/G), the ceil(G / NICs)
+    rails that share a NIC adding up there. ``int8`` (flat, N = n G ranks, message m of ceil(d/N) values):
+    2 (N-1) rounds; on a node's NIC, the all-to-all's G (N - G) messages that leave the node (over
+    ceil(G / NICs) ... shared as the rails are) plus the node-major ring all-gather's N - 1 that cross
+    to the next node; on one node everything counts as the intra tier."""
+    d = np.asarray(d)
+    if aggregator == "int8":
+        N = n * G
+        rounds, sent, moved = int8_rail_terms(d, N, block)
+        if n == 1:
+            return np.array([rounds, sent, 0, 0, moved], dtype=float)
+        message = int8_message_bytes(_ceil(d, N), block)
+        link = -(-G // nics_per_node) * (N - G) * message + (N - 1) * message
+        return np.array([0, 0, rounds, link, moved], dtype=float)
+    s = _ceil(d, G)
+    rounds, sent, moved = int8_rail_terms(s, n, block)
+    sharing = -(-G // nics_per_node)
+    intra_moved = 3 * (G - 1) * s * 4
+    return np.array([2 * (G - 1), 2 * (G - 1) * s * 4, rounds, sent * sharing, intra_moved + moved], dtype=float)
+
+
 TWO_TIER_TERMS = ("rounds_intra", "bytes_intra", "rounds_inter", "bytes_inter_link", "bytes_moved")
 CAST_BYTES_PER_VALUE = 12  # fp32 -> 16 bit and back: read 4 + write 2, read 2 + write 4 bytes per value
 
@@ -530,6 +588,7 @@ def two_tier_features(
     nics_per_node: int = 1,
     storage: str = DEFAULT_STORAGE,
     coded_on_two_nodes: bool = False,
+    block: int = INT8_BLOCK,
 ) -> np.ndarray:
     """Regressors ``TWO_TIER_TERMS`` of one all-reduce of d values on n nodes of G ranks, per rank:
 
@@ -553,6 +612,8 @@ def two_tier_features(
     if aggregator not in TWO_TIER_AGGREGATORS:
         raise ValueError(f"unknown aggregator {aggregator!r}: expected one of {TWO_TIER_AGGREGATORS}")
     _check_storage(storage)
+    if aggregator in ("hier_int8", "int8"):  # issue 25; ``block``: values per scale
+        return int8_two_tier_features(aggregator, d, nodes, local_size, nics_per_node, block)
     d = np.asarray(d)
     n, G = nodes, local_size
     if aggregator in ("ring", "cerar", "ring16"):
@@ -701,7 +762,8 @@ def two_tier_row_features(row: dict, itemsize: int = 4) -> tuple[str, np.ndarray
     storage = storage if storage in STORAGE_CHOICES else DEFAULT_STORAGE
     c = _int(row.get("c"))
     return agg, two_tier_features(agg, nbytes // itemsize, N // G, G, c, itemsize, nics, storage,
-                                  coded_on_two_nodes=row.get("inter_node_method") == "cerar")  # fmt: skip
+                                  coded_on_two_nodes=row.get("inter_node_method") == "cerar",
+                                  block=_int(row.get("int8_block"), INT8_BLOCK))  # fmt: skip
 
 
 def fit_two_tier(rows: Iterable[dict], itemsize: int = 4) -> TwoTierFit:
@@ -801,6 +863,11 @@ def two_tier_projection(
             (out["hier_cerar"] if out["coded_pays"] else math.inf, 3, "hierarchical CERAR")]  # fmt: skip
     out["choice_fp32"] = min(fp32)[2]
     out["choice"] = min([*fp32, (out["half"], 2, "16-bit messages")])[2]
+    # issue 25: the 8-bit hierarchy (hier_int8) and the choice when 8-bit messages are acceptable too (ties go
+    # to the wider messages, which err less)
+    out["int8"] = cluster.time("hier_int8", d)
+    out["int8_ratio"] = out["int8"] / out["hier_ring"]
+    out["choice_int8"] = min([*fp32, (out["half"], 2, "16-bit messages"), (out["int8"], 4, "8-bit messages")])[2]
     return out
 
 

@@ -100,6 +100,7 @@ AGGREGATORS = {
     "nccl_overlap": ("aggregator=nccl trainer.overlap=true", None, True, True, False),
     "cerar_overlap": ("aggregator=cerar c={c} trainer.overlap=true", ("optimized", "c"), False, False, False),
 }
+AGGREGATORS["int8"] = ("aggregator=int8", None, False, True, True)  # issue 25: every rank decodes the same bytes
 WORLDS = {2: {"c": 4, "cv": 4}, 4: {"c": 8, "cv": 3}}  # N -> c (c > N: approximate), c for vandermonde
 MATRIX = [*SMALL, "trainer.drift_every=3", "trainer.measure_error_every=1", "checkpoint.every=0"]
 RESUME = "aggregator=ring checkpoint.every=3 checkpoint.keep=2 wandb.mode=offline"

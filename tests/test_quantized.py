@@ -28,8 +28,10 @@ import time
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from cerar import int8_blocks
+from cerar.costmodel import two_tier_features
 from tests.distributed import run_workers
 
 U = 2.0**-24
@@ -143,6 +145,60 @@ def test_non_finite_values_stay_non_finite_and_bad_blocks_are_refused():
             int8_blocks.check_block(bad, "test")
 
 
+class TrafficCounter(TorchDispatchMode):
+    """Bytes the dispatched operations read and write, counting only tensors of at least ``least`` values (the
+    per-block scales are not traffic); views move nothing; an in-place op reads and writes its first operand,
+    except a copy, which only writes it."""
+
+    def __init__(self, least: int):
+        super().__init__()
+        self.least, self.bytes = least, 0
+
+    def _bytes(self, t) -> int:
+        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) and t.numel() >= self.least else 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func.is_view:
+            return out
+        name = func.overloadpacket.__name__
+        reads = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if name == "copy_":
+            reads = reads[1:]
+        written = kwargs.get("out", out)
+        self.bytes += sum(self._bytes(a) for a in reads) + sum(
+            self._bytes(w) for w in (written if isinstance(written, (tuple, list)) else [written])
+        )
+        return out
+
+
+@pytest.mark.quick
+def test_memory_traffic_is_what_the_cost_model_prices():
+    """cerar.costmodel prices the 8-bit all-reduce's passes at INT8_QUANTIZE_BYTES, INT8_DEQUANTIZE_ADD_BYTES
+    and INT8_DEQUANTIZE_BYTES per value: the bytes the format's operations dispatch, measured here."""
+    from cerar import costmodel as cm
+
+    B, s = 128, 128 * 64 + 5
+    x, out = heavy_tailed(0, s), torch.zeros(s)
+    message = int8_blocks.new_message(s, B, "cpu")
+    measured = {}
+    for key, action in (
+        ("quantize", lambda: int8_blocks.quantize_into(message, x, B)),
+        ("dequantize", lambda: int8_blocks.dequantize(message, s, B, out)),
+        ("dequantize and add", lambda: int8_blocks.dequantize(message, s, B, out, add=True)),
+    ):
+        with TrafficCounter(least=B) as counter:
+            action()
+        measured[key] = counter.bytes / s
+    priced = {
+        "quantize": cm.INT8_QUANTIZE_BYTES,
+        "dequantize": cm.INT8_DEQUANTIZE_BYTES,
+        "dequantize and add": cm.INT8_DEQUANTIZE_ADD_BYTES,
+    }
+    assert measured == pytest.approx(priced, rel=2e-3), measured  # the 5-value last block is below `least`
+
+
 # ------------------------------------------------------------------------------------------------
 # Between processes
 # ------------------------------------------------------------------------------------------------
@@ -194,6 +250,7 @@ def test_flat_all_reduce_is_within_the_format_bound_and_the_same_on_every_rank(c
         check_against_oracle(outs[0], contributions, B, f"{contract} N={N} d={d}")
         s = math.ceil(d / N)
         assert all(r[d][1] == r[d][2] == 2 * (N - 1) * (s + 4 * math.ceil(s / B)) for r in results), d
+        assert two_tier_features("int8", d, 1, N, block=B)[1] == results[0][d][1]  # the cost model's count
     strided = torch.stack([heavy_tailed(r, 2 * 389).view(389, 2)[:, 0] for r in range(N)])
     check_against_oracle(results[0]["sum, strided"] / N, strided, B, "sum, strided")
     for r in results:
@@ -299,8 +356,27 @@ def test_two_tiers_2x2_are_within_the_format_bound_and_the_same_on_every_rank(co
         s_rail = math.ceil(s / 2)
         formula = {"intra_node": 2 * (G - 1) * s * 4, "inter_node": 2 * (2 - 1) * (s_rail + 4 * math.ceil(s_rail / B))}
         assert all(r[d][1] == r[d][2] == formula for r in results), (d, results[0][d][1], formula)
+        priced = two_tier_features("hier_int8", d, 2, G, nics_per_node=G, block=B)  # one NIC per rail
+        assert (priced[1], priced[3]) == (formula["intra_node"], formula["inter_node"]), (d, priced)
     if contract == "gloo":
         grads = [r["hook"] for r in results]
         assert all(torch.equal(grads[0], g) for g in grads)
         per_rank = torch.stack([_local_gradient(r) for r in range(N)])
         check_two_tiers(grads[0].reshape(-1), per_rank, G, B, "hierarchical hook")
+
+
+# ------------------------------------------------------------------------------------------------
+# The trainer's options
+# ------------------------------------------------------------------------------------------------
+
+
+def test_trainer_refuses_a_bad_block_before_any_process_group_and_keeps_older_identities():
+    from tests.runs import composed
+    from train.config import ConfigError, training_identity, validate
+
+    with pytest.raises(ConfigError, match=r"aggregator.block=0 must be >= 1"):
+        validate(composed("aggregator=hier_int8", "aggregator.block=0", "aggregator.local_size=1"), world_size=2)
+    int8 = composed("aggregator=int8", "aggregator.block=64")
+    validate(int8, world_size=4)
+    assert training_identity(int8, 2)["aggregator.block"] == 64
+    assert "aggregator.block" not in training_identity(composed("aggregator=ring"), 2)  # runs before issue 25 resume

@@ -114,6 +114,16 @@ def sixteen_bit_error_bound(kind: str, record: dict, N: int, d: int) -> float:
     return relative + N * half_spacing * math.sqrt(d) / record["noise/grad_norm"]
 
 
+def int8_error_bound(record: dict, N: int, block: int = 128) -> float:
+    """The worst rank's ||g_hat - g_bar|| / ||g_bar|| for aggregator=int8 (cerar.quantized, tests/test_quantized.py
+    derives it value by value): per value of block b of shard j, at most sum_{i != j} a_b(g_i) / (254 N) +
+    a_b(R_j) / 254 with a_b the block's absmax, a_b(R_j) <= a_b(g_bar) + sum_i a_b(g_i) / (254 N), and a_b(x) <=
+    ||x_b||_2. By Minkowski, ||error|| <= sqrt(B)/254 ((1 + sqrt(B)/254) sum_r ||g_r|| / N + ||g_bar||), with
+    sum_r ||g_r|| <= sqrt(N) N ||g_bar|| gradient_spread; plus the exact sum's own rounding."""
+    r = math.sqrt(block) / 254
+    return r * ((1 + r) * math.sqrt(N) * gradient_spread(record, N) + 1) * (1 + 1e-3) + exact_sum_order_bound(record, N)
+
+
 def exact_sum_order_bound(record: dict, N: int) -> float:
     """||g_hat - g_bar|| / ||g_bar|| between two exact all-reduces (cerar's ring, torch's) that add the same
     N values in different orders: each average errs by at most (N-1) u sum_r |g_r| / N per value in the sum
@@ -170,6 +180,8 @@ def test_every_aggregator_trains(sweep, N, label):
     else:
         if label in SIXTEEN_BIT:
             bounds = [sixteen_bit_error_bound(label, r, N, summary["parameters"]) for r in records]
+        elif label == "int8":
+            bounds = [int8_error_bound(r, N) for r in records]
         else:
             bounds = [cerar_error_bound(code_for(N, label), r) for r in records]
         assert all(0 < e <= b for e, b in zip(errors, bounds, strict=True)), (errors, bounds)

@@ -8,7 +8,8 @@
 # 1. all-reduce, every aggregator side by side in one bench run (interleaved repeats): 4 hosts x 2 ranks, 200 Mbit/s
 #    between hosts (one shared NIC per host), jumbo frames, 4/16/64 MiB: gloo's flat all_reduce, flat CERAR
 #    (c = 4N = 32, optimized and perturbation), the exact hierarchy, hierarchical CERAR (c = 8, 16; optimized and
-#    perturbation) and the exact hierarchy on float16 messages -> reports/data/hierarchical_lab.csv;
+#    perturbation), the exact hierarchy on float16 messages and the 8-bit all-reduce, flat and two-tier (issue 25:
+#    int8, hier_int8, B = 128) -> reports/data/hierarchical_lab.csv;
 # 2. training, pythia-14m on the same lab shape at 100 Mbit/s, the same steps for nccl, the exact hierarchy and
 #    hierarchical CERAR c = 16, seeds $SEEDS (default 1,2), settings interleaved -> reports/data/training_hierarchical.csv,
 #    reports/training_hierarchical.md, reports/runs/training_hierarchical/;
@@ -52,7 +53,7 @@ step "codes" $PY -c "import cerar; [cerar.make_code(N, c, cons) for N, c in ((4,
                      for cons in ('optimized', 'perturbation')]"
 step "all-reduce, 4x2 hosts, ${RATE_AR} Mbit/s, jumbo frames" \
   $PY scripts/bench/bench_allreduce.py --lab --rate-mbit "$RATE_AR" --mtu 9000 --n 8 --ranks-per-host 2 \
-  --sizes-mb "$SIZES" --aggregators nccl,cerar,hier_ring,hier_cerar,hier_ring16 \
+  --sizes-mb "$SIZES" --aggregators nccl,cerar,hier_ring,hier_cerar,hier_ring16,int8,hier_int8 \
   --constructions optimized,perturbation --c-mult 4 --hier-c 8,16 --half-dtype float16 \
   --repeats "$REPEATS" --warmup 1 --timeout 3600 --csv "$CSV" --log-dir "${TMPDIR:-/tmp}/hierarchical_lab_ranks" --quiet
 step "training, 4x2 hosts, ${RATE_TRAIN} Mbit/s, seeds $SEEDS" \

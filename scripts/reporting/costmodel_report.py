@@ -330,6 +330,7 @@ def two_tier_figure(path: Path) -> Path:
                     label=f"hierarchical CERAR (best c <= {HIER_C_MAX_MULT}n)")  # fmt: skip
             ax.plot(ns, [c["half_ratio"] for c in cells], marker="s", color="tab:orange",
                     label="16-bit messages (faster exact layout)")  # fmt: skip
+            ax.plot(ns, [c["int8_ratio"] for c in cells], marker="v", color="tab:green", label="8-bit hierarchy")
             ax.plot(ns, [min(c["flat_ratio"], 1.95) for c in cells], marker="^", color="gray",
                     linestyle="--", label="flat ring over all GPUs, fp32 (clipped at 1.95)")  # fmt: skip
             for c in cells:
@@ -341,7 +342,7 @@ def two_tier_figure(path: Path) -> Path:
                     ha="right", va="top", fontsize=7)  # fmt: skip
             ax.set_xscale("log", base=2)
             ax.set_xticks(ns, [str(n) for n in ns])
-            ax.set_ylim(0.3, 2.0)
+            ax.set_ylim(0.2, 2.0)
             ax.grid(True, alpha=0.3)
             if row == 0:
                 ax.set_title(f"{gbit} GbE between nodes ({TCP_EFFICIENCY:.0%} of line rate)", fontsize=9)
@@ -520,7 +521,46 @@ def report(
              "the crossover table above says at which link bandwidth. |")  # fmt: skip
     L.append("")
     L += two_tier_section(two_tier_rows, two_tier_csv, itemsize)
+    L += int8_two_tier_section(two_tier_rows)
     return "\n".join(L) + "\n"
+
+
+def int8_two_tier_section(rows: Sequence[dict] | None) -> list[str]:
+    """Issue 25: the 8-bit hierarchy (``hier_int8``) in the two-tier model, beside the 16-bit messages, and
+    the choice when 8-bit messages are acceptable; its errors in the lab when the rows hold some."""
+    from cerar.costmodel import INT8_BLOCK, INT8_DEQUANTIZE_ADD_BYTES, INT8_DEQUANTIZE_BYTES, INT8_QUANTIZE_BYTES
+
+    B = INT8_BLOCK
+    L = ["### The 8-bit hierarchy (issue 25)", "",
+         f"`hier_int8` (`cerar.hierarchical.quantized`): inside the node as `hier_ring` in fp32; on each rail the "
+         f"8-bit all-reduce, 2(n-1) rounds of messages of s' = ceil(s/n) int8 values and a float32 scale per {B} "
+         f"(s' + 4 ceil(s'/{B}) bytes), so the busiest NIC carries G/NICs x 2(n-1) (s' + 4 ceil(s'/{B})) bytes, "
+         f"{(1 + 4 / B) / 4:.3f} of `hier_ring`'s; the arithmetic moves {INT8_QUANTIZE_BYTES} bytes per value "
+         f"quantized, {INT8_DEQUANTIZE_ADD_BYTES} per value dequantized and added and {INT8_DEQUANTIZE_BYTES} per "
+         "value dequantized (`INT8_*_BYTES`, measured on the dispatched operations in tests/test_quantized.py): "
+         "per rail shard (n-1) (quantize + dequantize-add) + 1 quantize + n dequantize passes.", "",
+         "Cells: the 8-bit hierarchy's time over the exact hierarchy's, the 16-bit messages' (as above), and what "
+         "to use when 8-bit messages are acceptable too (ties to the wider messages, which err less).", ""]  # fmt: skip
+    counts = {"cells": 0, "int8": 0}
+    for intra, nics, title in CLUSTER_SHAPES:
+        L += [f"#### {title}: with 8-bit messages", "", "| network | nodes | 8-bit hierarchy | 16-bit messages | use |",
+              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+        for gbit in ETHERNET_GBIT:
+            for cell in _two_tier_cells(gbit, intra, nics):
+                counts["cells"] += 1
+                counts["int8"] += cell["choice_int8"] == "8-bit messages"
+                L.append(f"| {gbit} GbE | {cell['nodes']} | {cell['int8_ratio']:.2f} | {cell['half_ratio']:.2f} "
+                         f"{cell['half_layout'][0]} | {cell['choice_int8']} |")  # fmt: skip
+        L.append("")
+    L += [f"8-bit messages are the fastest choice in {counts['int8']} of these {counts['cells']} cells.", ""]
+    worst: dict[str, float] = {}
+    for r in rows or []:
+        if r["aggregator"] in ("hier_int8", "int8") and r.get("rel_error") not in (None, ""):
+            worst[r["aggregator"]] = max(worst.get(r["aggregator"], 0.0), float(r["rel_error"]))
+    if worst:
+        L += ["Errors of the 8-bit rows in the lab (worst relative error against the float64 sum, Gaussian "
+              "gradients): " + "; ".join(f"{k} {v:.1e}" for k, v in sorted(worst.items())) + ".", ""]  # fmt: skip
+    return L
 
 
 def main(argv: Sequence[str] | None = None) -> int:

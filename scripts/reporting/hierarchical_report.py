@@ -36,6 +36,9 @@ TARGET_C = 16
 TARGET_VS_HIER = 0.80
 TARGET_VS_FLAT = 0.72
 ORDER = ("nccl", "cerar", "hier_ring", "hier_ring16", "hier_cerar")
+ORDER = (*ORDER, "int8", "hier_int8")  # issue 25: the 8-bit all-reduce
+INT8_TARGET_VS_FLAT = 0.30
+"""Issue 25's target: the 8-bit hierarchy at most 0.30x gloo's flat all_reduce (4x2 lab, 200 Mbit/s, 64 MiB)."""
 
 
 def _f(x) -> float | None:
@@ -58,6 +61,9 @@ def label(r: dict) -> str:
         return "exact hierarchy (hier_ring)"
     if agg == "hier_ring16":
         return f"exact hierarchy, {r.get('half_dtype') or '16-bit'} messages (hier_ring16)"
+    if agg in ("int8", "hier_int8"):  # issue 25
+        name = "8-bit hierarchy (hier_int8" if agg == "hier_int8" else "flat 8-bit all-reduce (int8"
+        return f"{name}, B={r.get('int8_block') or 128})"
     method = r.get("inter_node_method") or ""
     return f"hier CERAR {r['construction']} c={r['c']}" + (" (ran the exact rail)" if method == "exact ring" else "")
 
@@ -154,6 +160,7 @@ def report(rows: list[dict], csv_path: Path, training_report: Path = TRAINING_RE
                      f"{_fmt(t['bytes_vs_flat'])} | {r.get('load_before', '')} -> "
                      f"{r.get('load_after', '')} |")  # fmt: skip
         L.append("")
+    L += int8_targets_section(by_run)
     # ---- every run
     L += ["## Every run", "",
           "Ratios are of medians within the run. Error: worst rank's relative error against the float64 sum "
@@ -191,6 +198,30 @@ def report(rows: list[dict], csv_path: Path, training_report: Path = TRAINING_RE
               "(per-phase seconds per step and validation loss, nccl against the exact hierarchy and "
               "hierarchical CERAR).", ""]  # fmt: skip
     return "\n".join(L) + "\n"
+
+
+def int8_targets_section(by_run: dict) -> list[str]:
+    """Issue 25's target for the 8-bit hierarchy at 64 MiB, against gloo's flat all_reduce measured beside it."""
+    L = ["## Target (issue 25)", "",
+         f"The 8-bit hierarchy (`hier_int8`), {TARGET_SIZE // 2**20} MiB: at most {INT8_TARGET_VS_FLAT:.2f}x gloo's "
+         "flat all_reduce. Its bytes on a host's NIC are about (1 + 4/B)/4 of the exact hierarchy's.", ""]  # fmt: skip
+    found = []
+    for (where, rate, run_id, nbytes), group in sorted(by_run.items()):
+        flat = next((r for r in group if r["aggregator"] == "nccl"), None)
+        hier = next((r for r in group if r["aggregator"] == "hier_ring"), None)
+        for r in group:
+            if nbytes == TARGET_SIZE and r["aggregator"] == "hier_int8":
+                found.append((where, rate, run_id, r, _ratio(r, flat), _ratio(r, hier)))
+    if not found:
+        return [*L, "Not measured yet: `scripts/bench/run_hierarchical_lab.sh` (as root) measures it.", ""]
+    L += ["| lab | rate (Mbit/s) | run | / gloo flat | target | / exact hierarchy | error | load before -> after |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    for where, rate, run_id, r, vs_flat, vs_hier in found:
+        met = vs_flat is not None and vs_flat <= INT8_TARGET_VS_FLAT
+        L.append(f"| {where} | {rate} | {run_id} | {_fmt(vs_flat)} | {_verdict(met, vs_flat)} (<= "
+                 f"{INT8_TARGET_VS_FLAT}) | {_fmt(vs_hier)} | {float(r['rel_error']):.1e} | "
+                 f"{r.get('load_before', '')} -> {r.get('load_after', '')} |")  # fmt: skip
+    return [*L, ""]
 
 
 def figures(csv_path: Path, out_dir: Path) -> list[Path]:
