@@ -300,6 +300,11 @@ def test_the_ranks_wait_for_a_checkpoint_write_longer_than_the_collective_timeou
 STALL_WRITE_TIMEOUT_S, STALL_SLACK_S = 4.0, 12.0  # well under the collective timeout and the group's (60 s)
 
 
+def _stalled_writer_overrides(cache) -> list[str]:
+    overrides = [*chaos.JOB, "trainer.max_steps=1", "checkpoint.every=1", "aggregator=ring", f"data.cache_dir={cache}"]
+    return overrides + ["trainer.collective_timeout_s=60", f"checkpoint.write_timeout_s={STALL_WRITE_TIMEOUT_S}"]
+
+
 def _training_with_a_stalled_checkpoint_writer(rank, world_size, cache, run_dir):
     """One step of model=tiny whose checkpoint writer, rank N-1, stops (SIGSTOP) inside its save; every other
     rank fails its wait at the checkpoint barrier as the trainer's entry point does (train/main.py): the one-line
@@ -326,10 +331,8 @@ def _training_with_a_stalled_checkpoint_writer(rank, world_size, cache, run_dir)
         return save(self)
 
     loop.Trainer.save_checkpoint = timed_save
-    overrides = [*chaos.JOB, "trainer.max_steps=1", "checkpoint.every=1", "aggregator=ring", f"data.cache_dir={cache}"]
-    overrides += ["trainer.collective_timeout_s=60", f"checkpoint.write_timeout_s={STALL_WRITE_TIMEOUT_S}"]
     try:
-        run(composed(*overrides), Path(run_dir))
+        run(composed(*_stalled_writer_overrides(cache)), Path(run_dir))
     except RuntimeError as err:
         if not is_collective_failure(err):
             raise
@@ -344,12 +347,16 @@ def _training_with_a_stalled_checkpoint_writer(rank, world_size, cache, run_dir)
 def test_a_stalled_checkpoint_writer_stops_the_others_within_write_timeout_s(tmp_path, cache_dir):
     """The README's bound on a stalled writer: rank N-1 stops inside its save; the other ranks wait at most
     checkpoint.write_timeout_s (4 s here, against a collective timeout of 60 s) plus slack, then exit with
-    status 3 and one line naming the checkpoint barrier and its setting."""
+    status 3 and one line naming the checkpoint barrier and its setting. The token cache is built first, here,
+    so that a rank that waits far longer than the bound fails the test within a minute."""
     from tests.distributed import ProcessExit
+    from tests.runs import composed
+    from train.data import prepare_data
 
+    prepare_data(composed(*_stalled_writer_overrides(cache_dir)), 2)
     store = held_store()
     args = (str(cache_dir), str(tmp_path / "run"))
-    exits = run_workers(_training_with_a_stalled_checkpoint_writer, 2, args=args, timeout_s=240, exits=[0], expect=[],
+    exits = run_workers(_training_with_a_stalled_checkpoint_writer, 2, args=args, timeout_s=60, exits=[0], expect=[],
                         store=store)  # fmt: skip
     assert exits[0] == ProcessExit(3), exits
     said = json.loads(store.get("stalled-writer/0"))

@@ -10,8 +10,9 @@ The faults are data (`mutation_faults.py`: file, exact original snippet, replace
 module's faults are a few lines there. Before anything runs, every fault's original snippet must occur exactly
 once in its file: a snippet that no longer matches fails the check at once, naming the fault (the list must not
 rot silently). The working tree is never touched: the files git knows (tracked, and untracked but not ignored)
-are copied to a temporary folder, each fault is applied there, its tests run with that folder first on the path
-(PYTHONPATH, inherited by the tests' worker processes), and the file is restored before the next fault.
+are copied to a temporary folder (one copy per --jobs, default 2: most of a fault's time is spent waiting on
+worker processes, so two at a time overlap), each fault is applied to one copy, its tests run with that copy
+first on the path (PYTHONPATH, inherited by the tests' worker processes), and the file is restored after.
 
 Each fault's tests run as `python -m pytest <tests> -x -q -n 0 -p no:cacheprovider` (a fresh code cache per
 run, so no fault leaves a poisoned cache behind) under PYTHONDONTWRITEBYTECODE=1 (no stale bytecode of a
@@ -27,8 +28,10 @@ Exit status 0 only when every fault was caught.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import importlib.util
 import os
+import queue
 import re
 import shlex
 import shutil
@@ -109,7 +112,7 @@ def pytest_args(tests) -> list[str]:
 
 def run_tests(tree: Path, tests, timeout_s: float) -> tuple[int | None, str, float]:
     env = dict(os.environ, PYTHONPATH=str(tree), PYTHONDONTWRITEBYTECODE="1")
-    env["CERAR_PYTHIA_TEST_TOKEN_CACHE"] = str(tree.parent / "token-cache")  # built once, by the first run
+    env["CERAR_PYTHIA_TEST_TOKEN_CACHE"] = str(tree.parent / "token-cache")  # built once (under its file lock)
     command = [sys.executable, "-m", "pytest", *PYTEST, *pytest_args(tests)]
     start = time.monotonic()
     try:
@@ -153,6 +156,7 @@ def main(argv=None) -> int:
     parser.add_argument("--baseline", action="store_true", help="first run every selected test on the unmutated copy")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per fault (default: %(default)s)")
     parser.add_argument("--verbose", action="store_true", help="print each run's pytest output")
+    parser.add_argument("--jobs", type=int, default=2, help="faults tried at once, each in its own copy (default: 2)")
     args = parser.parse_args(argv)
 
     faults = load_faults(args.faults)
@@ -172,8 +176,11 @@ def main(argv=None) -> int:
 
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cerar-mutation-") as scratch:
-        tree = Path(scratch) / "tree"
-        scratch_copy(ROOT, tree)
+        trees: queue.SimpleQueue = queue.SimpleQueue()  # one copy per job: a fault is applied to one copy only
+        for k in range(max(1, args.jobs)):
+            scratch_copy(ROOT, Path(scratch) / f"tree-{k}")
+            trees.put(Path(scratch) / f"tree-{k}")
+        tree = Path(scratch) / "tree-0"
         if args.baseline:
             union = list(dict.fromkeys(t for f in selected for t in f.tests))
             code, output, seconds = run_tests(tree, union, args.timeout * 2)
@@ -182,11 +189,18 @@ def main(argv=None) -> int:
                 print(output[-4000:], file=sys.stderr)
                 print("mutation check: the tests fail without any fault; nothing can be concluded", file=sys.stderr)
                 return 2
-        outcomes = []
-        for fault in selected:
-            outcome = try_fault(fault, tree, args.timeout, args.verbose)
-            outcomes.append(outcome)
+
+        def attempt(fault) -> Outcome:
+            tree = trees.get()
+            try:
+                outcome = try_fault(fault, tree, args.timeout, args.verbose)
+            finally:
+                trees.put(tree)
             print(f"{outcome.status:8} {outcome.seconds:6.1f} s  {fault.name}: {outcome.detail}", flush=True)
+            return outcome
+
+        with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+            outcomes = list(pool.map(attempt, selected))
     failed = [o for o in outcomes if o.status != "caught"]
     caught = len(outcomes) - len(failed)
     print(f"\nmutation check: {caught} of {len(outcomes)} faults caught in {time.monotonic() - start:.0f} s")
