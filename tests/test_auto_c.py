@@ -332,8 +332,14 @@ def test_auto_runs_switch_resume_and_say_what_they_were(tmp_path, cache_dir):
     full_records, full = read_run(tmp_path / "full")
     d = full["parameters"]
     used = {r["step"]: r["auto_c/c"] for r in full_records}
-    chosen = full["auto_c"]["decisions"][0]["c"]
+    first = full["auto_c"]["decisions"][0]
+    chosen = first["c"]
     assert used[1] == N and chosen in (6, 8) and all(used[s] == chosen for s in range(2, 7))
+    # the choice its own evidence calls for, at the default budget 0.01: the fewest bytes (the spec's count) among
+    # the codes whose error plus two standard errors is within 0.01 x the noise, else the exact code
+    assert first["allowed"] == pytest.approx(0.01 * first["noise"], rel=1e-12)
+    fits = [int(c) for c, e in first["errors"].items() if e + 2 * first["standard_errors"][c] <= first["allowed"]]
+    assert chosen == min([*fits, N], key=lambda c: spec_bytes(c, d)), first
     ring_bytes = {r["step"]: r["bytes_sent"] for r in full_records}
     assert ring_bytes[1] == pytest.approx(2 * (N - 1) / N * d * 4, rel=1e-4)  # the exact ring
     assert all(ring_bytes[s] == (chosen + N - 2) * -(-d // chosen) * 4 for s in range(2, 7))
