@@ -35,6 +35,7 @@ import queue
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,12 +116,19 @@ def run_tests(tree: Path, tests, timeout_s: float) -> tuple[int | None, str, flo
     env["CERAR_PYTHIA_TEST_TOKEN_CACHE"] = str(tree.parent / "token-cache")  # built once (under its file lock)
     command = [sys.executable, "-m", "pytest", *PYTEST, *pytest_args(tests)]
     start = time.monotonic()
+    # a session of its own, so that a run past the timeout is ended with every process it started
+    proc = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
     try:
-        done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as expired:
-        out = (expired.stdout or b"").decode() if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        return None, out, time.monotonic() - start
-    return done.returncode, done.stdout + done.stderr, time.monotonic() - start
+        output, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output or "", time.monotonic() - start
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, output, time.monotonic() - start
 
 
 def first_failure(output: str) -> str:
