@@ -178,6 +178,6 @@ def test_rounding_bound_is_kappa_times_u_times_sqrt_c_plus_L_plus_N_and_is_what_
     assert sum_rounding_bound(N, torch.float32) == pytest.approx(((N - 1) * math.sqrt(N) + 1) * u, rel=1e-12)
 
     G = torch.randn(N, c * 500 + 1, generator=torch.Generator().manual_seed(N * 100 + c))
-    moved = (cerar.simulate(G, code).double().numpy() - spec_all_reduce(G.double().numpy(), code.A, code.D))
+    moved = cerar.simulate(G, code).double().numpy() - spec_all_reduce(G.double().numpy(), code.A, code.D)
     measured = float(np.linalg.norm(moved, axis=1).max()) / float(G.double().norm())
     assert derived / 30 <= measured <= derived, (measured, derived)
