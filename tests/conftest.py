@@ -25,9 +25,12 @@ def run_folder(tmp_path_factory) -> Path:
 def cache_dir(run_folder) -> Path:
     """One token cache (CERAR_PYTHIA_CACHE / data.cache_dir) for the whole pytest run, shared by its workers:
     the embedded corpus's BPE tokenizer is trained and its token arrays written once (train/data.py builds
-    an entry under a file lock, so a worker asking while another builds waits for it)."""
-    folder = run_folder / "token-cache"
-    folder.mkdir(exist_ok=True)
+    an entry under a file lock, so a worker asking while another builds waits for it). $CERAR_PYTHIA_TEST_TOKEN_CACHE
+    names another folder to use instead, kept across pytest runs (scripts/checks/mutation.py: one build for all
+    of its runs)."""
+    kept = os.environ.get("CERAR_PYTHIA_TEST_TOKEN_CACHE")
+    folder = Path(kept) if kept else run_folder / "token-cache"
+    folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 

@@ -3,7 +3,8 @@ error stays within error_budget x the SGD noise of the averaged gradient.
 
 The decisions are held to things the test knows without the code under test: per-rank gradients built as a
 mean plus noise of a chosen relative size (so the noise is known), each code's worst-rank error on them
-computed by the specification's protocol (tests/spec_reference.py, float64, run here), and the bytes a code
+computed by the specification's protocol with the specification's matrices (tests/spec_reference.py, float64,
+rebuilt from the code's points, not the package's A_j and D_i), and the bytes a code
 sends counted from the specification's figures (L = c + N - 2 blocks of ceil(d/c) values). Real gloo
 process groups measure; real training runs resume.
 """
@@ -18,6 +19,7 @@ import torch
 
 from tests.distributed import run_workers
 from tests.spec_reference import spec_all_reduce
+from tests.test_spec_reference import spec_code_matrices
 
 N = 4
 D = 48_000  # a multiple of every candidate c, so no padding
@@ -51,7 +53,7 @@ def gradients(rho: float, step: int) -> tuple[np.ndarray, float]:
 def spec_worst_error(G: np.ndarray, code) -> float:
     G = G.astype(np.float64)
     S = G.sum(0)
-    return max(np.linalg.norm(r - S) for r in spec_all_reduce(G, code.A, code.D)) / np.linalg.norm(S)
+    return max(np.linalg.norm(r - S) for r in spec_all_reduce(G, *spec_code_matrices(code))) / np.linalg.norm(S)
 
 
 def right_c(allowed: float, errors: dict[int, float]) -> int:
@@ -82,6 +84,48 @@ def test_choose_c_takes_the_fewest_bytes_that_fit():
         choose_c(1.0, {32: 0.1}, bytes_by_c, 0.01)
     with pytest.raises(ValueError, match="budget must be > 0"):
         choose_c(1.0, errors, bytes_by_c, 0.0)
+
+
+@pytest.mark.quick
+def test_choose_c_takes_the_fewest_bytes_where_padding_makes_them_rise_with_c():
+    """At small d the padding to a multiple of c breaks "more c, fewer bytes": N=4, d=100, c=15 sends 17 blocks
+    of 7 values (119), c=16 18 of 7 (126). Every code fits: the fewest bytes is c=15, not the largest c."""
+    import cerar
+    from train.auto_c import bytes_per_call, choose_c
+
+    d = 100
+    values = {c: (c + N - 2) * -(-d // c) for c in range(N + 1, 4 * N + 1)}
+    assert (values[15], values[16]) == (119, 126) and min(values, key=values.get) == 15
+    bytes_by_c = {c: 4 * v for c, v in values.items()}
+    assert {c: bytes_per_call(cerar.make_code(N, c, "perturbation"), d) for c in (10, 15, 16)} == {
+        c: bytes_by_c[c] for c in (10, 15, 16)
+    }
+    assert choose_c(1.0, {c: 0.001 for c in values}, bytes_by_c, 0.01) == 15
+    assert choose_c(1.0, {c: 0.001 * (c != 15) + 0.5 * (c == 15) for c in values}, bytes_by_c, 0.01) == 10  # 120
+
+
+def test_the_default_error_budget_is_0_01_everywhere_it_is_set():
+    """The README's and reports/fidelity.md's budget: the library's default, the config schema's and the composed
+    configuration's, and what a c=auto run is built with."""
+    from tests.runs import composed
+    from train.auto_c import DEFAULT_ERROR_BUDGET, AutoC, build_auto_c
+    from train.config import AggregatorConfig
+
+    assert DEFAULT_ERROR_BUDGET == 0.01
+    assert AggregatorConfig().error_budget == 0.01
+    cfg = composed("aggregator=cerar", "c=auto", "aggregator.auto_candidates=[8]")
+    assert cfg.aggregator.error_budget == 0.01
+    assert build_auto_c(N, D, cfg.aggregator).budget == 0.01
+    assert AutoC(N=N, codes=codes(), bytes_by_c={c: spec_bytes(c) for c in codes()}).budget == 0.01
+
+
+@pytest.mark.quick
+def test_the_default_candidates_at_n4_are_5_6_8_12_16():
+    """The README's list: at N=4 (optimized, the default construction and kappa_max) c=auto weighs the exact
+    code and c = 5, 6, 8, 12, 16."""
+    from train.auto_c import candidate_codes
+
+    assert sorted(candidate_codes(N, "optimized", None, None)) == [N, 5, 6, 8, 12, 16]
 
 
 def test_candidates_bytes_and_the_schedule():
@@ -221,13 +265,20 @@ def test_first_choice_on_gradients_of_known_noise(sample_values):
 def test_recheck_moves_to_a_smaller_c_on_every_rank_at_the_same_step():
     """Budget 0.7: at rho 10 (noise ~1) c=16 fits and stays until a check at rho 0.3 (noise ~0.29): c=12 from
     that step on every rank; rho 10 again does not move it back up; rho 0.002 then takes it to the exact code,
-    after which nothing is left to measure."""
+    after which nothing is left to measure. Then a fresh run at rho 3 and budget 1 takes c=16, and a re-check
+    at budget 0.25 whose c=16 error lies between 0.25 x noise and the noise itself leaves it: the budget
+    decides, not the noise."""
     rhos = [10.0, 10.0, 0.3, 10.0, 0.002, 10.0]
     plan = [(step, rho, 0.7, step == 1) for step, rho in enumerate(rhos, start=1)]
+    plan += [(7, 3.0, 1.0, True), (8, 3.0, 0.25, False)]
     results = run_workers(_decide_worker, N, args=(plan, 0))
     assert all(r == results[0] for r in results)
     got = results[0]
-    assert [g["c"] if g else None for g in got] == [16, 16, 12, 12, N, None]
+    assert [g["c"] if g else None for g in got] == [16, 16, 12, 12, N, None, 16, 12]
+    noise, errors = spec_decision_inputs(3.0, 8)
+    assert 0.25 * noise * 1.5 < errors[16] < noise / 1.5, (noise, errors)  # between budget x noise and noise
+    assert got[7]["decision"]["reason"] == "c=16 exceeds the budget"
+    assert got[7]["c"] == right_c(0.25 * noise, {c: e for c, e in errors.items() if c != 16})
     for (step, rho, budget, _), g in zip(plan[:5], got[:5], strict=True):  # each move as the spec's errors say
         noise, errors = spec_decision_inputs(rho, step)
         current = g["decision"]["c_before"]
@@ -281,8 +332,14 @@ def test_auto_runs_switch_resume_and_say_what_they_were(tmp_path, cache_dir):
     full_records, full = read_run(tmp_path / "full")
     d = full["parameters"]
     used = {r["step"]: r["auto_c/c"] for r in full_records}
-    chosen = full["auto_c"]["decisions"][0]["c"]
+    first = full["auto_c"]["decisions"][0]
+    chosen = first["c"]
     assert used[1] == N and chosen in (6, 8) and all(used[s] == chosen for s in range(2, 7))
+    # the choice its own evidence calls for, at the default budget 0.01: the fewest bytes (the spec's count) among
+    # the codes whose error plus two standard errors is within 0.01 x the noise, else the exact code
+    assert first["allowed"] == pytest.approx(0.01 * first["noise"], rel=1e-12)
+    fits = [int(c) for c, e in first["errors"].items() if e + 2 * first["standard_errors"][c] <= first["allowed"]]
+    assert chosen == min([*fits, N], key=lambda c: spec_bytes(c, d)), first
     ring_bytes = {r["step"]: r["bytes_sent"] for r in full_records}
     assert ring_bytes[1] == pytest.approx(2 * (N - 1) / N * d * 4, rel=1e-4)  # the exact ring
     assert all(ring_bytes[s] == (chosen + N - 2) * -(-d // chosen) * 4 for s in range(2, 7))

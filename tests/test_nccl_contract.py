@@ -15,6 +15,7 @@ import signal
 import time
 from datetime import timedelta
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -31,6 +32,8 @@ from tests.distributed import (
     shared_store,
     transport_log,
 )
+from tests.spec_reference import spec_all_reduce
+from tests.test_spec_reference import spec_code_matrices
 from train.config import ConfigError
 from train.distributed import NCCL_ERROR_HANDLING_VARIABLE, configure_nccl_watchdog
 
@@ -197,15 +200,16 @@ def test_a_cerar_call_under_nccls_contract_never_waits_with_a_timeout_and_polls_
     posts = code.L * len(pipeline_chunks(code.m_for(d)))
     results = run_workers(_counted_calls_worker, N, args=(c, d), contract="nccl", timeout_s=600)
     G = _gradients(N, d, seed=3)
-    expected = cerar.simulate(G, code)
+    expected = spec_all_reduce(G.double().numpy(), *spec_code_matrices(code))  # the spec's protocol, float64
     for rank, (mine, counts) in enumerate(results):
         assert counts["batches"] == posts == 32
         assert counts["waits_with_timeout"] == 0  # not one host-blocking wait, in any call
-        assert 1 <= counts["polled"] <= posts // LOOK_BEHIND_POSTS + 1, counts  # O(1) per window, not per round
+        # one poll per window (posts 16, 24, 32 and the last), not one per round, and not a single one
+        assert posts // LOOK_BEHIND_POSTS - 1 <= counts["polled"] <= posts // LOOK_BEHIND_POSTS + 1, counts
         assert counts["ring_batches"] == 2 * (N - 1)
         assert 1 <= counts["ring_polled"] <= 2 * (N - 1) // LOOK_BEHIND_POSTS + 1, counts
-        bound = 2 * rounding_bound(code, torch.float32) * G.double().norm().item()
-        assert (mine.double() - expected[rank].double()).norm().item() <= bound  # and the results are right
+        bound = rounding_bound(code, torch.float32) * G.double().norm().item()  # pinned in test_precision
+        assert np.linalg.norm(mine.double().numpy() - expected[rank]) <= bound  # (kappa 5e7: a loose check)
 
 
 def _stalled_peer_worker(rank, N, victim, timeout_s, c, d):

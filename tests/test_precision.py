@@ -145,3 +145,39 @@ def test_all_reduce_runs_its_rounds_in_full_precision_and_gives_the_caller_its_s
         cerar_rounds = seen[: code.L]
         assert len(cerar_rounds) == code.L and all(s == FULL for s in cerar_rounds)
         assert after == ("high", "tf32")
+
+
+# --- the rounding bounds every numerical test takes, pinned by a derivation of their own ---------------
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize(("N", "c", "kappa_max"), [(4, 8, 100.0), (8, 16, None), (4, 3, None)])
+def test_rounding_bound_is_kappa_times_u_times_sqrt_c_plus_L_plus_N_and_is_what_rounding_does(N, c, kappa_max):
+    """``rounding_bound`` against the spec's "Numerics", derived here: kappa = max_j cond(A_j) of the spec's
+    A_j (rebuilt from the code's points), u = half float32's machine epsilon (numpy's), c + L coded terms per
+    decoded value in quadrature plus N additions per block. And against what rounding does: float32
+    ``cerar.simulate`` against the spec's protocol in float64 with the same matrices (the code's own error
+    cancels) lands within the bound and above a thirtieth of it (measured: 0.1 to 0.3), so a bound made 100
+    times looser, or tighter, fails."""
+    import math
+
+    import numpy as np
+
+    from cerar.precision import rounding_bound, sum_rounding_bound
+    from tests.spec_reference import spec_all_reduce
+    from tests.test_spec_reference import spec_code_matrices
+
+    code = cerar.make_code(N, c, "perturbation", kappa_max=kappa_max)
+    A, D = spec_code_matrices(code)
+    kappa = max(float(np.linalg.cond(A_j)) for A_j in A)
+    u = float(np.finfo(np.float32).eps) / 2
+    L = c + N - 2
+    derived = max(kappa, 1.0) * u * (math.sqrt(c + L) + N)
+    assert rounding_bound(code, torch.float32) == pytest.approx(derived, rel=1e-6)
+    assert rounding_bound(code, torch.float16) == pytest.approx(derived * float(np.finfo(np.float16).eps) / 2 / u)
+    assert sum_rounding_bound(N, torch.float32) == pytest.approx(((N - 1) * math.sqrt(N) + 1) * u, rel=1e-12)
+
+    G = torch.randn(N, c * 500 + 1, generator=torch.Generator().manual_seed(N * 100 + c))
+    moved = cerar.simulate(G, code).double().numpy() - spec_all_reduce(G.double().numpy(), code.A, code.D)
+    measured = float(np.linalg.norm(moved, axis=1).max()) / float(G.double().norm())
+    assert derived / 30 <= measured <= derived, (measured, derived)

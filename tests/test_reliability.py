@@ -297,6 +297,86 @@ def test_the_ranks_wait_for_a_checkpoint_write_longer_than_the_collective_timeou
     assert (tmp_path / "run" / "checkpoints" / "step-00000001.pt").exists()
 
 
+STALL_WRITE_TIMEOUT_S, STALL_SLACK_S = 4.0, 12.0  # well under the collective timeout and the group's (60 s)
+
+
+def _stalled_writer_overrides(cache) -> list[str]:
+    overrides = [*chaos.JOB, "trainer.max_steps=1", "checkpoint.every=1", "aggregator=ring", f"data.cache_dir={cache}"]
+    return overrides + ["trainer.collective_timeout_s=60", f"checkpoint.write_timeout_s={STALL_WRITE_TIMEOUT_S}"]
+
+
+def _training_with_a_stalled_checkpoint_writer(rank, world_size, cache, run_dir):
+    """One step of model=tiny whose checkpoint writer, rank N-1, stops (SIGSTOP) inside its save; every other
+    rank fails its wait at the checkpoint barrier as the trainer's entry point does (train/main.py): the one-line
+    error and status 3, after recording in the shared store how long it waited and what it said."""
+    from tests.distributed import shared_store
+    from tests.runs import composed
+    from train import checkpoint as ckpt
+    from train import loop
+    from train.distributed import exit_after_collective_failure
+    from train.main import is_collective_failure
+    from train.run import run
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+
+    def stalled_save(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGSTOP)  # a writer stuck on a dead file system
+
+    ckpt.save_checkpoint = stalled_save
+    entered = {}
+    save = loop.Trainer.save_checkpoint
+
+    def timed_save(self):
+        entered["at"] = time.monotonic()
+        return save(self)
+
+    loop.Trainer.save_checkpoint = timed_save
+    try:
+        run(composed(*_stalled_writer_overrides(cache)), Path(run_dir))
+    except RuntimeError as err:
+        if not is_collective_failure(err):
+            raise
+        waited = time.monotonic() - entered["at"]
+        shared_store().set(f"stalled-writer/{rank}", json.dumps({"waited_s": waited, "error": str(err)}))
+        exit_after_collective_failure(err, code=3)
+    return "no error"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stalled_checkpoint_writer_stops_the_others_within_write_timeout_s(tmp_path, cache_dir):
+    """The README's bound on a stalled writer: rank N-1 stops inside its save; the other ranks wait at most
+    checkpoint.write_timeout_s (4 s here, against a collective timeout of 60 s) plus slack, then exit with
+    status 3 and one line naming the checkpoint barrier and its setting. The token cache is built first, here,
+    so that a rank that waits far longer than the bound fails the test within a minute."""
+    from tests.distributed import ProcessExit
+    from tests.runs import composed
+    from train.data import prepare_data
+
+    prepare_data(composed(*_stalled_writer_overrides(cache_dir)), 2)
+    store = held_store()
+    args = (str(cache_dir), str(tmp_path / "run"))
+    exits = run_workers(_training_with_a_stalled_checkpoint_writer, 2, args=args, timeout_s=60, exits=[0], expect=[],
+                        store=store)  # fmt: skip
+    assert exits[0] == ProcessExit(3), exits
+    said = json.loads(store.get("stalled-writer/0"))
+    assert STALL_WRITE_TIMEOUT_S * 0.9 <= said["waited_s"] <= STALL_WRITE_TIMEOUT_S + STALL_SLACK_S, said
+    assert "checkpoint barrier" in said["error"] and "checkpoint.write_timeout_s" in said["error"], said
+
+
+def test_the_checkpoint_wait_defaults_to_1800_s_and_must_be_positive():
+    """The README's default, and the `> 0` check that refuses a wait that could never succeed."""
+    from tests.runs import composed
+    from train.config import CheckpointConfig, ConfigError, validate
+
+    assert CheckpointConfig().write_timeout_s == 1800.0
+    assert composed().checkpoint.write_timeout_s == 1800.0
+    for bad in ("0", "-5"):
+        with pytest.raises(ConfigError, match=rf"checkpoint.write_timeout_s={float(bad)} must be > 0"):
+            validate(composed(f"checkpoint.write_timeout_s={bad}"), world_size=2)
+    validate(composed("checkpoint.write_timeout_s=0.5"), world_size=2)
+
+
 @pytest.mark.quick
 def test_a_killed_writers_temporary_files_are_removed_by_the_next_save(tmp_path):
     from train import checkpoint as ckpt

@@ -35,12 +35,15 @@ class TF32Products(TorchFunctionMode):
     PRODUCTS = (torch.mm, torch.matmul, torch.Tensor.mm, torch.Tensor.matmul, torch.Tensor.__matmul__)
     ACCUMULATING = (torch.addmm, torch.Tensor.addmm, torch.Tensor.addmm_)
 
-    def __init__(self):
+    def __init__(self, only_where_allowed: bool = False):
         super().__init__()
         self.products = 0
+        self.only_where_allowed = only_where_allowed  # round only while torch's settings allow TF32, as a GPU does
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.only_where_allowed and torch.get_float32_matmul_precision() == "highest":
+            return func(*args, **kwargs)
         if func in self.PRODUCTS:
             args, self.products = (round_to_tf32(args[0]), round_to_tf32(args[1]), *args[2:]), self.products + 1
         elif func in self.ACCUMULATING:
@@ -82,3 +85,26 @@ def test_tf32_would_take_n8_c16_from_about_7e_4_to_about_1():
     # the stated figures, "about" read as within a factor of two
     assert 7e-4 / 2 <= fp32 <= 7e-4 * 2, fp32
     assert 1 / 2 <= tf32 <= 2, tf32
+
+
+@pytest.mark.quick
+def test_the_guard_keeps_tf32_out_of_cerars_products_when_the_process_allows_it():
+    """The guard itself, on the CPU: with TF32 allowed process-wide (set_float32_matmul_precision("high")) and
+    products rounded to TF32 wherever torch's setting allows it, as a GPU's would be, CERAR's result stays at
+    float32's error (the guard switches the products to full precision inside the call), and the caller's
+    setting is back afterwards. Without the guard the same call errs by about kappa x 2^-11."""
+    code = cerar.make_code(8, 16)
+    G = torch.randn(8, 16 * 1024 + 3, generator=torch.Generator().manual_seed(1))
+    exact = G.double().sum(0)
+    amplification = code.kappa * (math.sqrt(code.c + code.L) + code.N)
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with TF32Products(only_where_allowed=True):
+            result = cerar.simulate(G, code)
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    error = float(((result.double() - exact).norm(dim=1) / exact.norm()).max())
+    float32_bound = code.predicted_error() + amplification * FLOAT32_UNIT_ROUNDOFF
+    assert error <= float32_bound < code.kappa * TF32_UNIT_ROUNDOFF / 10  # the bound tells TF32 from float32

@@ -1,0 +1,206 @@
+# ruff: noqa: E501  (snippets of code are quoted whole, however long their lines)
+"""The faults ``scripts/checks/mutation.py`` puts into a scratch copy of the tree, one at a time (docs/testing.md).
+
+Each ``Fault``: ``name`` (short, unique), ``file`` (from the repository root), ``original`` (an exact snippet that
+must occur exactly once in the file, or the check fails at once naming the fault: the list must not rot),
+``replacement``, ``tests`` (pytest node ids, or "path -k expr"; only these run, so name the tests that should
+catch the fault), ``why`` (what the fault breaks); ``quick=True`` marks the CI subset (``--quick``: fast tests).
+Adding one is a five-line edit: copy an entry, change file, original, replacement, tests and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    file: str
+    original: str
+    replacement: str
+    tests: tuple[str, ...]
+    why: str
+    quick: bool = False
+
+
+FAULTS = [
+    # --- issue 27's table: faults the suite let through before it ---
+    Fault(
+        name="rail-float16",
+        file="cerar/hierarchical/collective.py",
+        original="        stats.inter_node = reduce_on_rail(mine, *rail_args)\n        rounds = _Rounds(ring, timer)",
+        replacement='        if method == "cerar":\n            mine.copy_(mine.to(torch.float16))\n        stats.inter_node = reduce_on_rail(mine, *rail_args)\n        rounds = _Rounds(ring, timer)',
+        tests=("tests/test_hierarchical.py::test_two_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums[gloo]",),
+        why="the coded rail silently rounds the node sums to float16 (2^-11) before CERAR",
+    ),
+    Fault(
+        name="rounding-bound-x100",
+        file="cerar/precision.py",
+        original="    return max(float(code.kappa), 1.0) * unit_roundoff(dtype) * (math.sqrt(code.c + code.L) + code.N)",
+        replacement="    return 100 * max(float(code.kappa), 1.0) * unit_roundoff(dtype) * (math.sqrt(code.c + code.L) + code.N)",
+        tests=("tests/test_precision.py -k rounding_bound",),
+        why="every numerical bound taken from rounding_bound becomes 100 times looser",
+        quick=True,
+    ),
+    Fault(
+        name="default-budget-0.1",
+        file="train/config.py",
+        original="    error_budget: float = 0.01",
+        replacement="    error_budget: float = 0.1",
+        tests=("tests/test_auto_c.py::test_the_default_error_budget_is_0_01_everywhere_it_is_set",),
+        why="c=auto's default budget ten times the studied 0.01 (README, reports/fidelity.md)",
+        quick=True,
+    ),
+    Fault(
+        name="choose-largest-c",
+        file="train/auto_c.py",
+        original="        return min(fits, key=lambda c: (bytes_by_c[c], error(c), c))",
+        replacement="        return max(fits)",
+        tests=("tests/test_auto_c.py::test_choose_c_takes_the_fewest_bytes_where_padding_makes_them_rise_with_c",),
+        why="takes the largest c that fits, not the fewest bytes (padding at small d: c=15 sends fewer than c=16)",
+        quick=True,
+    ),
+    Fault(
+        name="recheck-ignores-budget",
+        file="train/auto_c.py",
+        original="        elif bound.get(before, math.inf) <= allowed:",
+        replacement="        elif bound.get(before, math.inf) <= noise:",
+        tests=("tests/test_auto_c.py::test_recheck_moves_to_a_smaller_c_on_every_rank_at_the_same_step",),
+        why="a re-check keeps the code in use while its error is below the noise itself, not budget x noise",
+    ),
+    Fault(
+        name="checkpoint-wait-a-year",
+        file="train/loop.py",
+        original="            writing = group_with_timeout(self.cfg.checkpoint.write_timeout_s)",
+        replacement="            writing = group_with_timeout(365 * 24 * 3600.0)",
+        tests=("tests/test_reliability.py::test_a_stalled_checkpoint_writer_stops_the_others_within_write_timeout_s",),
+        why="the other ranks wait a year for a stalled checkpoint writer",
+    ),
+    Fault(
+        name="two-node-warning-never-said",
+        file="cerar/hierarchical/inter_node.py",
+        original='    elif coded and method == "exact ring":',
+        replacement="    elif False:",
+        tests=("tests/test_hierarchical.py::test_two_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums[gloo]",),
+        why="two nodes silently run the exact rail instead of the code that was asked for",
+    ),
+    Fault(
+        name="look-behind-poll-dropped",
+        file="cerar/protocol.py",
+        original="            if self.posts % self.contract.look_behind == 0 and len(self.posted) > self.contract.look_behind:",
+        replacement="            if False:",
+        tests=("tests/test_host_lead.py",),
+        why="under NCCL's contract the host never waits while posting: it runs every round ahead of the GPU",
+    ),
+    # --- more: numeric, protocol, c=auto and reliability code ---
+    Fault(
+        name="wrong-shard",
+        file="cerar/hierarchical/intra_node.py",
+        original="        rounds.issue(add, shards[(i - step - 2) % G])",
+        replacement="        rounds.issue(add, shards[(i - step - 1) % G])",
+        tests=("tests/test_hierarchical.py::test_two_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums[gloo]",),
+        why="the reduce-scatter adds the incoming shard into the wrong shard",
+    ),
+    Fault(
+        name="wrong-scale-avg",
+        file="cerar/hierarchical/collective.py",
+        original="            mine.div_(G)",
+        replacement="            mine.div_(G + 1)",
+        tests=("tests/test_hierarchical.py::test_two_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums[gloo]",),
+        why="op=avg divides the node sums by G + 1, not G",
+    ),
+    Fault(
+        name="off-by-one-round",
+        file="cerar/rounds.py",
+        original="        new, old = t + 1, t - self.N + 1  # rows outside 1..c are zero",
+        replacement="        new, old = t + 1, t - self.N + 2  # rows outside 1..c are zero",
+        tests=("tests/test_spec_reference.py -k test_every_ring_size_and_c_on_small_gradients",),
+        why="a worker takes out its own contribution one round early: u_i(t - N + 2) instead of u_i(t - N + 1)",
+        quick=True,
+    ),
+    Fault(
+        name="wrong-rank-exact",
+        file="cerar/closed_forms.py",
+        original="    powers = points[None, :] ** (-(np.arange(N)[:, None] - 1.0))  # [N, c]: a^-(i-1)",
+        replacement="    powers = points[None, :] ** (-(np.arange(N)[:, None] - 0.0))  # [N, c]: a^-(i-1)",
+        tests=(
+            "tests/test_spec_reference.py -k test_the_code_matrices_are_the_specs",
+            "tests/test_codes.py -k each_worker_errs",
+        ),
+        why="D_i = F^-1 diag(a^-i) V_L: the decoders shift by one worker, so worker N-1 is no longer the exact one",
+        quick=True,
+    ),
+    Fault(
+        name="dropped-agreement-field",
+        file="cerar/protocol.py",
+        original='            "tensor length d": d,\n            "dtype": str(tensor.dtype),\n        },',
+        replacement='            "dtype": str(tensor.dtype),\n        },',
+        tests=("tests/test_protocol.py::test_bad_input_gets_a_clear_error_on_every_rank[gloo]",),
+        why="ranks of different tensor lengths are no longer refused by name: with the same m they sum garbage",
+        quick=True,
+    ),
+    Fault(
+        name="stale-agreement-cache",
+        file="cerar/protocol.py",
+        original="    key = _agreement_key(ring, tuple(fields.items()))",
+        replacement="    key = _agreement_key(ring, ())",
+        tests=("tests/test_protocol.py::test_bad_input_gets_a_clear_error_on_every_rank[gloo]",),
+        why="the agreement cache ignores the fields: after one agreed call on a group, later disagreements pass",
+        quick=True,
+    ),
+    Fault(
+        name="wrong-dtype-on-the-wire",
+        file="cerar/matrices.py",
+        original="    if dtype in (torch.float16, torch.bfloat16) and code.kappa > LOW_PRECISION_KAPPA_LIMIT:",
+        replacement="    if dtype in (torch.float16,) and code.kappa > LOW_PRECISION_KAPPA_LIMIT:",
+        tests=("tests/test_codes.py -k rejects_bad_gradients",),
+        why="bfloat16 (8 bits of mantissa) is let onto the wire under a code whose kappa amplifies its rounding",
+        quick=True,
+    ),
+    Fault(
+        name="sampled-error-without-sigmas",
+        file="train/auto_c.py",
+        original="SIGMAS = 2.0\n",
+        replacement="SIGMAS = 0.0\n",
+        tests=("tests/test_auto_c.py::test_candidates_bytes_and_the_schedule",),
+        why="c=auto compares a sampled error with the budget without its standard errors: a small sample errs to more error",
+        quick=True,
+    ),
+    Fault(
+        name="write-timeout-default",
+        file="train/config.py",
+        original="    write_timeout_s: float = 1800.0",
+        replacement="    write_timeout_s: float = 60.0",
+        tests=("tests/test_reliability.py::test_the_checkpoint_wait_defaults_to_1800_s_and_must_be_positive",),
+        why="a large model's checkpoint write gets a minute, not the README's 1800 s",
+        quick=True,
+    ),
+    Fault(
+        name="write-timeout-zero-accepted",
+        file="train/config.py",
+        original="    _require(ck.write_timeout_s > 0,",
+        replacement="    _require(ck.write_timeout_s >= 0,",
+        tests=("tests/test_reliability.py::test_the_checkpoint_wait_defaults_to_1800_s_and_must_be_positive",),
+        why="checkpoint.write_timeout_s=0 is accepted: every checkpoint barrier would fail at once",
+        quick=True,
+    ),
+    Fault(
+        name="sum-rounding-bound-too-loose",
+        file="cerar/precision.py",
+        original="    return ((N - 1) * math.sqrt(N) + 1) * unit_roundoff(dtype)",
+        replacement="    return ((N - 1) * N + 1) * unit_roundoff(dtype)",
+        tests=("tests/test_precision.py -k rounding_bound",),
+        why="the exact sum's rounding bound grows with N^2, not N^1.5",
+        quick=True,
+    ),
+    Fault(
+        name="tf32-guard-dropped",
+        file="cerar/simulate.py",
+        original="    with torch.no_grad(), full_fp32_products(G.device):",
+        replacement="    with torch.no_grad():",
+        tests=("tests/test_tf32.py::test_the_guard_keeps_tf32_out_of_cerars_products_when_the_process_allows_it",),
+        why="cerar.simulate's products run in TF32 when the process allows it: kappa x 2^-11 instead of 7e-4",
+        quick=True,
+    ),
+]
