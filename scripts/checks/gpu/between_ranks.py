@@ -117,7 +117,7 @@ def _timings(device: torch.device, world: int, d: int, repeats: int) -> dict:
     return {name: sorted(values[1:])[len(values[1:]) // 2] for name, values in samples.items()}
 
 
-def _rank(rank: int, world: int, port: int, backend: str, d: int, options: dict, results, logdir: str) -> None:
+def _rank(rank: int, world: int, port: int, backend: str, d: int, options: dict, logdir: str, results) -> None:
     """One rank: on CUDA its own device, cuda:<rank>; its stderr in ``logdir/rank<r>.err``. Reports
     ("ok", results), then takes part in the stall (``_stall``)."""
     import torch.distributed as dist
@@ -218,21 +218,10 @@ def _stall(rank: int, world: int, device: torch.device, store, timeout_s: float,
 
 def run_processes(world: int, backend: str, d: int, options: dict, timeout_s: float, logdir: Path) -> dict:
     """Run ``_rank`` on ``world`` processes; {rank: {"ok": value, "stall": value, "exit": (status,
-    monotonic time seen), "stderr": text}} or {rank: {"error": text}}. They meet in a TCPStore this
-    process holds (on a port the kernel picks)."""
-    import torch.distributed as dist
+    monotonic time seen), "stderr": text}} or {rank: {"error": text}} (``cases.start_ranks``)."""
+    from scripts.checks.gpu.cases import start_ranks
 
-    from scripts.checks.gpu.cases import context
-
-    ctx = context()
-    results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-    processes = [
-        ctx.Process(target=_rank, args=(r, world, store.port, backend, d, options, results, str(logdir)), daemon=True)
-        for r in range(world)
-    ]
-    for p in processes:
-        p.start()
+    processes, results, store = start_ranks(_rank, world, (backend, d, options, str(logdir)))  # store: held
     wanted = {(r, "ok") for r in range(world)} | (
         {(r, "stall") for r in range(world - 1)} if options["stall"] else set()
     )

@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -96,6 +97,31 @@ def context():
     ctx.set_forkserver_preload(["torch", "cerar", "scripts.checks.gpu.cases"])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     return ctx
+
+
+def start_ranks(target, world: int, args: tuple):
+    """Start ``world`` rank processes of a case, ``target(rank, world, port, *args, results)``, forked
+    from the case's own process (cheap: torch is imported; safe: the case process has not touched
+    CUDA and has no thread yet when it forks). They meet in a TCPStore the case process makes after
+    the forks, on a port the kernel picks, and report on ``results``. Returns (processes, results,
+    store)."""
+    import torch.distributed as dist
+
+    ctx = mp.get_context("fork")
+    results, ports = ctx.Queue(), ctx.Queue()
+    processes = [
+        ctx.Process(target=_rank_main, args=(target, r, world, ports, results, args), daemon=True) for r in range(world)
+    ]
+    for p in processes:
+        p.start()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
+    for _ in range(world):
+        ports.put(store.port)
+    return processes, results, store
+
+
+def _rank_main(target, rank: int, world: int, ports, results, args: tuple) -> None:
+    target(rank, world, ports.get(timeout=120), *args, results)
 
 
 def run_case(case: Case, workdir: Path) -> Result:

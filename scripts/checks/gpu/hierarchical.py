@@ -106,20 +106,11 @@ def judge(coded: torch.Tensor, exact: torch.Tensor, G: torch.Tensor, code: cerar
 
 
 def run(device: str, d: int, out: str) -> dict:  # noqa: ARG001
-    import torch.distributed as dist
-
-    from scripts.checks.gpu.cases import context
+    from scripts.checks.gpu.cases import start_ranks
 
     world = NODES * LOCAL
     backend = "nccl" if device == "cuda" else "gloo"
-    ctx = context()
-    results = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=120))
-    processes = [
-        ctx.Process(target=_rank, args=(r, world, store.port, backend, d, results), daemon=True) for r in range(world)
-    ]
-    for p in processes:
-        p.start()
+    processes, results, store = start_ranks(_rank, world, (backend, d))  # store: held until the ranks end
     collected, errors = {}, {}
     deadline = time.monotonic() + 240
     try:
