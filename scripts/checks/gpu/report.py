@@ -52,6 +52,7 @@ def write(sections, ctx: Context, command: str, seconds: float) -> str:
                 lines.append(f"- FAILED: {text} ({r.reason})")
     for section, results in sections:
         lines += ["", f"## {section.SECTION}", "", (section.__doc__ or "").split("\n\n")[0].replace("\n", " "), ""]
+        lines += [f"Expected on an H200: about {section.EXPECTED_S} s{' (in --quick)' if section.QUICK else ''}.", ""]
         if all(r.status == NOT_RUN for r in results):
             lines += [f"NOT RUN: {results[0].reason}." if results else "NOT RUN.", ""]
             continue

@@ -88,10 +88,13 @@ def main(argv=None) -> int:
     device = torch.device(args.device).type
     devices = torch.cuda.device_count() if device == "cuda" else DRY_RUN_RANKS  # no CUDA context in this process
     ctx = Context(device, devices, args.ranks, args.small, args.repeats, args.quick)
+    planned = plan(ctx, args.skip)
+    expected = sum(s.EXPECTED_S for s, entries in planned if any(reason is None for _, reason in entries))
+    print(f"expected on H200s: about {expected / 60:.1f} min ({ctx.world} rank(s))", flush=True)
     started = time.monotonic()
     sections = []
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
-        for section, entries in plan(ctx, args.skip):
+        for section, entries in planned:
             results: list[Result] = []
             for case, reason in entries:
                 result = not_run(case, reason) if reason else run_case(case, Path(workdir))

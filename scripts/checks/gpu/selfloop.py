@@ -57,7 +57,7 @@ SLACK_S = 3.0  # beyond a timeout: the poll's pause, the post and building the m
 GROUP_TIMEOUT_S = 5.0  # the watchdog case's group timeout
 DUMP_WAIT_MS = 10_000  # TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC in the watchdog case (trunk's default: 15 s)
 SLEEP_S = 2.0  # the kernel the work queues behind
-FOREVER_S = 600.0  # a kernel that outlives every deadline here
+FOREVER_S = 60.0  # a kernel that outlives every deadline here (and the watchdog's timeout and dump wait)
 PROVES = {
     "one work": "a batch of a self-send and a self-receive on NCCL is one work, and moves the values",
     "wait returns": "Work.wait() without a timeout returns on the host while the work waits behind a long kernel, "
@@ -443,5 +443,6 @@ def report(results) -> list[str]:
                 f"2 x {v['look_behind']})."
             )
         if r.case.name in ("deadline", "watchdog") and r.status != "NOT RUN":
-            lines.append(f"- {r.case.name}: {r.reason}.")
+            tail = [line for line in r.log.splitlines() if line.strip()][-6:]
+            lines += [f"- {r.case.name}: {r.reason}; the process's last lines:", "", "```", *tail, "```", ""]
     return lines + [""]
