@@ -15,7 +15,6 @@ from cerar.rounds import CodedRingRank, pipeline_chunks
 from tests.test_costmodel import ArithmeticCounter
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("storage", cm.STORAGE_CHOICES)
 @pytest.mark.parametrize("N, c", [(4, 16), (5, 3), (3, 7)])
 def test_each_rounds_traffic_is_what_one_chunk_runs_between_its_posts(N, c, storage):
