@@ -96,6 +96,9 @@ def context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "cerar", "scripts.checks.gpu.cases"])
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    # torch.cuda.is_available() counts devices through the CUDA runtime, which initialises the driver and
+    # so spoils later forks; through NVML it does not (torch.cuda._device_count_nvml)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     return ctx
 
 
