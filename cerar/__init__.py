@@ -5,6 +5,8 @@ Public API:
     simulate(G, code)                                          all N workers in one process
     all_reduce(tensor, code, group, op, timeout) -> stats      CERAR between processes
     ring_all_reduce(tensor, group, op, timeout) -> stats       the exact ring baseline
+      (both, the hierarchical calls and the DDP hooks take transport="float32" | "float16" |
+      "bfloat16": the dtype on the wire, ``cerar.wire``; default_kappa_max(transport) the code budget)
     cerar.ddp.CerarHookState, cerar.ddp.cerar_hook             the DDP communication hook
     cerar.ddp.transport_group, cerar.ddp.default_bucket_cap_mb CERAR's own process group, its DDP bucket size
     cerar.hierarchical                                         nodes of several ranks: exact inside a node, CERAR
@@ -14,7 +16,7 @@ Public API:
     release_workspaces()                                       free the CPU working storage kept between calls
 """
 
-from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, LOW_PRECISION_KAPPA_LIMIT, Code, make_code
+from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, Code, make_code
 from cerar.precision import PrecisionError, full_fp32_products
 from cerar.protocol import (
     DEFAULT_TIMEOUT,
@@ -25,13 +27,15 @@ from cerar.protocol import (
     ring_all_reduce,
 )
 from cerar.simulate import simulate
+from cerar.wire import TRANSPORTS, default_kappa_max
 from cerar.workspace import release_workspaces
 
 __all__ = [
     "CONSTRUCTIONS",
     "DEFAULT_KAPPA_MAX",
     "DEFAULT_TIMEOUT",
-    "LOW_PRECISION_KAPPA_LIMIT",
+    "TRANSPORTS",
+    "default_kappa_max",
     "PROTOCOL_VERSION",
     "AllReduceStats",
     "Code",

@@ -16,8 +16,6 @@ CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
 DEFAULT_KAPPA_MAX = 1e4
 """Default condition-number budget: float32 transport then errs by about 1e-3 from rounding (spec)."""
 
-LOW_PRECISION_KAPPA_LIMIT = 4.0
-"""Largest kappa for which float16/bfloat16 transport is allowed (in practice: exact codes, c <= N)."""
 
 _IMAG_TOLERANCE = 1e-9
 """Relative size of the imaginary parts that construction rounding may leave in A_j and D_i."""

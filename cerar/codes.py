@@ -33,7 +33,6 @@ import numpy as np
 from cerar.closed_forms import (
     CONSTRUCTIONS,
     DEFAULT_KAPPA_MAX,
-    LOW_PRECISION_KAPPA_LIMIT,
     Code,
     closed_form_code,
     code_from_matrices,
@@ -55,7 +54,6 @@ from cerar.stored_codes import optimized_code
 __all__ = [
     "CONSTRUCTIONS",
     "DEFAULT_KAPPA_MAX",
-    "LOW_PRECISION_KAPPA_LIMIT",
     "Code",
     "code_from_matrices",
     "decoders",

@@ -10,7 +10,10 @@ Each rank sends (1 + (N-2)/c) d values in c + N - 2 rounds instead of DDP's 2 (N
 is the code's approximation error, which differs between ranks and makes replicas drift apart
 slowly (the last rank receives the exact average under the closed-form constructions): trainers
 should measure the drift and re-synchronise parameters now and then. With ``exact_ring=True`` the
-hook runs ``cerar.ring_all_reduce`` instead: the exact baseline on the same transport.
+hook runs ``cerar.ring_all_reduce`` instead: the exact baseline on the same transport. With
+``transport_dtype="float16"`` (or ``"bfloat16"``) the messages travel in 16 bits (``cerar.wire``:
+float32 arithmetic, each block cast with a power-of-two scale), and a code built here without an
+explicit kappa_max gets the 16-bit default (``cerar.default_kappa_max``).
 
 How it runs, so that communication overlaps the rest of backward:
 
@@ -43,6 +46,7 @@ import torch.distributed as dist
 
 from cerar.codes import Code, make_code
 from cerar.protocol import AllReduceStats, _as_timedelta, all_reduce, ring_all_reduce
+from cerar.wire import default_kappa_max, transport_name
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -79,7 +83,8 @@ class CerarHookState:
 
     process_group: DDP's group (whose ranks CERAR reduces over); transport: the group CERAR's
     messages travel on (made by ``transport_group`` when not given: creating a state is then a
-    collective call on every rank). ``last_stats`` collects each bucket's AllReduceStats.
+    collective call on every rank); transport_dtype: the dtype on the wire ("float32", "float16",
+    "bfloat16"; ``cerar.wire``). ``last_stats`` collects each bucket's AllReduceStats.
     """
 
     process_group: dist.ProcessGroup | None = None
@@ -90,6 +95,7 @@ class CerarHookState:
     exact_ring: bool = False
     timeout: float | timedelta | None = None
     transport: dist.ProcessGroup | None = None
+    transport_dtype: str = "float32"
     last_stats: list[AllReduceStats] = field(default_factory=list)
     _codes: dict[int, Code] = field(default_factory=dict, repr=False)
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
@@ -97,6 +103,7 @@ class CerarHookState:
     _streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
+        self.transport_dtype = transport_name(self.transport_dtype)  # a ValueError naming the choices
         if not self.exact_ring:
             self.code_for(1)  # validate the arguments now, not inside backward
         _as_timedelta(self.timeout)
@@ -107,8 +114,15 @@ class CerarHookState:
         """The code used for a bucket of this length (one code per length, cached)."""
         if bucket_numel not in self._codes:
             N = dist.get_world_size(self.process_group) if dist.is_initialized() else 1
-            self._codes[bucket_numel] = make_code(N, self.c, self.construction, eps=self.eps, kappa_max=self.kappa_max)
+            self._codes[bucket_numel] = make_code(N, self.c, self.construction, eps=self.eps, kappa_max=self.budget)
         return self._codes[bucket_numel]
+
+    @property
+    def budget(self) -> float | None:
+        """kappa_max for the codes: the one given, else (16-bit transport) ``cerar.default_kappa_max``'s."""
+        if self.kappa_max is None and self.eps is None and self.transport_dtype != "float32":
+            return default_kappa_max(self.transport_dtype)
+        return self.kappa_max
 
     def reset_stats(self) -> None:
         with self._lock:
@@ -117,9 +131,13 @@ class CerarHookState:
     def _reduce(self, tensor: torch.Tensor) -> AllReduceStats:
         group = self.transport if self.transport is not None else self.process_group
         if self.exact_ring:
-            return ring_all_reduce(tensor, group, op="avg", timeout=self.timeout, timed=False)
+            return ring_all_reduce(
+                tensor, group, op="avg", timeout=self.timeout, timed=False, transport=self.transport_dtype
+            )
         code = self.code_for(tensor.numel())
-        return all_reduce(tensor, code, group, op="avg", timeout=self.timeout, timed=False)
+        return all_reduce(
+            tensor, code, group, op="avg", timeout=self.timeout, timed=False, transport=self.transport_dtype
+        )
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:

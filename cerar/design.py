@@ -37,7 +37,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, LOW_PRECISION_KAPPA_LIMIT, make_code
+from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, make_code
 from cerar.simulate import simulate
 
 DTYPES = {
@@ -260,6 +260,138 @@ def run_table(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# Transport: code error, rounding and their total against kappa_max, per wire dtype
+# ---------------------------------------------------------------------------------------------
+
+TRANSPORT_SWEEP_KAPPA_MAX = (10.0, 15.0, 20.0, 30.0, 50.0, 100.0, 1e3, 1e4)
+"""kappa budgets of the transport sweep: fine where 16-bit messages balance (10-50), coarse up to fp32's 1e4."""
+TRANSPORT_SWEEP_SHAPES = ((4, 5), (4, 8), (8, 9), (8, 16))
+"""(N, c) the 16-bit default kappa_max is chosen over: c = N + 1 and c = 2N at N = 4 and 8."""
+
+
+@dataclasses.dataclass
+class TransportRow:
+    """One code (N, c, construction, kappa_max) on one wire dtype: its predicted (truncation) error, the
+    rounding bound of its messages on that wire (``cerar.precision.rounding_bound``, float32 arithmetic)
+    and whether the derived rule admits it (``cerar.precision.admissible_kappa``; float32: always)."""
+
+    N: int
+    c: int
+    construction: str
+    kappa_max: float
+    transport: str
+    kappa: float = math.nan
+    code_error: float = math.nan
+    rounding_error: float = math.nan
+    admissible: bool = False
+    status: str = "ok"
+
+    @property
+    def total(self) -> float:
+        return self.code_error + self.rounding_error
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def transport_rows(
+    N: int,
+    c: int,
+    construction: str = "optimized",
+    kappa_grid: Sequence[float] = TRANSPORT_SWEEP_KAPPA_MAX,
+    transports: Sequence[str] = ("float32", "float16", "bfloat16"),
+) -> list[TransportRow]:
+    """Every kappa_max of ``kappa_grid`` on every wire of ``transports``: a row each (an unreachable budget
+    gives rows that say so)."""
+    from cerar.precision import admissible_kappa, rounding_bound
+    from cerar.wire import transport_dtype
+
+    rows = []
+    for kappa_max in kappa_grid:
+        try:
+            code = make_code(N, c, construction, kappa_max=kappa_max)
+        except ValueError as err:
+            rows += [TransportRow(N, c, construction, kappa_max, t, status=f"unreachable: {err}") for t in transports]
+            continue
+        for transport in transports:
+            wire = transport_dtype(transport)
+            rounding = rounding_bound(code, torch.float32, wire)
+            admissible = wire == torch.float32 or max(code.kappa, 1.0) <= admissible_kappa(code, torch.float32, wire)
+            rows.append(
+                TransportRow(
+                    N, c, construction, kappa_max, transport, code.kappa, code.predicted_error(), rounding, admissible
+                )
+            )
+    return rows
+
+
+def best_kappa_max(rows: Sequence[TransportRow], transport: str) -> float | None:
+    """The kappa_max whose code has the least total (code error + rounding bound) on ``transport`` among the
+    rows the rule admits; None where it admits none."""
+    candidates = [r for r in rows if r.transport == transport and r.ok and r.admissible]
+    return min(candidates, key=lambda r: (r.total, r.kappa_max)).kappa_max if candidates else None
+
+
+def least_total_kappa_max(rows: Sequence[TransportRow], transport: str) -> float | None:
+    """The kappa_max with the least total on ``transport`` whether the rule admits it or not (bf16: the rule
+    admits almost nothing, and this is where its total is least all the same); None where none is reachable."""
+    candidates = [r for r in rows if r.transport == transport and r.ok]
+    return min(candidates, key=lambda r: (r.total, r.kappa_max)).kappa_max if candidates else None
+
+
+def chosen_default(rows: Sequence[TransportRow], transport: str) -> float | None:
+    """The 16-bit default kappa_max the rows support: the per-shape minimiser (``best_kappa_max``, else
+    ``least_total_kappa_max``) that most shapes share, the smaller on a tie."""
+    shapes = sorted({(r.N, r.c, r.construction) for r in rows})
+    picks = []
+    for shape in shapes:
+        mine = [r for r in rows if (r.N, r.c, r.construction) == shape]
+        pick = best_kappa_max(mine, transport) or least_total_kappa_max(mine, transport)
+        if pick is not None:
+            picks.append(pick)
+    if not picks:
+        return None
+    return min(set(picks), key=lambda k: (-picks.count(k), k))
+
+
+def format_transport_table(rows: Sequence[TransportRow]) -> str:
+    """Rows of one shape as a text table: per kappa_max, kappa and code error, then rounding and total per wire."""
+    transports = list(dict.fromkeys(r.transport for r in rows))
+    header = ["kappa_max", "kappa", "code error"] + [f"{t} round / total" for t in transports]
+    body = []
+    for kappa_max in dict.fromkeys(r.kappa_max for r in rows):
+        mine = {r.transport: r for r in rows if r.kappa_max == kappa_max}
+        first = next(iter(mine.values()))
+        if not first.ok:
+            body.append([_fmt(kappa_max), "unreachable", ""] + ["" for _ in transports])
+            continue
+        cells = [
+            f"{_fmt(mine[t].rounding_error)} / {_fmt(mine[t].total)}{'' if mine[t].admissible else ' (refused)'}"
+            for t in transports
+        ]
+        body.append([_fmt(kappa_max), _fmt(first.kappa), _fmt(first.code_error), *cells])
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body, strict=True)]
+    lines = ["  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)) for line in [header, *body]]
+    return "\n".join(lines)
+
+
+def run_transport_sweep(args: argparse.Namespace) -> int:
+    constructions = args.construction or ["optimized"]
+    for construction in constructions:
+        rows = transport_rows(args.N, args.c, construction)
+        print(f"N={args.N} c={args.c} {construction}: code error (predicted), rounding bound on each wire, total")
+        print(format_transport_table(rows))
+        for transport in ("float32", "float16", "bfloat16"):
+            best = best_kappa_max(rows, transport)
+            print(
+                f"  {transport}: least total among admitted codes at kappa_max={_fmt(best) if best else 'none'}"
+                f" (least total, admitted or not: {_fmt(least_total_kappa_max(rows, transport) or math.nan)})"
+            )
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
 # Sweep mode
 # ---------------------------------------------------------------------------------------------
 
@@ -391,16 +523,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=tuple(DTYPES),
         default="float32",
-        help=f"transport dtype of the measurement; 16-bit only for kappa <= {LOW_PRECISION_KAPPA_LIMIT:g}",
+        help="dtype of the measurement (all arithmetic in it); 16-bit only for admissible codes (cerar.precision)",
     )
     ap.add_argument("--d", type=_positive_int, default=2**16, help="gradient length measured (default 65536)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the Gaussian gradients (default 0)")
+    ap.add_argument(
+        "--transport-sweep",
+        action="store_true",
+        help="code error, rounding bound and total against kappa_max on float32/float16/bfloat16 messages, and "
+        "the kappa_max with the least total (default construction: optimized)",
+    )
     return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.transport_sweep:
+        return run_transport_sweep(args)
     return run_table(args)
 
 

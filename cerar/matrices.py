@@ -19,22 +19,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from cerar.codes import LOW_PRECISION_KAPPA_LIMIT, Code, real_to_points
+from cerar.codes import Code, real_to_points
+from cerar.precision import check_admissible
 
 TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def check_transport_dtype(dtype: torch.dtype, code: Code, name: str = "tensor") -> None:
-    """Refuse dtypes the protocol cannot carry: integers always, 16-bit floats unless the code is
-    well conditioned enough (kappa <= LOW_PRECISION_KAPPA_LIMIT) for their rounding."""
+def check_transport_dtype(dtype: torch.dtype, code: Code, name: str = "tensor", wire=None) -> None:
+    """Refuse dtypes the protocol cannot carry: integers always, and a 16-bit tensor (all arithmetic
+    16-bit) or 16-bit messages (``wire``) where the code's rounding there would exceed its own error
+    (``cerar.precision.check_admissible``, the derived rule)."""
     if dtype not in TRANSPORT_DTYPES:
         raise ValueError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {dtype}")
-    if dtype in (torch.float16, torch.bfloat16) and code.kappa > LOW_PRECISION_KAPPA_LIMIT:
-        raise ValueError(
-            f"{name} has dtype {dtype}, whose rounding the code's kappa={code.kappa:.3g} would amplify; "
-            f"16-bit transport needs kappa <= {LOW_PRECISION_KAPPA_LIMIT} (an exact code, c <= N): "
-            "use float32"
-        )
+    check_admissible(code, dtype, wire, what=name)
 
 
 def encoder_inverse(code: Code, i: int) -> np.ndarray:

@@ -47,7 +47,7 @@ def unit_roundoff(dtype: torch.dtype) -> float:
     return UNIT_ROUNDOFF[dtype]
 
 
-def rounding_bound(code, dtype: torch.dtype) -> float:
+def rounding_bound(code, dtype: torch.dtype, wire: torch.dtype | None = None) -> float:
     """How far rounding in ``dtype`` may move any worker's CERAR result from its exact-arithmetic
     value, relative to the size of the gradients, ||G||_F = sqrt(sum_j ||G_j||^2):
 
@@ -61,16 +61,88 @@ def rounding_bound(code, dtype: torch.dtype) -> float:
     kernels (AVX2, AVX-512, cuBLAS) sum in different orders, which changes the rounding but not its
     size, so two correct implementations differ by at most twice this. Measured: 0.1 to 0.3 of it on
     Gaussian gradients of 10^3 to 10^6 values (``tests/test_spec_reference.py``), so the constant 1
-    leaves a margin of 3 or more without making the bound vacuous (kappa ~ 1e2: 1e-5 relative)."""
-    return max(float(code.kappa), 1.0) * unit_roundoff(dtype) * (math.sqrt(code.c + code.L) + code.N)
+    leaves a margin of 3 or more without making the bound vacuous (kappa ~ 1e2: 1e-5 relative).
+
+    ``wire``: the dtype the messages travel in where it differs from the arithmetic's (``cerar.wire``:
+    16-bit messages, float32 arithmetic). The two terms then part: the products' sqrt(c + L) roundings
+    are the arithmetic's, the N roundings of the blocks on the ring the wire's (each message is cast
+    once per hop, and its power-of-two scale keeps every value within the format's relative rounding):
+
+        max(kappa, 1) * (u_arithmetic sqrt(c + L) + u_wire N)"""
+    if wire is None or wire == dtype:
+        return max(float(code.kappa), 1.0) * unit_roundoff(dtype) * (math.sqrt(code.c + code.L) + code.N)
+    return max(float(code.kappa), 1.0) * _per_kappa(code, dtype, wire)
 
 
-def sum_rounding_bound(N: int, dtype: torch.dtype) -> float:
+def _per_kappa(code, dtype: torch.dtype, wire: torch.dtype) -> float:
+    return unit_roundoff(dtype) * math.sqrt(code.c + code.L) + unit_roundoff(wire) * code.N
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def admissible_kappa(code, dtype: torch.dtype, wire: torch.dtype | None = None) -> float:
+    """The largest kappa a code with ``code``'s truncation error may have on a 16-bit wire (or in
+    16-bit arithmetic): max(E, R) / b, with E = ``code.predicted_error()``, b = ``rounding_bound`` /
+    kappa (the rounding bound per unit of kappa) and R = ``sum_rounding_bound(N, dtype, wire)``, the
+    rounding of the exact ring on the same wire.
+
+    The rule (the condition-number-constrained design applied to the precision on the wire): a code
+    is admissible when its rounding bound, kappa b, does not exceed the larger of its own predicted
+    error and what the exact ring on the same wire rounds: the wire then at most doubles the error
+    the code was chosen for, and a code without truncation error (an exact one, or the optimized
+    codes at N = 2) may round as much as the 16-bit exact collectives do, no more. Since E falls about
+    as 1 / kappa along a construction while kappa b grows as kappa, E = kappa b is also where their
+    sum is least: the default 16-bit kappa_max (``cerar.wire.default_kappa_max``) is chosen there."""
+    wire = dtype if wire is None else wire
+    per_kappa = rounding_bound(code, dtype, wire) / max(float(code.kappa), 1.0)
+    allowed = max(float(code.predicted_error()), sum_rounding_bound(code.N, dtype, wire))
+    return allowed / per_kappa
+
+
+def check_admissible(code, dtype: torch.dtype, wire: torch.dtype | None = None, what: str = "cerar") -> None:
+    """Refuse, in one line naming N, c, kappa, the dtype and the largest admissible kappa, a code whose
+    rounding on a 16-bit wire (or in 16-bit arithmetic) would exceed its own error or the exact
+    ring's on that wire (``admissible_kappa``). float32 and float64 are not judged here (their
+    rounding at the default kappa_max is the spec's, about 1e-3 at worst)."""
+    wire = dtype if wire is None else wire
+    low = wire if wire in LOW_PRECISION else dtype if dtype in LOW_PRECISION else None
+    if low is None:
+        return
+    limit = admissible_kappa(code, dtype, wire)
+    kappa = max(float(code.kappa), 1.0)
+    if kappa > limit * (1 + 1e-9):
+        E, bound, ring = (
+            float(code.predicted_error()),
+            rounding_bound(code, dtype, wire),
+            sum_rounding_bound(code.N, dtype, wire),
+        )
+        balance = math.sqrt(E * kappa / (bound / kappa))  # where E ~ 1/kappa meets kappa b, along this construction
+        hint = f", and codes of this shape balance near kappa_max ~ {balance:.3g}" if balance > limit else ""
+        raise ValueError(
+            f"{what}: N={code.N}, c={code.c} ({code.construction}) with kappa={kappa:.3g} is not admissible on "
+            f"{str(low).replace('torch.', '')}: its rounding bound {bound:.3g} exceeds its own error {E:.3g} "
+            f"(and the exact ring's {ring:.3g}); the largest admissible kappa for this code is {limit:.3g}{hint} "
+            "(set kappa_max, or use float32 transport)"
+        )
+
+
+def sum_rounding_bound(N: int, dtype: torch.dtype, wire: torch.dtype | None = None) -> float:
     """How far rounding may move a sum of N tensors (the exact ring's result, ``dist.all_reduce``'s)
     from the exact sum, relative to ||G||_F: (N - 1) u sqrt(N) + u. Each element's N - 1 additions
     err by at most (N - 1) u sum_j |g_j| (to first order, in any order), and ||sum_j |g_j| || <=
-    sqrt(N) ||G||_F; the last u covers a division by N (op="avg")."""
-    return ((N - 1) * math.sqrt(N) + 1) * unit_roundoff(dtype)
+    sqrt(N) ||G||_F; the last u covers a division by N (op="avg").
+
+    ``wire``: 16-bit messages over float32 sums (``cerar.wire``) add (N + 1) sqrt(N) u_wire: every
+    cast message is a partial sum of at most N gradients, rounded within u_wire of itself; a value
+    passes at most N - 1 hops of partial sums and one cast of the complete sum by its owner in the flat
+    ring, and (G - 1) + (n - 1) + 2 <= N + 1 casts in the two-tier hierarchy (N = n G), each at most
+    u_wire sum_j |g_j|. The scale's floor (values below 2^-29 of their block's largest, fp16) adds at
+    most sqrt(m) 2^-39 per block of m, negligible against u_wire below m = 2^50."""
+    bound = ((N - 1) * math.sqrt(N) + 1) * unit_roundoff(dtype)
+    if wire is not None and wire != dtype:
+        bound += (N + 1) * math.sqrt(N) * unit_roundoff(wire)
+    return bound
 
 
 class PrecisionError(RuntimeError):

@@ -81,6 +81,7 @@ from cerar.codes import Code
 from cerar.matrices import check_transport_dtype, device_matrices
 from cerar.precision import check_no_tf32_override, full_fp32_products
 from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer, check_storage
+from cerar.wire import Wire, transport_dtype, transport_name, wire_for
 from cerar.workspace import POOL
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
@@ -334,19 +335,35 @@ class _Rounds:
     the last one. Written once, for ``all_reduce`` and ``ring_all_reduce`` alike.
     """
 
-    def __init__(self, ring: _Ring, timer: PhaseTimer):
+    def __init__(self, ring: _Ring, timer: PhaseTimer, wire: Wire | None = None):
         self.ring, self.timer = ring, timer
         self.contract = ring.contract
         self.queue = self.contract.device_queue
         self.posted: deque = deque()  # (handle, what) of the rounds posted and not yet seen complete
         self.posts = 0
+        self.wire = wire
+        self.in_transit: dict[int, tuple] = {}  # id(handle): (wire message in, float32 block it decodes into, out)
+        self.wire_bytes = 0  # of the wire messages alive now, and their peak
+        self.peak_wire_bytes = 0
 
     def issue(self, fn, *args):
         """Device work, after everything issued or arrived before it."""
         return self.queue.submit(fn, *args)
 
-    def post(self, send: torch.Tensor, recv: torch.Tensor, what: str):
-        handle = self.queue.submit(self._post, send, recv)
+    def post(self, send: torch.Tensor, recv: torch.Tensor, what: str, *, round_sent: bool = False):
+        """Start a round: ``send`` (float32) to the next rank, ``recv`` (float32) from the previous
+        one. With a 16-bit ``wire`` the block is encoded into a wire message just before it is sent
+        (``cerar.wire``: scaled, cast) and the message received is decoded into ``recv`` when the
+        round arrives; ``round_sent=True`` also leaves ``send`` holding what its receivers get (the
+        exact collectives' owner of a complete chunk, so that every rank holds the same bits)."""
+        if self.wire is None:
+            handle = self.queue.submit(self._post, send, recv)
+        else:
+            out, into = self.wire.empty(send.numel(), send), self.wire.empty(recv.numel(), recv)
+            handle = self.queue.submit(self._post_wire, send, out, into, round_sent)
+            self.in_transit[id(handle)] = (into, recv, out)
+            self.wire_bytes += _bytes(out, into)
+            self.peak_wire_bytes = max(self.peak_wire_bytes, self.wire_bytes)
         if self.contract.stream_ordered:
             self.posted.append((handle, what))
             self.posts += 1
@@ -360,12 +377,28 @@ class _Rounds:
         with self.timer.phase("comm"):
             return self.ring.post(send, recv)
 
+    def _post_wire(self, send, out, into, round_sent: bool):
+        with self.timer.phase("encode"):
+            if round_sent:
+                self.wire.round_trip(send, out)
+            else:
+                self.wire.encode(send, out)
+        return self._post(out, into)
+
+    def _decode(self, message, block) -> None:
+        with self.timer.phase("decode"):
+            self.wire.decode(message, block)
+
     def arrive(self, handle, what: str) -> None:
         if self.contract.stream_ordered:
             self.queue.submit(self._order, handle, what)
         else:
             with self.timer.phase("comm"):
                 self.ring.complete(handle.result(), what)
+        if self.wire is not None:  # the message, decoded into the float32 block, before the work issued next
+            into, recv, out = self.in_transit.pop(id(handle))
+            self.issue(self._decode, into, recv)
+            self.wire_bytes -= _bytes(out, into)
 
     def _order(self, handle, what: str) -> None:
         """Make the device work issued next wait for the round: ``Work.wait()`` without a timeout
@@ -459,15 +492,31 @@ def as_equal_shards(tensor: torch.Tensor, parts: int) -> tuple[torch.Tensor, boo
     return flat, in_place
 
 
-def check_coded_call(tensor: torch.Tensor, code, op: str, storage: str, operation: str) -> None:
+def check_coded_call(tensor: torch.Tensor, code, op: str, storage: str, operation: str, transport=None) -> None:
     """The arguments of a coded all-reduce (flat or hierarchical), checked on this rank before any
-    collective: a ValueError naming the call and the bad argument."""
+    collective: a ValueError naming the call and the bad argument. A 16-bit ``transport`` needs a
+    float32 tensor (the arithmetic stays float32) and a code admissible on it (``cerar.precision``)."""
     _check_tensor(tensor, operation)
     _check_op(op, operation)
     if not isinstance(code, Code):
         raise ValueError(f"{operation}: code must be a cerar.Code from cerar.make_code, got {type(code).__name__}")
-    check_transport_dtype(tensor.dtype, code, "tensor")
+    wire = check_transport(tensor, transport, operation)
+    check_transport_dtype(tensor.dtype, code, operation, wire)
     check_storage(storage)
+
+
+def check_transport(tensor: torch.Tensor, transport, operation: str) -> torch.dtype:
+    """The wire dtype ``transport`` names (``cerar.wire``); 16-bit messages need a float32 tensor."""
+    try:
+        wire = transport_dtype(transport)
+    except ValueError as error:
+        raise ValueError(f"{operation}: {error}") from None
+    if wire != torch.float32 and tensor.dtype != torch.float32:
+        raise ValueError(
+            f"{operation}: transport={transport_name(wire)} carries float32 tensors (16-bit messages, float32 "
+            f"arithmetic), got a tensor of dtype {tensor.dtype}"
+        )
+    return wire
 
 
 def _bytes(*tensors: torch.Tensor) -> int:
@@ -553,6 +602,7 @@ def all_reduce(
     storage: str = DEFAULT_STORAGE,
     *,
     timed: bool = True,
+    transport=None,
 ) -> AllReduceStats:
     """Approximate all-reduce of ``tensor`` in place with the CERAR code ``code``.
 
@@ -560,7 +610,11 @@ def all_reduce(
     gets (approximately) the sum, or with ``op="avg"`` the mean, of all of them. Rank i of the
     group plays worker i of the code; the last rank gets the exact result for the closed-form
     constructions. Any shape and contiguity; float32/float64, and float16/bfloat16 only for codes
-    with kappa <= ``cerar.LOW_PRECISION_KAPPA_LIMIT``. Raises ValueError for bad input and
+    admissible in 16 bits (``cerar.precision.check_admissible``). ``transport``: the wire dtype,
+    "float32" (default), "float16" or "bfloat16" (``cerar.wire``): with 16 bits the tensor must be
+    float32 and stays so, the arithmetic is float32, and only the messages are cast (each with its
+    power-of-two scale), for a code admissible on that wire; stats count the wire's bytes (element
+    size x (values + one scale per message)). Raises ValueError for bad input and
     CollectiveError when a peer fails, stalls past ``timeout`` (seconds or timedelta, default 5
     minutes: on gloo per round, on NCCL per look-behind round; module docstring) or disagrees on
     the code or the length. On NCCL the call returns once its last round has completed; the
@@ -576,7 +630,8 @@ def all_reduce(
     storage is kept for the next call (``cerar.workspace``; ``cerar.release_workspaces()`` frees it).
     """
     operation = "cerar.all_reduce"
-    check_coded_call(tensor, code, op, storage, operation)
+    check_coded_call(tensor, code, op, storage, operation, transport)
+    wire = wire_for(transport)
     check_no_tf32_override(tensor.device)
     ring = _Ring.of(group, timeout, operation)
     d = tensor.numel()
@@ -591,6 +646,7 @@ def all_reduce(
             "cerar protocol version": PROTOCOL_VERSION,
             "tensor length d": d,
             "dtype": str(tensor.dtype),
+            "transport": transport_name(transport),
         },
     )
     if ring.size != code.N:
@@ -610,7 +666,7 @@ def all_reduce(
         needed = CodedRingRank.workspace_numel(d, c, m, N, L, storage)
         workspace = POOL.take(needed, flat.dtype, flat.device)  # back to the pool only after a clean call:
         me = CodedRingRank(matrices, flat, c, m, N, timer, storage, workspace)  # a failed one may still be written
-        rounds = _Rounds(ring, timer)
+        rounds = _Rounds(ring, timer, wire)
         handles = [rounds.post(w.message(1), w.receive_buffer(1), f"round 1/{L}") for w in me.workers]
         for worker in me.workers:  # every chunk's round 1 is on the link before the rest of the encoding
             rounds.issue(worker.while_in_flight, 1)
@@ -628,6 +684,7 @@ def all_reduce(
             rounds.issue(tensor.copy_, flat.view(tensor.shape))
         rounds.finish()
     stats.peak_extra_bytes = me.extra_bytes() + (_bytes(flat) if flat.data_ptr() != tensor.data_ptr() else 0)
+    stats.peak_extra_bytes += rounds.peak_wire_bytes
     POOL.give(workspace)
 
     seconds = timer.totals()
@@ -644,19 +701,24 @@ def all_reduce(
 
 
 def ring_all_reduce(
-    tensor: torch.Tensor, group=None, op: str = "sum", timeout=None, *, timed: bool = True
+    tensor: torch.Tensor, group=None, op: str = "sum", timeout=None, *, timed: bool = True, transport=None
 ) -> AllReduceStats:
     """Exact ring all-reduce in place (reduce-scatter, then all-gather) on the same point-to-point
     rounds, contracts and deadlines as ``all_reduce``: the apples-to-apples baseline for CERAR.
 
-    Each rank sends 2 (N - 1) ceil(d/N) values in 2 (N - 1) rounds.
+    Each rank sends 2 (N - 1) ceil(d/N) values in 2 (N - 1) rounds. ``transport`` as for
+    ``all_reduce``: with 16 bits the partial sums travel cast (sums in float32), and the owner of
+    each complete chunk rounds it as it sends it round, so every rank ends with the same bits (within
+    ``cerar.precision.sum_rounding_bound(N, float32, wire)`` of the exact sum, not exact).
     """
     operation = "cerar.ring_all_reduce"
     _check_tensor(tensor, operation)
     _check_op(op, operation)
+    wire_dtype = check_transport(tensor, transport, operation)
+    wire = wire_for(wire_dtype)
     ring = _Ring.of(group, timeout, operation)
     N, d = ring.size, tensor.numel()
-    check_agreement(ring, {"tensor length d": d, "dtype": str(tensor.dtype)})
+    check_agreement(ring, {"tensor length d": d, "dtype": str(tensor.dtype), "transport": transport_name(wire_dtype)})
     stats = AllReduceStats(rounds=2 * (N - 1) if N > 1 else 0)
     if N == 1 or d == 0:
         return stats
@@ -679,14 +741,15 @@ def ring_all_reduce(
                 tensor.copy_(flat[:d].view(tensor.shape))
 
     with torch.no_grad():
-        rounds = _Rounds(ring, timer)
+        rounds = _Rounds(ring, timer, wire)
         for step in range(N - 1):  # reduce-scatter: chunk (i + 1) ends up complete at rank i
             what = f"reduce-scatter step {step + 1}/{N - 1}"
             rounds.arrive(rounds.post(chunks[(i - step) % N], incoming, what), what)
             rounds.issue(add, chunks[(i - step - 1) % N])
         for step in range(N - 1):  # all-gather: pass the complete chunks round
             what = f"all-gather step {step + 1}/{N - 1}"
-            rounds.arrive(rounds.post(chunks[(i + 1 - step) % N], chunks[(i - step) % N], what), what)
+            sent = rounds.post(chunks[(i + 1 - step) % N], chunks[(i - step) % N], what, round_sent=step == 0)
+            rounds.arrive(sent, what)
         rounds.issue(scale_and_copy_back)
         rounds.finish()
 
@@ -694,5 +757,5 @@ def ring_all_reduce(
     stats.bytes_sent, stats.bytes_received = ring.bytes_sent, ring.bytes_received
     stats.seconds_comm = seconds.get("comm", 0.0)
     stats.seconds_decode = seconds.get("decode", 0.0)
-    stats.peak_extra_bytes = _bytes(incoming) + (0 if in_place else _bytes(flat))
+    stats.peak_extra_bytes = _bytes(incoming) + (0 if in_place else _bytes(flat)) + rounds.peak_wire_bytes
     return stats

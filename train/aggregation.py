@@ -11,7 +11,12 @@ Every aggregator offers the two modes of the loop:
 their own (made when the aggregator is built, on every rank); `powersgd`, `fp16` and `bf16` are the hooks
 torch ships (fp16/bf16 are also implemented on the flat gradient for overlap=false). `hier_cerar` and
 `hier_ring` are the two-tier aggregators of `cerar.hierarchical` (exact inside each node; CERAR with a code
-for the nodes, or the exact ring, between them), on process groups of their own per tier.
+for the nodes, or the exact ring, between them), on process groups of their own per tier. `int8` and
+`hier_int8` are the 8-bit all-reduce of `cerar.quantized` (flat, and between the nodes of the two tiers).
+
+`ring`, `cerar`, `hier_cerar` and `hier_ring` take `aggregator.transport` (float32, float16, bfloat16): the
+dtype their messages travel in (`cerar.wire`: 16-bit messages, float32 arithmetic); `hier_fp16` and `hier_bf16`
+are `hier_ring` with 16-bit transport, the 16-bit exact hierarchy (docs/cerar-16bit.md).
 """
 
 from __future__ import annotations
@@ -144,6 +149,7 @@ class CerarAggregator(Aggregator):
         eps: float | None,
         kappa_max: float | None,
         exact_ring: bool,
+        transport: str = "float32",
     ):
         super().__init__(world_size, timeout_s)
         import cerar
@@ -151,17 +157,22 @@ class CerarAggregator(Aggregator):
         self.cerar = cerar
         self.c, self.construction, self.eps, self.kappa_max = c, construction, eps, kappa_max
         self.exact_ring = exact_ring
+        self.transport = transport  # the wire dtype (cerar.wire); the exact ring on 16 bits: the same bits everywhere
         self.replicas_differ = not exact_ring  # every rank but N-1 its own approximation (c=auto: from its choice on)
-        self.name = "ring" if exact_ring else f"cerar-{construction}"
+        self.name = ("ring" if exact_ring else f"cerar-{construction}") + _transport_suffix(transport)
         self.code = None
         if not exact_ring and world_size > 1:
             self.code = cerar.make_code(world_size, c, construction=construction, eps=eps, kappa_max=kappa_max)
+            if transport != "float32":
+                self.cerar.precision.check_admissible(
+                    self.code, torch.float32, self.cerar.wire.transport_dtype(transport), f"transport={transport}"
+                )
         self.hook_state = None
-        self.transport = None  # CERAR's own group: its batches never mix with the loop's collectives
+        self.group = None  # CERAR's own group: its batches never mix with the loop's collectives
         if world_size > 1 and dist.is_initialized():
             from cerar.ddp import transport_group
 
-            self.transport = transport_group(None, self.timeout)
+            self.group = transport_group(None, self.timeout)
 
     @property
     def timeout(self) -> timedelta:
@@ -177,9 +188,13 @@ class CerarAggregator(Aggregator):
         if self.world_size < 2:
             return 0
         if self.exact_ring:
-            stats = self.cerar.ring_all_reduce(flat, self.transport, op="avg", timeout=self.timeout)
+            stats = self.cerar.ring_all_reduce(
+                flat, self.group, op="avg", timeout=self.timeout, transport=self.transport
+            )
         else:
-            stats = self.cerar.all_reduce(flat, self.code, self.transport, op="avg", timeout=self.timeout)
+            stats = self.cerar.all_reduce(
+                flat, self.code, self.group, op="avg", timeout=self.timeout, transport=self.transport
+            )
         return int(stats.bytes_sent)
 
     def register_hook(self, ddp) -> None:
@@ -193,7 +208,8 @@ class CerarAggregator(Aggregator):
             kappa_max=self.kappa_max,
             exact_ring=self.exact_ring,
             timeout=self.timeout,
-            transport=self.transport,
+            transport=self.group,
+            transport_dtype=self.transport,
         )
         ddp.register_comm_hook(self.hook_state, cerar_hook)
 
@@ -225,6 +241,7 @@ class HierarchicalAggregator(Aggregator):
         kappa_max: float | None,
         exact_ring: bool,
         coded_on_two_nodes: bool,
+        transport: str = "float32",
     ):
         super().__init__(world_size, timeout_s)
         import warnings
@@ -235,11 +252,16 @@ class HierarchicalAggregator(Aggregator):
         self.hierarchical, self.layout = hierarchical, layout
         self.c, self.construction, self.eps, self.kappa_max = c, construction, eps, kappa_max
         self.coded_on_two_nodes = coded_on_two_nodes
-        self.name = "hier_ring" if exact_ring else f"hier_cerar-{construction}"
+        self.transport = transport  # both tiers' wire dtype (cerar.wire)
+        self.name = ("hier_ring" if exact_ring else f"hier_cerar-{construction}") + _transport_suffix(transport)
         self.method = hierarchical.method_between_nodes(layout.nodes, not exact_ring, coded_on_two_nodes)
         self.code = None
         if self.method == "cerar":
             self.code = cerar.make_code(layout.nodes, c, construction=construction, eps=eps, kappa_max=kappa_max)
+            if transport != "float32":
+                cerar.precision.check_admissible(
+                    self.code, torch.float32, cerar.wire.transport_dtype(transport), f"transport={transport}"
+                )
         self.replicas_differ = self.code is not None and not self.code.is_exact
         self.tier_bytes = {"intra_node": 0, "inter_node": 0}
         self.hook_state = None
@@ -286,10 +308,18 @@ class HierarchicalAggregator(Aggregator):
         if self.world_size < 2:
             return 0
         if self.code is None:
-            stats = self.hierarchical.hierarchical_ring_all_reduce(flat, self.groups, op="avg", timeout=self.timeout)
+            stats = self.hierarchical.hierarchical_ring_all_reduce(
+                flat, self.groups, op="avg", timeout=self.timeout, transport=self.transport
+            )
         else:
             stats = self.hierarchical.hierarchical_all_reduce(
-                flat, self.code, self.groups, op="avg", timeout=self.timeout, coded_on_two_nodes=True
+                flat,
+                self.code,
+                self.groups,
+                op="avg",
+                timeout=self.timeout,
+                coded_on_two_nodes=True,
+                transport=self.transport,
             )
         self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
         return int(stats.bytes_sent)
@@ -304,6 +334,7 @@ class HierarchicalAggregator(Aggregator):
             timeout=self.timeout,
             layout=self.layout,
             coded_on_two_nodes=True,  # self.method already says what runs between the nodes
+            transport_dtype=self.transport,
         )
         ddp.register_comm_hook(self.hook_state, self.hierarchical.hierarchical_hook)
 
@@ -322,6 +353,11 @@ class HierarchicalAggregator(Aggregator):
         return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
 
 
+def _transport_suffix(transport: str) -> str:
+    """The aggregator name's mark of 16-bit messages: "" for float32, "-float16" / "-bfloat16"."""
+    return "" if transport == "float32" else f"-{transport}"
+
+
 def build_aggregator(cfg, world_size: int) -> Aggregator:
     """The aggregator named by cfg.aggregator (its kind), with c from the root config."""
     a, timeout = cfg.aggregator, float(cfg.trainer.collective_timeout_s)
@@ -332,17 +368,150 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
     if a.kind == "powersgd":
         return PowerSGDAggregator(world_size, timeout, a.powersgd_rank, a.powersgd_start_iter)
     if a.kind == "ring":
-        return CerarAggregator(world_size, timeout, cfg.c, "exact", None, None, exact_ring=True)
+        return CerarAggregator(world_size, timeout, cfg.c, "exact", None, None, exact_ring=True, transport=a.transport)
     if a.kind == "cerar":
+        from train.config import code_kappa_max
+
         # c=auto starts exact (c = N) until the trainer's first choice (train/auto_c.py)
         c, construction = (world_size, "exact") if cfg.c == "auto" else (cfg.c, a.construction)
-        return CerarAggregator(world_size, timeout, c, construction, a.eps, a.kappa_max, exact_ring=False)
+        return CerarAggregator(
+            world_size, timeout, c, construction, a.eps, code_kappa_max(a), exact_ring=False, transport=a.transport
+        )
     if a.kind in ("hier_cerar", "hier_ring"):
-        from train.config import node_layout
+        from train.config import code_kappa_max, node_layout
 
         layout = node_layout(cfg, world_size)
         exact_ring = a.kind == "hier_ring"
         return HierarchicalAggregator(
-            world_size, timeout, layout, cfg.c, a.construction, a.eps, a.kappa_max, exact_ring, a.coded_on_two_nodes
+            world_size,
+            timeout,
+            layout,
+            cfg.c,
+            a.construction,
+            a.eps,
+            code_kappa_max(a),
+            exact_ring,
+            a.coded_on_two_nodes,
+            transport=a.transport,
         )
+    if a.kind in ("int8", "hier_int8"):
+        return build_quantized_aggregator(cfg, world_size)
     raise ValueError(f"aggregator.kind={a.kind!r} is unknown")
+
+
+# ------------------------------------------------------------------------------------------------
+# The 8-bit all-reduce (cerar.quantized, issue 25): aggregator=int8 and aggregator=hier_int8
+# ------------------------------------------------------------------------------------------------
+
+
+class QuantizedAggregator(Aggregator):
+    """`cerar.quantized.quantized_all_reduce`: int8 messages with one float32 scale per `block` values, each
+    contribution quantized once and summed in float32, the reduced shards quantized once and all-gathered.
+    Every rank decodes the same bytes, so every rank receives the same average and the replicas stay
+    identical (replicas_differ stays False: the loop checks that they do). On a process group of its own."""
+
+    name = "int8"
+
+    def __init__(self, world_size: int, timeout_s: float, block: int):
+        super().__init__(world_size, timeout_s)
+        from cerar import quantized
+
+        self.quantized, self.block = quantized, block
+        self.hook_state = None
+        self.transport = None  # its own group: its batches never mix with the loop's collectives
+        if world_size > 1 and dist.is_initialized():
+            from cerar.ddp import transport_group
+
+            self.transport = transport_group(None, self.timeout)
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        if self.world_size < 2:
+            return 0
+        stats = self.quantized.quantized_all_reduce(
+            flat, self.transport, op="avg", timeout=self.timeout, block=self.block
+        )
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.quantized_hook import QuantizedHookState, quantized_hook
+
+        self.hook_state = QuantizedHookState(timeout=self.timeout, transport=self.transport, block=self.block)
+        ddp.register_comm_hook(self.hook_state, quantized_hook)
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        if self.hook_state is None:
+            return 0
+        sent = sum(int(s.bytes_sent) for s in self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        return sent
+
+
+class HierarchicalQuantizedAggregator(Aggregator):
+    """`cerar.hierarchical.quantized`: exact float32 reduce-scatter and all-gather inside each node, the 8-bit
+    all-reduce on the rails between the nodes. Every rank receives the same average (the replicas stay
+    identical). `step_metrics` reports the bytes each tier sent in the last step."""
+
+    name = "hier_int8"
+
+    def __init__(self, world_size: int, timeout_s: float, layout, block: int):
+        super().__init__(world_size, timeout_s)
+        from cerar.hierarchical import quantized, tier_groups
+
+        self.hierarchical_quantized, self.layout, self.block = quantized, layout, block
+        self.method = quantized.RAIL_METHOD if layout.nodes > 1 else "none"
+        self.tier_bytes = {"intra_node": 0, "inter_node": 0}
+        self.hook_state = None
+        self.groups = None  # the tiers' own groups: their batches never mix with the loop's collectives
+        if world_size > 1 and dist.is_initialized():
+            self.groups = tier_groups(layout, self.timeout)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            where = "LOCAL_WORLD_SIZE" if layout.from_launcher else "aggregator.local_size"
+            log.info("%s: %s (local size from %s); between the nodes: %s, block %d", self.name, layout, where,
+                     self.method, block)  # fmt: skip
+
+    @property
+    def timeout(self) -> timedelta:
+        return timedelta(seconds=self.timeout_s)
+
+    def aggregate(self, flat: torch.Tensor) -> int:
+        if self.world_size < 2:
+            return 0
+        stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
+            flat, self.groups, op="avg", timeout=self.timeout, block=self.block
+        )
+        self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.quantized_hook import HierarchicalQuantizedHookState, hierarchical_quantized_hook
+
+        self.hook_state = HierarchicalQuantizedHookState(timeout=self.timeout, layout=self.layout, block=self.block)
+        ddp.register_comm_hook(self.hook_state, hierarchical_quantized_hook)
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        if self.hook_state is None:
+            return 0
+        stats = list(self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        self.tier_bytes = {
+            "intra_node": sum(s.intra_node.bytes_sent for s in stats),
+            "inter_node": sum(s.inter_node.bytes_sent for s in stats),
+        }
+        return sum(self.tier_bytes.values())
+
+    def step_metrics(self) -> dict:
+        return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
+
+
+def build_quantized_aggregator(cfg, world_size: int) -> Aggregator:
+    """aggregator=int8 or hier_int8 (the layout as for hier_ring: aggregator.local_size or LOCAL_WORLD_SIZE)."""
+    a, timeout = cfg.aggregator, float(cfg.trainer.collective_timeout_s)
+    if a.kind == "int8":
+        return QuantizedAggregator(world_size, timeout, int(a.block))
+    from train.config import node_layout
+
+    return HierarchicalQuantizedAggregator(world_size, timeout, node_layout(cfg, world_size), int(a.block))

@@ -94,6 +94,8 @@ class AggregatorConfig:
     ring (cerar's exact ring), cerar (coded approximate ring), powersgd, fp16, bf16; on nodes of several
     ranks, hier_cerar (cerar.hierarchical: exact inside each node, CERAR with a code for the nodes between
     them) and hier_ring (the same tiers with the exact ring between the nodes).
+    int8 (cerar.quantized: 8-bit messages, one float32 scale per `block` values, every rank the same
+    result) and hier_int8 (exact inside each node, int8 between the nodes).
     """
 
     name: str = MISSING
@@ -119,6 +121,13 @@ class AggregatorConfig:
     # the same d bytes per node and add its error) unless coded_on_two_nodes=true.
     local_size: int | None = None
     coded_on_two_nodes: bool = False
+    # int8 / hier_int8 (cerar.quantized, docs/int8.md): values per float32 scale of the 8-bit messages (>= 1);
+    # 128: the scales cost 3% of the int8 payload, the messages 0.258 of float32's bytes
+    block: int = 128
+    # cerar, ring, hier_cerar, hier_ring: the dtype their messages travel in (cerar.wire; docs/cerar-16bit.md):
+    # float32, or float16 / bfloat16: 16-bit messages (each with a power-of-two scale), float32 arithmetic.
+    # With 16 bits, kappa_max null means cerar.default_kappa_max(transport), and the code must be admissible.
+    transport: str = "float32"
 
 
 @dataclass
@@ -200,8 +209,16 @@ HOOK_ONLY_AGGREGATORS = ("powersgd",)
 AUTO_C = "auto"  # c=auto: train/auto_c.py
 AUTO_C_FIELDS = ("error_budget", "auto_warmup_steps", "auto_check_every", "auto_candidates", "auto_sample_values")
 CERAR_CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
+TRANSPORT_KINDS = ("ring", "cerar", "hier_cerar", "hier_ring")  # the aggregators that take aggregator.transport
+TRANSPORT_DTYPES = ("float32", "float16", "bfloat16")  # cerar.wire.TRANSPORTS
 DATA_KINDS = ("embedded", "pile", "local")
 INIT_METHODS = ("small_init", "wang_init", "normal")  # GPT-NeoX's names (init_functions.py); train/model.py
+
+# The 8-bit all-reduce (cerar.quantized, issue 25): int8 flat, hier_int8 on the two tiers (layout as hier_ring)
+QUANTIZED_KINDS = ("int8", "hier_int8")
+QUANTIZED_FIELDS = ("block",)  # in a run's identity only for the quantized kinds (older runs' identities unchanged)
+AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, *QUANTIZED_KINDS)
+HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int8")
 
 
 def register_configs() -> None:
@@ -274,6 +291,9 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
             f"aggregator.kappa_max={a.kappa_max} must be >= 1 (a condition number) or null",
         )
         _require(a.eps is None or 0 < a.eps < 1, f"aggregator.eps={a.eps} must lie in (0, 1) or be null")
+    if a.kind in QUANTIZED_KINDS:
+        _require(a.block >= 1, f"aggregator.block={a.block} must be >= 1 (values per scale of the 8-bit messages)")
+    _validate_transport(cfg)
     if cfg.c == AUTO_C:
         _validate_auto_c(cfg)
     if a.kind == "powersgd":
@@ -338,6 +358,45 @@ def _require_zstandard_for(d) -> None:
         ) from None
 
 
+def _validate_transport(cfg) -> None:
+    """aggregator.transport: one of TRANSPORT_DTYPES, and other than float32 only where the aggregator takes it."""
+    a = cfg.aggregator
+    _one_of(a.transport, TRANSPORT_DTYPES, "aggregator.transport")
+    _require(
+        a.transport == "float32" or a.kind in TRANSPORT_KINDS,
+        f"aggregator.transport={a.transport} is for {', '.join(TRANSPORT_KINDS)} (got aggregator={a.name}; "
+        "aggregator=fp16 / bf16 are torch's 16-bit all-reduce)",
+    )
+    _require(
+        a.transport == "float32" or cfg.c != AUTO_C,
+        f"c=auto measures its candidates in float32 and does not model aggregator.transport={a.transport}'s "
+        "rounding: set c (e.g. c=5 for 4 ranks; docs/cerar-16bit.md)",
+    )
+
+
+def code_kappa_max(a) -> float | None:
+    """The kappa_max the aggregator's codes are built with: aggregator.kappa_max, else (16-bit transport, eps
+    unset) cerar.default_kappa_max(transport), else null (cerar's default)."""
+    if a.kappa_max is None and a.eps is None and a.transport != "float32":
+        import cerar
+
+        return cerar.default_kappa_max(a.transport)
+    return a.kappa_max
+
+
+def checked_code(a, N: int, c: int):
+    """cerar.make_code for the aggregator, refused (ValueError) where its transport cannot carry it
+    (cerar.precision.check_admissible: the derived rule)."""
+    import torch
+
+    import cerar
+    from cerar.precision import check_admissible
+
+    code = cerar.make_code(N, c, construction=a.construction, eps=a.eps, kappa_max=code_kappa_max(a))
+    check_admissible(code, torch.float32, cerar.wire.transport_dtype(a.transport), what=f"transport={a.transport}")
+    return code
+
+
 def _validate_auto_c(cfg) -> None:
     """c=auto chooses among CERAR codes from the per-rank gradients before aggregation."""
     a = cfg.aggregator
@@ -361,7 +420,6 @@ def _validate_cerar_code(cfg, world_size: int) -> None:
     candidate (train/auto_c.py)."""
     if world_size < 2:
         return  # a single process aggregates nothing
-    import cerar
 
     a = cfg.aggregator
     if cfg.c == AUTO_C:
@@ -378,7 +436,7 @@ def _validate_cerar_code(cfg, world_size: int) -> None:
         )
         return
     try:
-        cerar.make_code(world_size, cfg.c, construction=a.construction, eps=a.eps, kappa_max=a.kappa_max)
+        checked_code(a, world_size, cfg.c)
     except ValueError as err:
         raise ConfigError(f"aggregator={a.name} with N={world_size}, c={cfg.c}: {err}") from None
 
@@ -413,10 +471,8 @@ def _validate_hierarchical(cfg, world_size: int | None) -> None:
     layout = None if world_size is None else node_layout(cfg, world_size)
     if layout is None or layout.nodes < 2 or a.kind != "hier_cerar":
         return  # the world is known once launched; one node aggregates exactly; hier_ring needs no code
-    import cerar
-
     try:
-        cerar.make_code(layout.nodes, cfg.c, construction=a.construction, eps=a.eps, kappa_max=a.kappa_max)
+        checked_code(a, layout.nodes, cfg.c)
     except ValueError as err:
         raise ConfigError(f"aggregator={a.name} with n={layout.nodes} nodes ({layout}), c={cfg.c}: {err}") from None
 
@@ -473,6 +529,10 @@ def training_identity(cfg, world_size: int) -> dict:
             hierarchical_setting = section == "aggregator" and key in HIERARCHICAL_FIELDS
             if hierarchical_setting and cfg.aggregator.kind not in HIERARCHICAL_KINDS:
                 continue  # absent from the identities of runs that do not use them (and of older runs)
+            if section == "aggregator" and key in QUANTIZED_FIELDS and cfg.aggregator.kind not in QUANTIZED_KINDS:
+                continue
+            if section == "aggregator" and key == "transport" and value == "float32":
+                continue  # the default: absent, as in the runs from before the field
             if (section, key) != ("data", "cache_dir") and (auto or not auto_setting):
                 identity[f"{section}.{key}"] = value
     # c as asked: "auto" stays "auto" whatever it has chosen (the choice is checkpointed and resumed)

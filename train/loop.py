@@ -7,7 +7,10 @@ optimizer) is timed between device synchronisations. overlap=true: the aggregato
 communication hook and runs inside backward; `time/aggregate` is then 0 (it is part of backward).
 
 Diagnostics of approximate aggregation, where replicas can differ (CERAR: only rank N-1, the
-*reference replica* that checkpoints keep and resync broadcasts, is exact):
+*reference replica* that checkpoints keep and resync broadcasts, is exact; with 16-bit messages,
+aggregator.transport, it is the 16-bit-rounded replica instead: every rank's aggregate, its own included,
+is within the wire's rounding of the exact average or further, and summary.json's `reference_replica`
+says which; docs/cerar-16bit.md):
 - `val_loss` is the reference replica's loss on the whole validation set; `val_loss_worst_replica`
   the worst replica's (each rank then evaluates the whole set with its own parameters).
 - `drift/max_abs` and `drift/rel_l2` measure every replica against the reference replica:
@@ -250,7 +253,8 @@ class Trainer:
         self.scaler = build_loss_scaler(cfg.trainer, device) if precision == "fp16" else None  # Pythia's scaler
         self.tokens_per_step = self.t.micro_batch_size * self.t.grad_accum * cfg.data.seq_len * world_size
         self.grads = None if overlap else FlatGradients(self.params)  # overlap: DDP's buckets own the reduction
-        # exact under CERAR (hierarchical: every rank of the last node); checkpoints keep it, resync broadcasts it
+        # exact under CERAR (hierarchical: every rank of the last node); checkpoints keep it, resync broadcasts it.
+        # With 16-bit transport it is the least-error replica, rounded to the wire's precision, not exact
         self.reference_rank = world_size - 1
         self.replicas_differ = aggregator.replicas_differ and world_size > 1
         self._val_all: list[torch.Tensor] | None = None

@@ -163,6 +163,18 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     return summary
 
 
+def reference_replica(cfg: DictConfig, trainer: Trainer) -> str:
+    """What the reference replica (rank N-1: checkpoints keep it, resync broadcasts it, drift and val_loss are
+    measured against it) holds: the exact average, or (16-bit transport) the average within the wire's rounding."""
+    a = cfg.aggregator
+    if a.kind in ("nccl", "fp16", "bf16", "powersgd"):
+        return "rank N-1, as every rank (torch's aggregate)"
+    if a.transport != "float32":
+        same = "the same bits on every rank" if not trainer.replicas_differ else "each rank its own"
+        return f"rank N-1, {a.transport}-rounded: within the wire's rounding of the exact average ({same})"
+    return "rank N-1, exact (the closed-form constructions' last rank; the exact ring everywhere)"
+
+
 def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
     """What tells this run from another, for its summary.json: the named fields a reader compares runs by (the
     aggregator, the code it used, resync, the batch in sequences and tokens) and, under `training_identity`,
@@ -183,6 +195,8 @@ def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
         "eps": code.eps if cerar and code is not None else None,  # the code's largest |a^N - 1|
         "kappa": code.kappa if cerar and code is not None else None,
         "kappa_max": a.kappa_max if cerar else None,  # as asked (null: cerar's default)
+        "transport": a.transport,  # the wire dtype of cerar's aggregators (docs/cerar-16bit.md)
+        "reference_replica": reference_replica(cfg, trainer),
         "resync_every": t.resync_every,
         "overlap": effective_overlap(cfg),
         "precision": t.precision,

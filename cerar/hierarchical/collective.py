@@ -52,8 +52,10 @@ from cerar.protocol import (
     as_equal_shards,
     check_agreement,
     check_coded_call,
+    check_transport,
 )
 from cerar.rounds import DEFAULT_STORAGE, PhaseTimer
+from cerar.wire import transport_name, wire_for
 
 
 @dataclass
@@ -66,7 +68,7 @@ class HierarchicalStats:
     layout: NodeLayout
     inter_node_method: str
     exact: bool
-    """Whether every rank received the exact result (up to floating-point rounding)."""
+    """Whether every rank received the exact result (up to float32 rounding; never on a 16-bit wire)."""
     intra_node: AllReduceStats = field(default_factory=AllReduceStats)
     inter_node: AllReduceStats = field(default_factory=AllReduceStats)
 
@@ -97,6 +99,7 @@ def hierarchical_all_reduce(
     *,
     coded_on_two_nodes: bool = False,
     timed: bool = True,
+    transport=None,
 ) -> HierarchicalStats:
     """Approximate all-reduce of ``tensor`` in place: exact inside each node, CERAR between nodes.
 
@@ -111,9 +114,13 @@ def hierarchical_all_reduce(
     send the same bytes and add its error), each said once by a ``HierarchicalWarning``;
     ``coded_on_two_nodes=True`` runs the code on two nodes anyway. ``HierarchicalStats`` records
     what ran. Raises ValueError for bad input and CollectiveError when a peer fails, stalls past the
-    timeout, or disagrees on the layout, the code, the op or the length (on every rank)."""
+    timeout, or disagrees on the layout, the code, the op, the length or the transport (on every rank).
+
+    ``transport``: the wire dtype of BOTH tiers (``cerar.wire``): "float32" (default), "float16" or
+    "bfloat16": every block inside the node and on the rail travels cast (with its power-of-two
+    scale), sums and coding in float32; the code must be admissible on it."""
     operation = "cerar.hierarchical_all_reduce"
-    check_coded_call(tensor, code, op, storage, operation)
+    check_coded_call(tensor, code, op, storage, operation, transport)
     groups = _groups(layout, timeout, operation)
     nodes = groups.layout.nodes
     if nodes != code.N:
@@ -127,7 +134,7 @@ def hierarchical_all_reduce(
         if method == "cerar"
         else {}
     )
-    return _two_tiers(tensor, groups, method, code, code_fields, op, timeout, storage, timed, operation)
+    return _two_tiers(tensor, groups, method, code, code_fields, op, timeout, storage, timed, operation, transport)
 
 
 def hierarchical_ring_all_reduce(
@@ -137,16 +144,20 @@ def hierarchical_ring_all_reduce(
     timeout=None,
     *,
     timed: bool = True,
+    transport=None,
 ) -> HierarchicalStats:
     """Exact all-reduce of ``tensor`` in place on the same two tiers: reduce-scatter inside each node,
     the exact ring (``cerar.ring_all_reduce``) on the rails, all-gather inside each node. The
-    baseline hierarchical CERAR is measured against. Arguments as for ``hierarchical_all_reduce``."""
+    baseline hierarchical CERAR is measured against. Arguments as for ``hierarchical_all_reduce``.
+    With a 16-bit ``transport`` it is the 16-bit exact hierarchy: every rank ends with the same
+    bits, within ``cerar.precision.sum_rounding_bound(N, float32, wire)`` of the exact sum."""
     operation = "cerar.hierarchical_ring_all_reduce"
     _check_tensor(tensor, operation)
     _check_op(op, operation)
+    check_transport(tensor, transport, operation)
     groups = _groups(layout, timeout, operation)
     method = rail_method(groups.layout.nodes, False, False, operation)
-    return _two_tiers(tensor, groups, method, None, {}, op, timeout, DEFAULT_STORAGE, timed, operation)
+    return _two_tiers(tensor, groups, method, None, {}, op, timeout, DEFAULT_STORAGE, timed, operation, transport)
 
 
 def _groups(layout, timeout, operation: str) -> TierGroups:
@@ -168,8 +179,10 @@ def _two_tiers(
     storage: str,
     timed: bool,
     operation: str,
+    transport=None,
 ) -> HierarchicalStats:
     assert method in RAIL_METHODS
+    wire = wire_for(transport)
     layout, G = groups.layout, groups.layout.local_size
     d = tensor.numel()
     check_agreement(
@@ -183,13 +196,14 @@ def _two_tiers(
             "op": op,
             "tensor length d": d,
             "dtype": str(tensor.dtype),
+            "transport": transport_name(transport),
         },
     )
-    exact = method != "cerar" or code.is_exact
+    exact = (method != "cerar" or code.is_exact) and wire is None
     stats = HierarchicalStats(layout, method, exact)
     if d == 0:
         return stats
-    rail_args = (method, code, groups.rail, op, timeout, storage, timed, operation, groups.local_rank)
+    rail_args = (method, code, groups.rail, op, timeout, storage, timed, operation, groups.local_rank, transport)
     if G == 1:  # nothing inside a node: the rail is every rank in rank order, the call flat CERAR's own
         stats.inter_node = reduce_on_rail(tensor, *rail_args)
         return stats
@@ -210,13 +224,13 @@ def _two_tiers(
             tensor.copy_(flat[:d].view(tensor.shape))
 
     with torch.no_grad():
-        rounds = _Rounds(ring, timer)
+        rounds = _Rounds(ring, timer, wire)
         reduce_scatter(shards, rounds, incoming, timer)
         if op == "avg":
             rounds.issue(divide)
         rounds.finish()  # each tier ends with its deadline kept: a stall inside the node is reported here
         stats.inter_node = reduce_on_rail(mine, *rail_args)
-        rounds = _Rounds(ring, timer)
+        rounds = _Rounds(ring, timer, wire)
         all_gather(shards, rounds)
         if not in_place:
             rounds.issue(copy_back)
@@ -228,6 +242,7 @@ def _two_tiers(
         rounds=2 * (G - 1),
         seconds_comm=seconds.get("comm", 0.0),
         seconds_decode=seconds.get("decode", 0.0),
-        peak_extra_bytes=(incoming.numel() + (0 if in_place else flat.numel())) * flat.element_size(),
+        peak_extra_bytes=(incoming.numel() + (0 if in_place else flat.numel())) * flat.element_size()
+        + rounds.peak_wire_bytes,
     )
     return stats

@@ -22,21 +22,23 @@ from cerar.ddp import CerarHookState
 from cerar.hierarchical.collective import HierarchicalStats, hierarchical_all_reduce, hierarchical_ring_all_reduce
 from cerar.hierarchical.layout import NodeLayout, TierGroups, new_tier_groups
 from cerar.protocol import _as_timedelta
+from cerar.wire import transport_name
 
 
 @dataclass
 class HierarchicalHookState(CerarHookState):
     """Configuration and per-step record of the hierarchical hook: ``CerarHookState``'s fields (c,
-    construction, eps, kappa_max, exact_ring, timeout) plus the node layout (default: from the
-    launcher), ``coded_on_two_nodes`` (as for ``hierarchical_all_reduce``) and the hook's own groups
-    (made at creation when not given). DDP's process group must be the default group: the layout
-    spans every rank."""
+    construction, eps, kappa_max, exact_ring, timeout, transport_dtype: both tiers' wire) plus the
+    node layout (default: from the launcher), ``coded_on_two_nodes`` (as for
+    ``hierarchical_all_reduce``) and the hook's own groups (made at creation when not given).
+    DDP's process group must be the default group: the layout spans every rank."""
 
     layout: NodeLayout | None = None
     coded_on_two_nodes: bool = False
     groups: TierGroups | None = field(default=None, repr=False)
 
     def __post_init__(self):
+        self.transport_dtype = transport_name(self.transport_dtype)  # a ValueError naming the choices
         if self.groups is not None:
             self.layout = self.groups.layout
         elif self.layout is None:
@@ -56,13 +58,15 @@ class HierarchicalHookState(CerarHookState):
         """The code for a bucket of this length: one for n = nodes workers (one per length, cached)."""
         if bucket_numel not in self._codes:
             self._codes[bucket_numel] = make_code(
-                self.layout.nodes, self.c, self.construction, eps=self.eps, kappa_max=self.kappa_max
+                self.layout.nodes, self.c, self.construction, eps=self.eps, kappa_max=self.budget
             )
         return self._codes[bucket_numel]
 
     def _reduce(self, tensor: torch.Tensor) -> HierarchicalStats:
         if self.exact_ring:
-            return hierarchical_ring_all_reduce(tensor, self.groups, op="avg", timeout=self.timeout, timed=False)
+            return hierarchical_ring_all_reduce(
+                tensor, self.groups, op="avg", timeout=self.timeout, timed=False, transport=self.transport_dtype
+            )
         code = self.code_for(tensor.numel())
         return hierarchical_all_reduce(
             tensor,
@@ -72,6 +76,7 @@ class HierarchicalHookState(CerarHookState):
             timeout=self.timeout,
             coded_on_two_nodes=self.coded_on_two_nodes,
             timed=False,
+            transport=self.transport_dtype,
         )
 
 

@@ -75,13 +75,16 @@ def reduce_on_rail(
     timed: bool,
     operation: str,
     local_rank: int,
+    transport=None,
 ) -> AllReduceStats:
     """``shard`` reduced in place over the rail by ``method``; a failure is re-raised naming the rail."""
     try:
         if method == "cerar":
-            return all_reduce(shard, code, rail, op=op, timeout=timeout, storage=storage, timed=timed)
+            return all_reduce(
+                shard, code, rail, op=op, timeout=timeout, storage=storage, timed=timed, transport=transport
+            )
         if method == "exact ring":
-            return ring_all_reduce(shard, rail, op=op, timeout=timeout, timed=timed)
+            return ring_all_reduce(shard, rail, op=op, timeout=timeout, timed=timed, transport=transport)
     except CollectiveError as error:
         raise CollectiveError(f"{operation}: between the nodes, on rail {local_rank}: {error}") from error
     return AllReduceStats()

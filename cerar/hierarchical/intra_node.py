@@ -40,8 +40,12 @@ def reduce_scatter(shards: torch.Tensor, rounds: _Rounds, incoming: torch.Tensor
 
 def all_gather(shards: torch.Tensor, rounds: _Rounds) -> None:
     """Give every local rank every shard, local rank i contributing shards[i]: step k sends shard
-    i - k (its own, then the last one received) and receives shard i - k - 1 in place."""
+    i - k (its own, then the last one received) and receives shard i - k - 1 in place. On a 16-bit
+    wire (``rounds.wire``) rank i's own shard is rounded as it is first sent, so that every rank
+    of the node holds the same bits."""
     G, i = rounds.ring.size, rounds.ring.rank
     for step in range(G - 1):
         what = f"all-gather step {step + 1}/{G - 1}"
-        rounds.arrive(rounds.post(shards[(i - step) % G], shards[(i - step - 1) % G], what), what)
+        # step 1 sends this rank's own complete shard: on a 16-bit wire it keeps what its receivers get
+        sent = rounds.post(shards[(i - step) % G], shards[(i - step - 1) % G], what, round_sent=step == 0)
+        rounds.arrive(sent, what)

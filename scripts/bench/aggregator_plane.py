@@ -7,7 +7,9 @@ Run under torchrun (N ranks on gloo):
 
 The model (model=tiny on the embedded corpus, as in scripts/studies/run_fidelity.sh) trains with exact
 all-reduce; every `--every` steps each rank's real gradient g_r is averaged by every flat aggregator
-(nccl, ring, fp16, bf16, CERAR per construction and c) from the same starting point, and the result
+(nccl, ring, fp16, bf16, CERAR per construction and c, the 8-bit int8 at block sizes 64, 128, 256 and
+hier_int8 on nodes of 2 ranks, the exact ring and CERAR over float16/bfloat16 messages, the 16-bit exact
+hierarchy on nodes of 2 ranks) from the same starting point, and the result
 is compared with the exact mean g_bar: error = max over ranks of ||g_hat_r - g_bar|| / ||g_bar||.
 PowerSGD exists only as a DDP hook with error feedback, so it is measured in a second pass that
 trains with it, comparing the hook's result with an exact all-reduce of the same step's gradients.
@@ -45,6 +47,23 @@ FLAT_SETTINGS = [  # (label, overrides)
         for c in (8, 16, 32)
     ],
     ("cerar_exact_c4", ["aggregator=cerar", "aggregator.construction=exact", "c=4"]),
+]
+# issue 25: the 8-bit all-reduce (cerar.quantized) at three block sizes, and on two tiers of 2 ranks per node
+FLAT_SETTINGS += [
+    *[(f"int8_b{block}", ["aggregator=int8", f"aggregator.block={block}"]) for block in (64, 128, 256)],
+    ("hier_int8_g2", ["aggregator=hier_int8", "aggregator.local_size=2"]),
+]
+# issue 25: 16-bit messages with float32 arithmetic (cerar.wire): the exact ring, CERAR at c = N+1, N+2, 2N and 4N on
+# N=4 (codes the 16-bit rule refuses are skipped and named), and the 16-bit exact hierarchy on nodes of 2 ranks
+FLAT_SETTINGS += [
+    *[(f"ring_{t}", ["aggregator=ring", f"aggregator.transport={dtype}"]) for t, dtype in (("fp16", "float16"),
+                                                                                         ("bf16", "bfloat16"))],
+    *[
+        (f"cerar_{t}_c{c}", ["aggregator=cerar", f"aggregator.transport={dtype}", f"c={c}"])
+        for t, dtype in (("fp16", "float16"), ("bf16", "bfloat16"))
+        for c in (5, 6, 8, 16)
+    ],
+    *[(f"{kind}_g2", [f"aggregator={kind}", "aggregator.local_size=2"]) for kind in ("hier_fp16", "hier_bf16")],
 ]
 COLUMNS = ["aggregator", "bytes_per_call", "bytes_ratio_to_fp32_ring", "error_median", "error_max", "calls"]
 

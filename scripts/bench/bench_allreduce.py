@@ -30,6 +30,10 @@ LOCAL_WORLD_SIZE, node-major ranks), and adds the hierarchical aggregators of ``
   casts included in the time; torch's fp16 compression hook does the same on a flat ring): the peer
   to beat on bytes.
 
+The 8-bit all-reduce (issue 25, ``cerar.quantized``; ``--int8-block`` values per float32 scale, default
+128, recorded in ``int8_block``): ``int8`` flat (any ``--ranks-per-host``), and ``hier_int8``, exact
+inside each host and int8 on the rails. Their quantize/dequantize passes are in the time.
+
 In the lab the ranks of one host talk over its loopback (unshaped) and the hosts over one shared
 NIC per host (``--rails``: one NIC per local rank); every row then records the bytes the busiest
 NIC carried per call (``nic_tx_bytes_link_max``, read from the NICs' counters around the first
@@ -99,6 +103,10 @@ EXTRA_COLUMNS = [
 ]  # fmt: skip
 AGGREGATORS = ("nccl", "ring", "cerar", "hier_ring", "hier_cerar", "hier_ring16")
 HIERARCHICAL = ("hier_ring", "hier_cerar", "hier_ring16")
+# issue 25: the 8-bit all-reduce (cerar.quantized): int8 flat, hier_int8 on the two tiers (int8 on the rails)
+AGGREGATORS = (*AGGREGATORS, "int8", "hier_int8")
+HIERARCHICAL = (*HIERARCHICAL, "hier_int8")
+EXTRA_COLUMNS = [*EXTRA_COLUMNS, "int8_block"]
 DEFAULT_CSV = ROOT / "reports" / "data" / "allreduce.csv"
 DEFAULT_FIGURES = ROOT / "reports" / "figures"
 ITEMSIZE = 4  # float32
@@ -146,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hier_cerar: c values, e.g. 8,16 (default: --c-mult times the number of hosts)")  # fmt: skip
     ap.add_argument("--half-dtype", choices=["float16", "bfloat16"], default="float16",
                     help="hier_ring16: the 16-bit message type (default float16, as torch's fp16 hook)")  # fmt: skip
+    ap.add_argument("--int8-block", type=int, default=128, help="int8/hier_int8: values per float32 scale")
     ap.add_argument("--storages", type=_strs, default=None,
                     help="CERAR storage choices, e.g. spec,messages (default: the library's default)")  # fmt: skip
     ap.add_argument("--pipeline-chunks", type=_ints, default=None,
@@ -229,6 +238,9 @@ def worker(args) -> int:
         configs.append(("hier_ring", "", None, None, None, None))
     if "hier_ring16" in args.aggregators:
         configs.append(("hier_ring16", "", None, None, None, None))
+    for agg in ("int8", "hier_int8"):  # issue 25
+        if agg in args.aggregators:
+            configs.append((agg, "", None, None, None, None))
     coded = [("cerar", N, [k * N for k in args.c_mult])] if "cerar" in args.aggregators else []
     if "hier_cerar" in args.aggregators:  # the code runs between the hosts: built for n = hosts
         coded.append(("hier_cerar", hosts, args.hier_c or [k * hosts for k in args.c_mult]))
@@ -263,6 +275,13 @@ def worker(args) -> int:
             st = hierarchical.hierarchical_ring_all_reduce(message, tiers, timeout=ct)
             buf.copy_(message)
             return st
+        if agg in ("int8", "hier_int8"):  # issue 25: the sum, like the others (rel_error is against the sum)
+            from cerar.hierarchical.quantized import hierarchical_quantized_all_reduce
+            from cerar.quantized import quantized_all_reduce
+
+            if agg == "int8":
+                return quantized_all_reduce(buf, op="sum", timeout=ct, block=args.int8_block)
+            return hierarchical_quantized_all_reduce(buf, tiers, op="sum", timeout=ct, block=args.int8_block)
         cerar.rounds.PIPELINE_MAX_CHUNKS = chunks
         kw = {} if storage is None else {"storage": storage}  # None: the library's default (older versions: no knob)
         if agg == "hier_cerar":
@@ -346,6 +365,8 @@ def worker(args) -> int:
                 }  # fmt: skip
                 if agg in ("cerar", "hier_cerar"):
                     row["storage"] = storage or _default_storage()
+                if agg in ("int8", "hier_int8"):
+                    row["int8_block"] = args.int8_block
                 if nics:
                     row["nic_tx_bytes_link_max"], row["nic_tx_bytes"] = (int(x) for x in nic_bytes[k].tolist())
                 for name in ("bytes_sent", "bytes_received", "rounds", "peak_extra_bytes"):
@@ -438,6 +459,8 @@ def worker_argv(args, rows_out: Path, where: str, run_id: str) -> list[str]:
         a += ["--hier-c", ",".join(map(str, args.hier_c))]
     if "hier_ring16" in args.aggregators:
         a += ["--half-dtype", args.half_dtype]
+    if "int8" in args.aggregators or "hier_int8" in args.aggregators:
+        a += ["--int8-block", str(args.int8_block)]
     if args.eps is not None:
         a += ["--eps", str(args.eps)]
     if args.kappa_max is not None:

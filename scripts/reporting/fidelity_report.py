@@ -1139,7 +1139,8 @@ def read_plane(path: Path) -> list[dict]:
 
 
 def dominance(plane: list[dict]) -> list[str]:
-    """Which CERAR points of the plane fp16 compression beats on both bytes and error."""
+    """Which CERAR points of the plane fp16 compression beats on both bytes and error, and where the aggregators
+    below 16 bits (8-bit, CERAR over 16-bit messages) fall against it."""
     by_name = {r["aggregator"]: r for r in plane}
     fp16 = by_name.get("fp16")
     cerar = [r for r in plane if r["aggregator"].startswith("cerar") and r["error"] > EXACT_FLOOR * 10]
@@ -1159,9 +1160,21 @@ def dominance(plane: list[dict]) -> list[str]:
     closest = min(cerar, key=lambda r: r["error"])
     lines[0] += (
         f"CERAR's most accurate approximate setting here, {closest['aggregator']}, sends {closest['ratio']:.2f} at "
-        f"{closest['error']:.2g}. CERAR is worth its error only where 16-bit transport is ruled out, or on top of "
-        "it: CERAR in 16-bit transport needs kappa = 1 (c <= N), where it saves nothing over the ring."
+        f"{closest['error']:.2g}."
     )
+    below = [r for r in plane if r["ratio"] < fp16["ratio"] and r["error"] > EXACT_FLOOR * 10]
+    if below:
+        lines += [
+            "",
+            "Below 16-bit bytes: "
+            + "; ".join(
+                f"{r['aggregator']} sends {r['ratio']:.3f} at {r['error']:.2g} "
+                f"({r['error'] / fp16['error']:.3g}x fp16's error)"
+                for r in sorted(below, key=lambda r: r["ratio"])
+            )
+            + ". Each saves bytes over fp16 only by adding error: which to take is the run's noise's to say "
+            "(a budget against the noise, as c=auto does), not the plane's.",
+        ]
     return lines
 
 

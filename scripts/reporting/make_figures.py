@@ -27,6 +27,8 @@ Figures (into ``reports/figures/``)
   setting's rows), with the byte-count bound;
 * ``two_tier_choice.png``: which aggregator on clusters of 8-GPU nodes, from the two-tier cost model alone
   (``scripts/costmodel_report.two_tier_figure``);
+* ``aggregators_gap_vs_bytes.png``: the 1,500-step aggregators study under ``reports/runs/aggregators-1500/``
+  (``scripts/reporting/aggregators_report.figure``);
 * ``two_tier_lab_<where>_<rate>.png`` from ``reports/data/hierarchical_lab.csv``
   (``scripts/hierarchical_report.figures``) and ``two_tier_*`` training figures from
   ``reports/runs/training_hierarchical/``, once ``scripts/bench/run_hierarchical_lab.sh`` has measured them (until
@@ -295,6 +297,9 @@ def saving_vs_n(allreduce_csv: Path, out: Path, size_mb: float = 64.0, c_mult: i
 # --------------------------------------------------------------------------- main
 
 
+GROUPS = ["training", "allreduce", "design", "fidelity", "costmodel", "hierarchical", "aggregators"]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs-dir", type=Path, default=ROOT / "reports" / "runs" / "training")
@@ -306,11 +311,12 @@ def main(argv=None) -> int:
     ap.add_argument("--design-csv", type=Path, default=ROOT / "reports" / "data" / "code_design.csv")
     ap.add_argument("--hierarchical-csv", type=Path, default=ROOT / "reports" / "data" / "hierarchical_lab.csv")
     ap.add_argument("--hierarchical-runs-dir", type=Path, default=ROOT / "reports" / "runs" / "training_hierarchical")
+    ap.add_argument("--aggregators-dir", type=Path, default=ROOT / "reports" / "runs" / "aggregators-1500")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "figures")
     ap.add_argument("--strict", action="store_true", help="fail when a source is missing")
     ap.add_argument(
         "--only",
-        choices=["training", "allreduce", "design", "fidelity", "costmodel", "hierarchical"],
+        choices=GROUPS,
         action="append",
         default=None,
         help="draw only these groups (repeatable); default all",
@@ -321,7 +327,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     written, missing = [], []
 
-    groups = set(args.only or ["training", "allreduce", "design", "fidelity", "costmodel", "hierarchical"])
+    groups = set(args.only or GROUPS)
     runs = []
     if "training" in groups:
         runs = load_wandb_runs(args.wandb) if args.wandb else load_local_runs(args.runs_dir)
@@ -375,6 +381,15 @@ def main(argv=None) -> int:
             written += training_figures(two_tier_runs, args.out, "two_tier_", "(two-tier lab, 4 x 2 ranks, 100 Mbit/s)")
         elif args.only:
             missing.append(f"two-tier training runs ({args.hierarchical_runs_dir})")
+    if "aggregators" in groups:
+        from scripts.reporting import aggregators_report
+
+        rows, _ = aggregators_report.study_rows(aggregators_report.load_runs(args.aggregators_dir))
+        drawn = aggregators_report.figure(rows, args.out / "aggregators_gap_vs_bytes.png")
+        if drawn:
+            written.append(drawn)
+        else:
+            missing.append(f"aggregators study runs ({args.aggregators_dir})")
     for p in written:
         print(f"make_figures: wrote {p}")
     for m in missing:

@@ -69,6 +69,9 @@ K) RUNS=("nccl_s1: aggregator=nccl seed=1"
     "cerar_auto_s1: aggregator=cerar c=auto seed=1"
     "fp16_s1: aggregator=fp16 seed=1"
     "nccl_s2: aggregator=nccl seed=2") ;;
+L) RUNS=("int8_s1: aggregator=int8 seed=1"
+    "cerar_fp16_c5_s1: aggregator=cerar aggregator.transport=float16 c=5 seed=1"
+    "cerar_fp16_c8_s1: aggregator=cerar aggregator.transport=float16 c=8 seed=1") ;;
 *) echo "unknown half $half (A to L)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"

@@ -1,0 +1,155 @@
+"""The two-tier 8-bit all-reduce: exact float32 inside each node, ``cerar.quantized`` on the rails.
+
+For a float32 tensor of d values on N = n G ranks (``NodeLayout``), as ``hierarchical_all_reduce``
+runs its tiers, with the 8-bit all-reduce where CERAR would run:
+
+1. inside each node, the exact float32 ring reduce-scatter (``intra_node.reduce_scatter``): local rank
+   l holds the node's sum of shard l (s = ceil(d/G) values);
+2. on rail l (local rank l of every node), ``cerar.quantized.quantized_all_reduce`` of that shard
+   over the n nodes: each node's contribution quantized once, the sums in float32, the reduced shard
+   quantized once and all-gathered, so every rank of the rail holds the same bytes;
+3. inside each node, the exact float32 ring all-gather.
+
+So every rank of the job ends with the same result (the rails agree bit for bit and the all-gather
+copies exactly), and only the slow tier carries 8-bit messages: per node, between the nodes,
+2 (n-1)/n d (1 + 4/B) bytes against the exact hierarchy's 2 (n-1)/n d x 4. The error is the flat
+call's bound with the node sums as the contributions (n of them). With G = 1 the call is the flat
+``quantized_all_reduce`` over every rank; with n = 1 it is exact.
+
+Costs per rank and call (s = ceil(d/G), s' = ceil(s/n), nb = ceil(s'/B)):
+
+=============================  =========================================
+rounds inside the node         2 (G - 1)
+bytes sent inside the node     2 (G - 1) s x 4
+rounds between nodes           2 (n - 1)
+bytes sent between nodes       2 (n - 1) (s' + 4 nb)
+=============================  =========================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cerar.hierarchical.collective import HierarchicalStats, _groups
+from cerar.hierarchical.intra_node import all_gather, reduce_scatter
+from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups
+from cerar.int8_blocks import DEFAULT_BLOCK, FORMAT
+from cerar.protocol import (
+    AllReduceStats,
+    CollectiveError,
+    _as_timedelta,
+    _Ring,
+    _Rounds,
+    as_equal_shards,
+    check_agreement,
+)
+from cerar.quantized import QUANTIZED_PROTOCOL_VERSION, check_quantized_call, quantized_all_reduce
+from cerar.rounds import PhaseTimer
+
+RAIL_METHOD = "int8 quantized"
+
+
+def hierarchical_quantized_all_reduce(
+    tensor: torch.Tensor,
+    layout: NodeLayout | TierGroups | None = None,
+    op: str = "avg",
+    timeout=None,
+    block: int = DEFAULT_BLOCK,
+    *,
+    timed: bool = True,
+) -> HierarchicalStats:
+    """All-reduce ``tensor`` (float32) in place: exact inside each node, 8-bit on the rails (module
+    docstring); every rank gets the same result. ``layout`` as for ``hierarchical_all_reduce`` (a
+    ``NodeLayout``, the ``TierGroups`` to use, or None: torchrun's LOCAL_WORLD_SIZE); ``op``,
+    ``timeout``, ``block`` as for ``quantized_all_reduce``. Raises ValueError for bad input and
+    CollectiveError when a peer fails, stalls past the timeout, or disagrees on the layout, the
+    format, B, the op or the length (on every rank). ``HierarchicalStats`` records each tier's bytes;
+    ``inter_node_method`` is "int8 quantized", or "none" on one node."""
+    operation = "cerar.hierarchical_quantized_all_reduce"
+    check_quantized_call(tensor, op, block, operation)
+    groups = _groups(layout, timeout, operation)
+    layout, G = groups.layout, groups.layout.local_size
+    method = RAIL_METHOD if layout.nodes > 1 else "none"
+    d = tensor.numel()
+    check_agreement(
+        _Ring.of(groups.all_ranks, _as_timedelta(timeout), operation),
+        {
+            "hierarchical layout version": LAYOUT_VERSION,
+            "quantized protocol version": QUANTIZED_PROTOCOL_VERSION,
+            "node layout (nodes x local size)": str(layout),
+            "method between the nodes": method,
+            "format": FORMAT,
+            "block size B": block,
+            "op": op,
+            "tensor length d": d,
+            "dtype": str(tensor.dtype),
+        },
+    )
+    stats = HierarchicalStats(layout, method, exact=method == "none")
+    if d == 0:
+        return stats
+    if G == 1:  # nothing inside a node: the rail is every rank in rank order
+        stats.inter_node = _on_rail(tensor, groups, op, timeout, block, timed, operation)
+        return stats
+
+    timer = PhaseTimer(tensor.device, enabled=timed)
+    ring = _Ring.of(groups.intra_node, _as_timedelta(timeout), f"{operation}: inside node {groups.node}")
+    flat, in_place = as_equal_shards(tensor, G)
+    shards = flat.view(G, -1)
+    incoming = flat.new_empty(shards.shape[1])
+    mine = shards[groups.local_rank]
+
+    def divide() -> None:  # the rail divides by n, for 1 / (n G) in all
+        with timer.phase("decode"):
+            mine.div_(G)
+
+    def copy_back() -> None:
+        with timer.phase("decode"):
+            tensor.copy_(flat[:d].view(tensor.shape))
+
+    with torch.no_grad():
+        rounds = _Rounds(ring, timer)
+        reduce_scatter(shards, rounds, incoming, timer)
+        if op == "avg":
+            rounds.issue(divide)
+        rounds.finish()  # each tier ends with its deadline kept: a stall inside the node is reported here
+        if method != "none":
+            stats.inter_node = _on_rail(mine, groups, op, timeout, block, timed, operation)
+        rounds = _Rounds(ring, timer)
+        all_gather(shards, rounds)
+        if not in_place:
+            rounds.issue(copy_back)
+        rounds.finish()
+    seconds = timer.totals()
+    stats.intra_node = AllReduceStats(
+        bytes_sent=ring.bytes_sent,
+        bytes_received=ring.bytes_received,
+        rounds=2 * (G - 1),
+        seconds_comm=seconds.get("comm", 0.0),
+        seconds_decode=seconds.get("decode", 0.0),
+        peak_extra_bytes=(incoming.numel() + (0 if in_place else flat.numel())) * flat.element_size(),
+    )
+    return stats
+
+
+def _on_rail(shard, groups: TierGroups, op, timeout, block, timed, operation) -> AllReduceStats:
+    """``shard`` all-reduced over this rank's rail with 8-bit messages; a failure re-raised naming the rail."""
+    try:
+        return quantized_all_reduce(shard, groups.rail, op=op, timeout=timeout, block=block, timed=timed)
+    except CollectiveError as error:
+        raise CollectiveError(f"{operation}: between the nodes, on rail {groups.local_rank}: {error}") from error
+
+
+def hierarchical_quantized_bytes(d: int, layout: NodeLayout, block: int = DEFAULT_BLOCK) -> dict[str, int]:
+    """What one rank sends per call and tier: {"intra_node": 2 (G-1) s x 4, "inter_node": 2 (n-1) (s' + 4 nb)}."""
+    from cerar.quantized import quantized_bytes_sent
+
+    G, n = layout.local_size, layout.nodes
+    s = -(-d // G) if d else 0
+    return {
+        "intra_node": 2 * (G - 1) * s * 4 if G > 1 else 0,
+        "inter_node": quantized_bytes_sent(s if G > 1 else d, n, block),
+    }
+
+
+__all__ = ["hierarchical_quantized_all_reduce", "hierarchical_quantized_bytes"]
