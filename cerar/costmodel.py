@@ -196,6 +196,62 @@ def cerar_exposed_values(d, N: int, c, storage: str = DEFAULT_STORAGE):
     return (c + 1) * m + np.where(c >= 2, 3 * m, 0) + decode
 
 
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""DDP's first bucket (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``): the last parameters' gradients,
+reduced first, whatever ``bucket_cap_mb``."""
+DDP_DEFAULT_BUCKET_CAP_MB = 25.0  # cerar.ddp.DDP_DEFAULT_BUCKET_CAP_MB, without importing torch
+
+
+def ddp_bucket_cap_mb(N: int, c: int) -> float:
+    """The bucket size (MiB) the trainer gives DDP with CERAR: ``cerar.ddp.default_bucket_cap_mb``,
+    25 MiB x c / N, at least 25."""
+    _check_nc(N, c)
+    return max(DDP_DEFAULT_BUCKET_CAP_MB, DDP_DEFAULT_BUCKET_CAP_MB * c / N)
+
+
+PIPELINE_MIN_CHUNK = 2**16  # cerar.rounds.PIPELINE_MIN_CHUNK, without importing torch
+PIPELINE_MAX_CHUNKS = 2  # cerar.rounds.PIPELINE_MAX_CHUNKS
+
+
+def pipeline_chunk_count(m: int) -> int:
+    """How many column chunks a block of m values travels in (``cerar.rounds.pipeline_chunks``): one
+    below 2 x 2^16 values, i.e. for d < 2^17 c."""
+    return max(1, min(PIPELINE_MAX_CHUNKS, int(m) // PIPELINE_MIN_CHUNK))
+
+
+def cerar_round_values(N: int, c: int, storage: str = DEFAULT_STORAGE) -> dict:
+    """The arithmetic of one CERAR call per round, in units of m values moved (``cerar.rounds``; exact
+    when c divides d), as the device stream sees it with ONE chunk:
+
+    - ``before``: x(1)'s encoding, before round 1 is posted (c + 1: G's rows read, one row written);
+    - ``in_flight[t-1]``: issued right after round t is posted, so it runs beside round t's transfer:
+      round 1: the rest of the encoding (2c - 1: G read again, U's other rows written), which round 2's
+      post waits for; rounds N..c-1: the injection u(t+1) - u(t-N+1) (3); with ``"spec"``, a decoding
+      product once a batch of messages is complete, before round L (2c + batch);
+    - ``receive[t-1]``: after round t's message arrives and before round t+1 is posted: the addition
+      x(t+1) = u(t+1) + yhat(t) (3), in every round but c..N-1 (no row to add);
+    - ``after``: after the last round: the decoding left (``cerar_exposed_values`` less x(1) and the
+      last addition).
+
+    ``before + sum(in_flight) + sum(receive) + after`` is ``cerar_arithmetic``'s values_moved / m;
+    ``before + receive[-1] + after`` is ``cerar_exposed_values`` / m."""
+    _check_nc(N, c)
+    _check_storage(storage)
+    L = c + N - 2
+    t = np.arange(1, L + 1)
+    in_flight = np.where((t >= N) & (t <= c - 1), 3, 0)
+    in_flight[0] += 2 * c - 1
+    rows = max(L if storage == "messages" else N, 2)
+    batch = rows if rows >= L else rows - 1
+    if batch < L:
+        for k in range(1, max(L - 2, 0) // batch + 1):  # a batch of messages decoded in flight, before round L
+            in_flight[k * batch] += 2 * c + batch
+    receive = np.where((t >= c) & (t <= N - 1), 0, 3) if c >= 2 else np.zeros(L, dtype=int)
+    exposed = int(cerar_exposed_values(c, N, c, storage))  # m = 1
+    after = exposed - (c + 1) - int(receive[-1])
+    return {"before": c + 1, "in_flight": in_flight, "receive": receive, "after": after}
+
+
 def cerar_work(d, N: int, c: int, storage: str = DEFAULT_STORAGE):
     """Arithmetic operations per worker of CERAR: multiply-adds plus additions (``cerar_arithmetic``)."""
     counts = cerar_arithmetic(d, N, c, storage)
@@ -237,6 +293,11 @@ class LinkModel:
     name: str = ""
     note: str = ""
     storage: str = DEFAULT_STORAGE  # CERAR's storage choice (``cerar.rounds``)
+    shares_memory: bool = False
+    """The transfers move their bytes through the same memory the arithmetic streams from (NVLink:
+    a GPU's sends are read from, and its receives written to, its HBM by the copy engines or NCCL's
+    kernels), so beside the arithmetic each round adds 2 x its bytes of memory traffic. False for
+    PCIe and network links, whose bytes are the bottleneck long before HBM's."""
 
     def __post_init__(self):
         _check_storage(self.storage)
@@ -263,20 +324,52 @@ class LinkModel:
 
     def ring_time_overlapped(self, d, N: int, itemsize: int = 4) -> float:
         """The ring with its additions beside its transfers, as NCCL's ring kernel pipelines them:
-        rounds * alpha + max(bytes / bandwidth, bytes moved / memory bandwidth)."""
+        rounds * alpha + max(bytes / bandwidth, bytes moved / memory bandwidth), the memory traffic
+        including the transfers' own (2 x bytes sent) where the link shares memory (NVLink)."""
         rounds, sent, moved = features("ring", d, N, None, itemsize)
-        return float(self.alpha * rounds + max(sent / self.bandwidth, moved / self.memory_bandwidth))
+        memory = moved + (2 * sent if self.shares_memory else 0)
+        return float(self.alpha * rounds + max(sent / self.bandwidth, memory / self.memory_bandwidth))
 
     def cerar_time_overlapped(self, d, N: int, c: int, itemsize: int = 4) -> float:
-        """CERAR with its arithmetic beside its transfers (a GPU: NCCL's stream and the compute
-        stream run at once; ``cerar.protocol`` enqueues chunk k's arithmetic while chunk k+1 is on
-        the wire): rounds * alpha + max(bytes / bandwidth, hideable traffic / memory bandwidth) +
-        exposed traffic / memory bandwidth (``cerar_exposed_values``). Assumes the transfers take no
-        memory bandwidth from the arithmetic (true of PCIe and network links; on NVLink they share HBM)."""
+        """CERAR with its arithmetic beside its transfers (a GPU: NCCL's stream and the compute stream
+        run at once), as ``cerar.protocol`` issues a call:
+
+        - two or more chunks (m >= 2 x 2^16, ``pipeline_chunk_count``): chunk k's arithmetic runs while
+          chunk k+1 is on the wire: rounds * alpha + max(bytes / bandwidth, hideable traffic / memory
+          bandwidth) + exposed traffic / memory bandwidth (``cerar_exposed_values``);
+        - one chunk (d < 2^17 c: DDP's first 1 MiB bucket, most buckets of small models): nothing
+          else travels while a round's message is received and added, so every round's addition is
+          exposed, and only what is issued right after a post runs beside that round's transfer
+          (round 1: the rest of the encoding, which round 2's post waits for): ``cerar_time_one_chunk``.
+
+        Where the link shares memory (NVLink) the traffic beside the transfers includes the
+        transfers' own 2 x bytes sent."""
+        m = -(-int(d) // c)
+        if pipeline_chunk_count(m) == 1:
+            return self.cerar_time_one_chunk(d, N, c, itemsize)
+        return self.cerar_time_pipelined(d, N, c, itemsize)
+
+    def cerar_time_pipelined(self, d, N: int, c: int, itemsize: int = 4) -> float:
+        """The overlapped time of two or more chunks (``cerar_time_overlapped``): everything but the
+        exposed traffic beside the transfers. For a one-chunk call it is a best case, the model before
+        the per-chunk one."""
         rounds, sent, moved = features("cerar", d, N, c, itemsize, self.storage)
         exposed = float(cerar_exposed_values(d, N, c, self.storage)) * itemsize
-        hidden = max(sent / self.bandwidth, (moved - exposed) / self.memory_bandwidth)
+        beside = moved - exposed + (2 * sent if self.shares_memory else 0)
+        hidden = max(sent / self.bandwidth, beside / self.memory_bandwidth)
         return float(self.alpha * rounds + hidden + exposed / self.memory_bandwidth)
+
+    def cerar_time_one_chunk(self, d, N: int, c: int, itemsize: int = 4) -> float:
+        """One chunk on the device stream, round by round (``cerar_round_values``):
+        (before + sum of the receives + after) m / memory bandwidth, plus per round t
+        max(alpha + m / bandwidth, (in_flight_t m + 2 m if the link shares memory) / memory bandwidth),
+        in bytes of ``itemsize``."""
+        m = -(-int(d) // c) * itemsize
+        r = cerar_round_values(N, c, self.storage)
+        serial = (r["before"] + int(r["receive"].sum()) + r["after"]) * m / self.memory_bandwidth
+        transfer = self.alpha + m / self.bandwidth
+        beside = (r["in_flight"] + (2 if self.shares_memory else 0)) * m / self.memory_bandwidth
+        return float(serial + np.maximum(transfer, beside).sum())
 
     def best_c(self, d: int, N: int, itemsize: int = 4, c_max: int | None = None) -> tuple[int, float]:
         """The c in 1..c_max (default 64N) minimising CERAR's time, and that time."""
@@ -431,7 +524,8 @@ SCENARIOS = {
     "pcie-node": LinkModel(10e-6, 25e9, HBM_BANDWIDTH, "PCIe-class node (A100 PCIe)",
                            "25 GB/s per direction (PCIe 4.0 x16), alpha 10 us"),
     "nvlink": LinkModel(5e-6, 300e9, HBM_BANDWIDTH, "NVLink-class node (A100 SXM, NVLink3)",
-                        "300 GB/s per direction, alpha 5 us"),
+                        "300 GB/s per direction, alpha 5 us; the transfers share HBM with the arithmetic",
+                        shares_memory=True),
     "ib-200g": LinkModel(20e-6, 25e9, HBM_BANDWIDTH, "inter-node 200 Gbit/s",
                          "200 Gbit/s = 25 GB/s per direction, alpha 20 us"),
     "ib-100g": LinkModel(20e-6, 12.5e9, HBM_BANDWIDTH, "inter-node 100 Gbit/s",

@@ -1,20 +1,20 @@
-"""The GPU acceptance check runs end to end on the CPU (its dry run) and reports every check it makes."""
+"""The GPU acceptance check (scripts/checks/gpu/) runs end to end on the CPU (its dry run), covers
+every section there (NOT RUN where a case needs CUDA or more devices, never PASS), and keeps a hang
+or an abort inside the case's own process."""
 
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
 
 import cerar
-from scripts.checks.gpu_check import (
-    MULTI_RANK_SECTIONS,
-    judge_coded,
-    judge_sum,
-    multi_rank_verdicts,
-    proved,
-    resolve_device,
-)
+from scripts.checks.gpu import runner
+from scripts.checks.gpu.cases import Case, Context, Needs, run_case
+from scripts.checks.gpu.judge import judge_coded, judge_sum, resolve_device
 
 
 def gpu_check(tmp_path, *extra, timeout=1500):
@@ -46,26 +46,38 @@ def rows(report: str, first_cells: str) -> list[list[str]]:
 
 
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
-    run, report = gpu_check(tmp_path, "--skip", "training")
+    run, report = gpu_check(tmp_path, "--skip", "training", "training_cerar")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     verdicts = ("PASS", "FAIL", "NOT RUN", "MEASURED")
-    summary = {row[0]: row[1] for row in rows(report, "| ") if len(row) == 2 and row[1] in verdicts}
-    expected = {**dict.fromkeys(("oracle", "tf32", "protocol", "hook", "stall"), "PASS"), "throughput": "MEASURED"}
-    assert summary == expected, summary
+    summary = {(r[0], r[1]): r for r in rows(report, "| ") if len(r) == 6 and r[2] in verdicts}
+    ctx = Context("cpu", 2, 8, True, 1, False)
+    every_case = {(s.SECTION, c.name): c for s in runner.SECTIONS for c in s.cases(ctx)}
+    assert set(summary) == set(every_case)  # every section's every case is in the report
+    for key, case in every_case.items():
+        verdict, reason = summary[key][2], summary[key][5]
+        if case.needs.cuda:
+            assert (verdict, reason) == ("NOT RUN", "needs CUDA"), key
+        elif case.needs.ranks > 2:
+            assert verdict == "NOT RUN" and reason.startswith(f"needs {case.needs.ranks} GPUs"), key
+    assert summary["arithmetic", "oracle"][2:4] == ["PASS", "0"] and summary["arithmetic", "tf32"][2] == "PASS"
+    assert summary["throughput", "encode/decode rate"][2] == "MEASURED"
+    assert summary["between ranks", "protocol, hook, stall"][2] == "PASS"
     oracle = {row[2]: row for row in rows(report, "| 4 |") if len(row) == 11}
     assert set(oracle) == {"exact", "vandermonde", "perturbation", "optimized"}  # every construction
     assert oracle["exact"][1] == "4" and "cannot be built at c=16" in oracle["exact"][10]
     for row in oracle.values():  # each judged by its own rounding bound, which the report states
         assert row[9] == "PASS" and float(row[7]) <= float(row[8]), row
     assert "Ran on 2 ranks, gloo, one per device" in report  # the protocol and hook between two real processes
-    stall = rows(report, "| 0 |")  # rank 0 survived rank 1's SIGSTOP: it raised within the timeout plus slack
-    assert stall and stall[-1][2].startswith("CollectiveError: cerar.all_reduce") and float(stall[-1][1]) < 2.0 + 5.0
+    (stall,) = rows(report, "| 0 |")  # rank 0 survived rank 1's SIGSTOP through the trainer's exit path
+    assert float(stall[1]) < 2.0 + 5.0 and stall[2] == "3" and float(stall[3]) < 10.0
+    assert stall[4].startswith("error: collective 'cerar.all_reduce (gpu check stall)'") and "rank 1" in stall[4]
     assert "Device copy bandwidth" in report and "not measured (a CPU has no streams)" in report
 
 
 @pytest.mark.slow
 def test_gpu_check_training_section_kills_and_resumes_to_the_same_parameters_on_the_cpu(tmp_path):
-    run, report = gpu_check(tmp_path, "--skip", "throughput", "distributed", timeout=1200)
+    skip = [runner.key(s) for s in runner.SECTIONS if runner.key(s) != "training"]
+    run, report = gpu_check(tmp_path, "--skip", *skip, timeout=1200)
     training = rows(report, "| fp32 |")
     assert training and training[0][-1] == "PASS", report[-3000:]
     assert training[0][3] == training[0][4]  # param_sha256 of the uninterrupted and the killed + resumed run
@@ -77,6 +89,7 @@ def test_gpu_check_refuses_cuda_without_a_device():
     assert run.returncode != 0 and "no CUDA device" in run.stderr
 
 
+@pytest.mark.quick
 def test_cuda_resolves_to_the_current_device_with_its_index():
     """``torch.cuda.set_device(torch.device("cuda"))`` raises ValueError: the check must name an index."""
     assert resolve_device("cuda", 3) == torch.device("cuda", 3)
@@ -86,6 +99,7 @@ def test_cuda_resolves_to_the_current_device_with_its_index():
         resolve_device("cuda", None)
 
 
+@pytest.mark.quick
 def test_a_coded_result_is_judged_against_the_exact_sum_within_the_codes_own_bound():
     """The exact-arithmetic results from the spec's reference pass; the exact sum (what a broken
     transport that skipped the code would give), and a result moved by ten times the rounding
@@ -107,21 +121,38 @@ def test_a_coded_result_is_judged_against_the_exact_sum_within_the_codes_own_bou
     assert not judge_sum(reference, G, torch.float32)["ok"]
 
 
-def test_a_one_device_run_cannot_pass_a_section_that_needs_two_ranks():
-    """One rank exchanges no message: whatever it ran, the multi-rank sections say NOT RUN, and the
-    report lists what one device did prove and what it could not."""
-    everything_passed = dict.fromkeys(MULTI_RANK_SECTIONS, True)
-    assert multi_rank_verdicts(1, everything_passed) == dict.fromkeys(MULTI_RANK_SECTIONS, "NOT RUN")
-    assert multi_rank_verdicts(1, None) == dict.fromkeys(MULTI_RANK_SECTIONS, "NOT RUN")
-    assert multi_rank_verdicts(2, everything_passed) == dict.fromkeys(MULTI_RANK_SECTIONS, "PASS")
-    assert multi_rank_verdicts(4, {"protocol": True, "hook": False}) == {
-        "protocol": "PASS",
-        "hook": "FAIL",
-        "stall": "FAIL",  # a section with no judgement never passes
-    }
-    statuses = {"oracle": "PASS", "tf32": "PASS", "hook plumbing (N=1)": "PASS", "training bf16": "PASS"}
-    statuses.update(multi_rank_verdicts(1, everything_passed))
-    lines = proved(statuses, world=1, devices=1, backend="nccl")
-    assert any("thread, stream and future" in line for line in lines)
-    assert any(line.startswith("- NOT RUN (needs two devices; this machine has 1)") for line in lines)
-    assert not any("PASS" in line and "between" in line for line in lines)
+@pytest.mark.quick
+def test_a_case_runs_only_where_the_machine_can_prove_it():
+    """One GPU: the cases that need two or more ranks are NOT RUN, naming the GPUs needed and had;
+    --quick leaves out the sections it does not list; the CPU runs nothing that needs CUDA."""
+    one_gpu = runner.plan(Context("cuda", 1, 8, False, 5, False), [])
+    reasons = {(s.SECTION, c.name): r for s, entries in one_gpu for c, r in entries}
+    assert reasons["NCCL self-loop", "rounds"] is None and reasons["hook, delayed producer", "delayed producer"] is None
+    assert reasons["between ranks", "protocol, hook, stall"] == "needs 2 GPUs (one rank per GPU; this machine has 1)"
+    assert reasons["hierarchical", "2 x 2"] == "needs 4 GPUs (one rank per GPU; this machine has 1)"
+    assert reasons["training with CERAR", "cerar vs nccl"].startswith("needs 2 GPUs")
+    eight = {(s.SECTION, c.name): r for s, e in runner.plan(Context("cuda", 8, 2, False, 5, False), []) for c, r in e}
+    assert eight["hierarchical", "2 x 2"] == "needs 4 GPUs (one rank per GPU; this machine has 8, --ranks 2)"
+    quick = runner.plan(Context("cuda", 8, 8, False, 5, True), [])
+    ran = {s.SECTION for s, entries in quick for _, r in entries if r is None}
+    assert ran == {"NCCL self-loop", "arithmetic", "throughput", "hook, delayed producer"}
+    cpu = runner.plan(Context("cpu", 2, 8, True, 1, False), [])
+    assert all(r == "needs CUDA" for _, entries in cpu for c, r in entries if c.needs.cuda)
+
+
+def hangs(out):  # noqa: ARG001
+    time.sleep(600)
+
+
+def aborts(out):
+    Path(out).write_text('{"status": "PASS"}')
+    os.abort()
+
+
+def test_a_hang_or_an_abort_stays_in_its_case_and_is_recorded(tmp_path):
+    """A case that hangs is killed at its deadline and fails, saying so; one that aborts after writing
+    a passing result still fails on its exit status (-6: SIGABRT, 134 in a shell)."""
+    hung = run_case(Case("test", "hang", "tests.test_gpu_check:hangs", deadline_s=1.0), tmp_path)
+    assert hung.status == "FAIL" and "deadline" in hung.reason and 1.0 <= hung.seconds < 20
+    aborted = run_case(Case("test", "abort", "tests.test_gpu_check:aborts", needs=Needs()), tmp_path)
+    assert aborted.status == "FAIL" and aborted.exit == -6 and aborted.reason == "exit status -6, expected 0"

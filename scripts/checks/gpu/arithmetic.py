@@ -1,0 +1,180 @@
+"""Section "arithmetic": CERAR's encode/decode arithmetic on the device, against the exact sum.
+
+- oracle: ``cerar.simulate`` on the device, (N, c) in {(4, 16), (8, 32)} and every construction (one
+  that cannot be built there is reported as such and checked at the largest of c = N, N/2, 2 that
+  builds), each worker's result within the float32 rounding bound of the exact sum plus the code's
+  own error (``judge.judge_coded``);
+- tf32: the same with TF32 switched on (``torch.set_float32_matmul_precision("high")``): inside
+  ``cerar.full_fp32_products`` within the bound and the caller's settings restored; the unguarded
+  products reported next to it.
+
+One device, no transfer: proves the device's arithmetic, nothing about NCCL. Expected time on one
+H200: about 20 s (two processes, each a few seconds of CUDA start-up)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from unittest import mock
+
+import torch
+
+import cerar
+from scripts.checks.gpu.cases import FAIL, NOT_RUN, PASS, Case, Context
+from scripts.checks.gpu.judge import judge_coded, worst_error
+
+SECTION = "arithmetic"
+QUICK = True
+EXPECTED_S = 20
+SHAPES = [(4, 16), (8, 32)]
+
+PROVES = {
+    "oracle": "the device's encode/decode arithmetic gives every construction's exact-arithmetic result within "
+    "float32's rounding bound",
+    "tf32": "with TF32 switched on, CERAR's products still run in full float32 and the caller's settings come back",
+}
+
+
+def cases(ctx: Context) -> list[Case]:
+    d = 4096 if ctx.small else 2**20
+    shapes = [(4, 16)] if ctx.small else SHAPES
+    return [
+        Case(SECTION, "oracle", "arithmetic:oracle_agreement", {"device": ctx.device, "d": d, "shapes": shapes}, 300),
+        Case(
+            SECTION,
+            "tf32",
+            "arithmetic:tf32_guard",
+            {"device": ctx.device, "d": d, **({"N": 4, "c": 8} if ctx.small else {})},
+            300,
+        ),
+    ]
+
+
+def _device(name: str) -> torch.device:
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+    return device
+
+
+def oracle_agreement(device: str, d: int, shapes, out: str) -> dict:  # noqa: ARG001
+    device = _device(device)
+    rows = []
+    for N, c in shapes:
+        for construction in cerar.CONSTRUCTIONS:
+            row = {"N": N, "c": c, "construction": construction}
+            code, reasons = None, []
+            for smaller in dict.fromkeys((c, N, N // 2, 2)):  # the asked c, else the largest that builds
+                try:
+                    code = cerar.make_code(N, smaller, construction)
+                    break
+                except ValueError as error:
+                    reasons.append(f"c={smaller}: {str(error).split(';')[0]}")
+            if code is None:
+                row.update(status=NOT_RUN, note="cannot be built: " + "; ".join(reasons))
+                rows.append(row)
+                continue
+            if code.c != c:
+                row.update(c=code.c, note=f"cannot be built at {reasons[0]}; checked at c={code.c}")
+            G = torch.randn(N, d, generator=torch.Generator().manual_seed(N * 100 + code.c))
+            with cerar.full_fp32_products(device):
+                on_cpu = cerar.simulate(G, code)
+                on_device = cerar.simulate(G.to(device), code).cpu()
+            judged = judge_coded(on_device, G, code, torch.float32)
+            row.update(
+                kappa=code.kappa,
+                difference=((on_device - on_cpu).norm() / on_cpu.norm()).item(),
+                cpu_error=worst_error(on_cpu, G),
+                device_error=judged["error"],
+                deviation=judged["deviation"],
+                bound=judged["bound"],
+                status=PASS if judged["ok"] else FAIL,
+            )
+            rows.append(row)
+    ok = all(r["status"] in (PASS, NOT_RUN) for r in rows)
+    return {"status": PASS if ok else FAIL, "d": d, "rows": rows}
+
+
+def simulate_unguarded(G: torch.Tensor, code: cerar.Code) -> torch.Tensor:
+    """``cerar.simulate`` without its TF32 guard: the products run under the process's own matmul
+    settings, to measure what the guard prevents (``cerar.simulate`` always runs guarded)."""
+    simulate_module = sys.modules["cerar.simulate"]  # the module: the attribute ``cerar.simulate`` is the function
+    with mock.patch.object(simulate_module, "full_fp32_products", contextlib.nullcontext):
+        return simulate_module.simulate(G, code)
+
+
+def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict:  # noqa: ARG001
+    device = _device(device)
+    code = cerar.make_code(N, c, "perturbation")
+    G = torch.randn(N, d, generator=torch.Generator().manual_seed(8))
+    cpu_error = worst_error(cerar.simulate(G, code), G)
+    before = cerar.precision.matmul_precision_settings()
+    torch.set_float32_matmul_precision("high")  # TF32 on, as a model might want it
+    try:
+        unguarded = judge_coded(simulate_unguarded(G.to(device), code), G, code, torch.float32)
+        with cerar.full_fp32_products(device):
+            inside = cerar.precision.matmul_precision_settings()
+            guarded = judge_coded(cerar.simulate(G.to(device), code), G, code, torch.float32)
+        after = cerar.precision.matmul_precision_settings()
+    finally:
+        torch.set_float32_matmul_precision(before[0] or "highest")
+    ok = guarded["ok"] and after == ("high", "tf32") and not cerar.precision.reduced_precision_allowed(inside)
+    return {
+        "N": N,
+        "c": c,
+        "d": d,
+        "kappa": code.kappa,
+        "cpu_error": cpu_error,
+        "unguarded": unguarded["error"],
+        "unguarded_deviation": unguarded["deviation"],
+        "guarded": guarded["error"],
+        "guarded_deviation": guarded["deviation"],
+        "bound": guarded["bound"],
+        "restored": after == ("high", "tf32"),
+        "status": PASS if ok else FAIL,
+    }
+
+
+def report(results) -> list[str]:
+    lines = []
+    for r in results:
+        v = r.value or {}
+        if r.case.name == "oracle" and v.get("rows"):
+            lines += [
+                f"**oracle** (d = {v['d']}): the worst worker's relative error against the exact sum (CPU and "
+                "device), and the device's deviation from the exact sum plus the code's own error for these "
+                "gradients, relative to ||G||_F; PASS when within the float32 rounding bound kappa * 2^-24 * "
+                "(sqrt(c + L) + N) (`cerar.precision.rounding_bound`).",
+                "",
+                "| N | c | construction | kappa | rel. difference device vs CPU | CPU error | device error "
+                "| device rounding deviation | bound | result | note |",
+                "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+            ]
+            for row in v["rows"]:
+                if row["status"] == NOT_RUN:
+                    lines.append(
+                        f"| {row['N']} | {row['c']} | {row['construction']} | | | | | | | NOT RUN | {row['note']} |"
+                    )
+                else:
+                    lines.append(
+                        f"| {row['N']} | {row['c']} | {row['construction']} | {row['kappa']:.3g} "
+                        f"| {row['difference']:.2e} | {row['cpu_error']:.2e} | {row['device_error']:.2e} "
+                        f"| {row['deviation']:.2e} | {row['bound']:.2e} | {row['status']} | {row.get('note', '')} |"
+                    )
+            lines.append("")
+        if r.case.name == "tf32" and "kappa" in v:
+            lines += [
+                f"**tf32**: `torch.set_float32_matmul_precision('high')`, N={v['N']}, c={v['c']} perturbation, "
+                f"d={v['d']}, kappa {v['kappa']:.3g}; deviations from the code's exact-arithmetic result relative "
+                f"to ||G||_F against the bound {v['bound']:.2e}. Unguarded: the products under TF32 (on a CPU, "
+                "which has no TF32, the same as guarded).",
+                "",
+                "| CPU error | device error, unguarded (deviation) | inside `cerar.full_fp32_products` (deviation) "
+                "| settings restored | result |",
+                "| --- | --- | --- | --- | --- |",
+                f"| {v['cpu_error']:.2e} | {v['unguarded']:.2e} ({v['unguarded_deviation']:.1e}) "
+                f"| {v['guarded']:.2e} ({v['guarded_deviation']:.1e}) | {v['restored']} | {v['status']} |",
+                "",
+            ]
+    return lines

@@ -1,0 +1,448 @@
+"""Section "NCCL self-loop": what one GPU can prove about NCCL. A one-rank NCCL group can send to
+itself: ``dist.isend`` allows dst == this rank, and a batch of a send to self and a receive from
+self is matched inside one ``ncclGroupStart/End`` (NCCL copies it locally). Each case runs in a
+process of its own (an abort or a SIGABRT stays there), on cuda:0, with the trainer's watchdog
+setting (``train.distributed.configure_nccl_watchdog``: TORCH_NCCL_ASYNC_ERROR_HANDLING=1).
+
+Read against torch's ProcessGroupNCCL.cpp (``WorkNCCL::wait``, ``WorkNCCL::synchronizeStream``,
+``WorkNCCL::handleException``, ``HeartbeatMonitor``) and distributed_c10d.py (``batch_isend_irecv``):
+
+- one work: ``batch_isend_irecv`` on NCCL runs the batch inside ``_coalescing_manager`` and returns
+  ``cm.works``: one work for the batch; the received values equal the sent ones;
+- wait returns: ``WorkNCCL::wait()`` without a timeout only calls ``synchronize()`` (the current
+  stream waits for the NCCL stream's end event) and returns; with the work queued behind a long
+  kernel (``torch.cuda._sleep``), the host is back at once, the work still incomplete, and the
+  values arrive once the kernel is done (the send reads what the stream wrote before it);
+- wait(timeout): blocks the host, polling ``isCompleted()`` until ``checkTimeout`` (the work's age
+  past the timeout), then ``abort()`` (the communicator) and ``handleException(TearDown)``, which
+  rethrows on the calling thread: the call raises after about the timeout and the group is aborted;
+- rounds: CERAR's rounds over N logical workers (worker i's message is a self-send into worker
+  i+1's receive buffer), through the protocol's own ``_Ring``, ``_Rounds`` and ``CodedRingRank``
+  under the stream-ordered contract, held to the spec's protocol in float64
+  (``tests/spec_reference.py``) within ``cerar.precision.rounding_bound``; the host's polls counted
+  (one per ``LOOK_BEHIND_POSTS`` posts after the first window, and one at the end) and its lead on
+  the stream measured, with the GPU held behind a long kernel so that the lead reaches its bound;
+- deadline: a round that never completes (queued behind a kernel that outlives every deadline;
+  NCCL refuses a self-receive without its matching self-send in the same group: "Trying to recv
+  to self without a matching send", ncclInvalidUsage, in its enqueue.cc; so a one-rank group has
+  no peer that can fail to send), bounded by the protocol's deadline: CollectiveError,
+  then the trainer's exit path ``train.distributed.exit_after_collective_failure``: exit status 3,
+  one line; the abort's duration recorded;
+- watchdog: the same round with no deadline of ours: torch's watchdog finds the work past the
+  group's timeout, aborts and tears the process down from its own thread (SIGABRT, 134 in a
+  shell) after waiting ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` for its debug dump.
+
+What one GPU cannot prove: anything between two GPUs (a peer that dies, NVLink or network
+transfers, two ranks' deadlines racing). Expected time on one H200: about 2.5 minutes (six
+processes of about 10 s start-up each; the watchdog case about 35 s)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from scripts.checks.gpu.cases import FAIL, PASS, Case, Context, Needs
+
+SECTION = "NCCL self-loop"
+QUICK = True
+EXPECTED_S = 150
+NEEDS = Needs(cuda=True, ranks=1)
+TIMEOUT_S = 3.0  # the deadline of the deadline case
+SLACK_S = 3.0  # beyond a timeout: the poll's pause, the post and building the message
+GROUP_TIMEOUT_S = 5.0  # the watchdog case's group timeout
+DUMP_WAIT_MS = 10_000  # TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC in the watchdog case (trunk's default: 15 s)
+SLEEP_S = 2.0  # the kernel the work queues behind
+FOREVER_S = 60.0  # a kernel that outlives every deadline here (and the watchdog's timeout and dump wait)
+PROVES = {
+    "one work": "a batch of a self-send and a self-receive on NCCL is one work, and moves the values",
+    "wait returns": "Work.wait() without a timeout returns on the host while the work waits behind a long kernel, "
+    "and orders the stream (the values arrive after it)",
+    "wait(timeout) aborts": "Work.wait(timeout) blocks the host until the timeout, raises, and leaves the "
+    "group aborted",
+    "rounds": "CERAR's rounds over N logical workers on the self-loop through _Ring/_Rounds/CodedRingRank, held to "
+    "the spec's protocol within the rounding bound; the host's polls and lead on the stream as the contract says",
+    "deadline": "a round that never completes ends the process through the trainer's exit path: exit 3, one line",
+    "watchdog": "left alone, the same round ends in torch's watchdog: SIGABRT after the group timeout and the "
+    "dump wait",
+}
+
+
+def cases(ctx: Context) -> list[Case]:  # noqa: ARG001
+    d = 2**20 + 3  # two pipeline chunks at c = 8 (m >= 2 x cerar.rounds.PIPELINE_MIN_CHUNK)
+    dump = {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(DUMP_WAIT_MS)}
+    return [
+        Case(SECTION, "one work", "selfloop:one_work", {}, 60, NEEDS),
+        Case(SECTION, "wait returns", "selfloop:wait_returns", {}, 60, NEEDS),
+        Case(
+            SECTION,
+            "wait(timeout) aborts",
+            "selfloop:wait_timeout",
+            {},
+            60,
+            NEEDS,
+            expect_exit=None,
+            judge="selfloop:judge_wait_timeout",
+        ),
+        Case(SECTION, "rounds", "selfloop:rounds", {"N": 4, "c": 8, "d": d}, 120, NEEDS),
+        Case(
+            SECTION, "deadline", "selfloop:deadline", {}, 90, NEEDS, expect_exit=None, judge="selfloop:judge_deadline"
+        ),
+        Case(
+            SECTION,
+            "watchdog",
+            "selfloop:watchdog",
+            {},
+            GROUP_TIMEOUT_S + DUMP_WAIT_MS / 1000 + 90,
+            NEEDS,
+            expect_exit=None,
+            judge="selfloop:judge_watchdog",
+            env=dump,
+        ),
+    ]
+
+
+def one_rank_group(timeout_s: float = 60.0) -> torch.device:
+    """A one-rank NCCL group on cuda:0, made as the trainer makes its groups (watchdog on)."""
+    import torch.distributed as dist
+
+    from train.distributed import configure_nccl_watchdog
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    os.environ.pop("TORCH_NCCL_BLOCKING_WAIT", None)  # would make every wait() block the host
+    configure_nccl_watchdog()
+    dist.init_process_group(
+        "nccl", store=dist.HashStore(), rank=0, world_size=1, timeout=timedelta(seconds=timeout_s), device_id=device
+    )
+    return device
+
+
+def cycles_per_second() -> float:
+    """``torch.cuda._sleep`` cycles per second on this GPU, measured with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1000)  # loaded
+    start.record()
+    torch.cuda._sleep(50_000_000)
+    end.record()
+    end.synchronize()
+    return 50_000_000 / (start.elapsed_time(end) / 1000)
+
+
+def sleep(seconds: float, rate: float) -> None:
+    """A kernel on the current stream that runs ``seconds``."""
+    torch.cuda._sleep(int(seconds * rate))
+
+
+def self_batch(send: torch.Tensor, recv: torch.Tensor) -> list:
+    import torch.distributed as dist
+
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, 0), dist.P2POp(dist.irecv, recv, 0)])
+
+
+def one_work(out: str) -> dict:  # noqa: ARG001
+    device = one_rank_group()
+    x = torch.arange(1, 1 + 2**20, dtype=torch.float32, device=device)
+    y = torch.zeros_like(x)
+    works = self_batch(x, y)
+    for work in works:
+        work.wait()
+    moved = bool(torch.equal(x, y))  # the current stream waits for the work before the comparison
+    ok = len(works) == 1 and moved
+    return {"status": PASS if ok else FAIL, "works": len(works), "moved": moved,
+            "reason": "" if ok else f"{len(works)} works, values moved: {moved}"}  # fmt: skip
+
+
+def wait_returns(out: str) -> dict:  # noqa: ARG001
+    device = one_rank_group()
+    rate = cycles_per_second()
+    x = torch.zeros(2**20, device=device)
+    y = torch.zeros_like(x)
+    self_batch(x, y)[0].wait()  # connected
+    torch.cuda.synchronize()
+    sleep(SLEEP_S, rate)
+    x.fill_(7.0)  # after the kernel, on the stream: the send must read it
+    works = self_batch(x, y)
+    start = time.monotonic()
+    works[0].wait()
+    host_wait = time.monotonic() - start
+    pending = not works[0].is_completed()
+    torch.cuda.synchronize()
+    total = time.monotonic() - start
+    arrived = bool((y == 7.0).all())
+    ok = len(works) == 1 and host_wait < SLEEP_S / 4 and pending and arrived
+    return {
+        "status": PASS if ok else FAIL,
+        "host_wait_s": host_wait,
+        "incomplete_after_wait": pending,
+        "until_done_s": total,
+        "kernel_s": SLEEP_S,
+        "arrived": arrived,
+        "reason": "" if ok else f"wait {host_wait:.3f} s, incomplete after it: {pending}, values arrived: {arrived}",
+    }
+
+
+def wait_timeout(out: str) -> dict:
+    """``wait(timeout)`` on a work queued behind a long kernel must block about the timeout and raise;
+    the next batch on the group must then fail (the communicator was aborted). What was seen is
+    written to ``out`` as it is seen: after the abort torch's watchdog may end the process itself
+    (SIGABRT after its dump wait), which ``judge_wait_timeout`` accepts and records."""
+    device = one_rank_group()
+    rate = cycles_per_second()
+    x = torch.ones(2**20, device=device)
+    y = torch.zeros_like(x)
+    self_batch(x, y)[0].wait()
+    torch.cuda.synchronize()
+    sleep(10 * SLEEP_S, rate)
+    works = self_batch(x, y)
+    timeout = 1.0
+    seen = {"timeout_s": timeout}
+    start = time.monotonic()
+    try:
+        works[0].wait(timedelta(seconds=timeout))
+        seen["raised"] = "returned"
+    except Exception as error:
+        seen["raised"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    seen["blocked_s"] = time.monotonic() - start
+    Path(out).write_text(json.dumps(seen))
+    start = time.monotonic()
+    try:  # the group after the timed-out wait: aborted, so the next batch must fail
+        self_batch(x, y)[0].wait(timedelta(seconds=5))
+        seen["next_batch"] = "returned"
+    except Exception as error:
+        seen["next_batch"] = f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+    seen["next_batch_s"] = time.monotonic() - start
+    Path(out).write_text(json.dumps(seen))
+    return seen
+
+
+def judge_wait_timeout(value, code, seconds, log, ended_at) -> tuple[str, str]:  # noqa: ARG001
+    """PASS: the timed wait raised after the timeout (within ``SLACK_S``), the next batch failed, and
+    the process ended cleanly or by torch's watchdog (SIGABRT) after the abort."""
+    value = value or {}
+    raised, blocked, following = value.get("raised"), value.get("blocked_s"), value.get("next_batch")
+    ok = (
+        raised not in (None, "returned")
+        and blocked is not None
+        and value["timeout_s"] * 0.9 <= blocked <= value["timeout_s"] + SLACK_S
+        and following not in (None, "returned")
+        and code in (0, -6)
+    )
+    blocked_text = "never returned" if blocked is None else f"{blocked:.2f} s"
+    return (PASS if ok else FAIL), (
+        f"wait(timeout={value.get('timeout_s')} s) blocked {blocked_text}: {raised}; next batch: {following}; "
+        f"exit status {code}"
+    )
+
+
+def selfloop_all_reduce(flats: list[torch.Tensor], code, timeout: float = 60.0, measure: dict | None = None) -> None:
+    """CERAR's protocol in place on ``flats`` (N tensors on one GPU, one per logical worker), over
+    the one-rank group's self-loop. Round t: worker i's message x_i(t) goes to worker i+1 as a
+    self-send into its receive buffer, one ``_Ring.post`` (one batch, one work) per worker and
+    chunk; every round's posts arrive (the stream waits for them) before any worker's receive of
+    that round is issued, so no buffer is written while another worker still reads it. The rounds
+    are issued, ordered and polled by ``cerar.protocol._Rounds`` under the stream-ordered contract,
+    as ``all_reduce`` does; worker i plays ``device_matrices(code, i)``. ``measure``: filled with
+    the posts, the protocol's polls (``_Rounds._await`` calls) and the host's lead before each post
+    (posted works not yet complete, the new one included)."""
+    import cerar
+    from cerar.matrices import device_matrices
+    from cerar.protocol import STREAM_ORDERED, _Ring, _Rounds
+    from cerar.rounds import CodedRingRank, PhaseTimer
+
+    N, d, device = code.N, flats[0].numel(), flats[0].device
+    c, m, L = code.c, code.m_for(d), code.L
+    with torch.no_grad(), cerar.full_fp32_products(device):
+        ranks = [CodedRingRank(device_matrices(code, i, torch.float32, device), flats[i], c, m, N) for i in range(N)]
+        ring = _Ring.of(None, timeout, "cerar self-loop")
+        if ring.contract != STREAM_ORDERED or ring.next_rank != 0 or ring.prev_rank != 0:
+            raise RuntimeError(f"not a stream-ordered self-loop: {ring}")
+        rounds = _Rounds(ring, PhaseTimer(device, enabled=False))
+        measure = {} if measure is None else measure
+        measure.update(polls=0, leads=[], posts=0)
+        posted = []
+        await_once = rounds._await
+
+        def counted(*args):
+            measure["polls"] += 1
+            return await_once(*args)
+
+        rounds._await = counted  # the protocol's own poll, counted
+
+        def post(i, p, t):
+            sender, receiver = ranks[i].workers[p], ranks[(i + 1) % N].workers[p]
+            measure["leads"].append(1 + sum(not w.is_completed() for h in posted for w in h.result()))
+            handle = rounds.post(sender.message(t), receiver.receive_buffer(t), f"round {t}/{L}")
+            posted.append(handle)
+            measure["posts"] += 1
+            return handle
+
+        chunks = len(ranks[0].workers)
+        measure["chunks"] = chunks
+        handles = [post(i, p, 1) for i in range(N) for p in range(chunks)]
+        for rank in ranks:
+            for worker in rank.workers:
+                rounds.issue(worker.while_in_flight, 1)
+        for t in range(1, L + 1):
+            for handle in handles:
+                rounds.arrive(handle, f"round {t}/{L}")
+            for rank in ranks:
+                for worker in rank.workers:
+                    rounds.issue(worker.receive, t, worker.receive_buffer(t))
+            if t < L:
+                handles = [post(i, p, t + 1) for i in range(N) for p in range(chunks)]
+                for rank in ranks:
+                    for worker in rank.workers:
+                        rounds.issue(worker.while_in_flight, t + 1)
+        for i, rank in enumerate(ranks):
+            rounds.issue(rank.write_result, flats[i], None)
+        rounds.finish()
+
+
+def spec_judged(results: torch.Tensor, G: torch.Tensor, code, scale: float = 1.0) -> dict:
+    """``results`` [N, d] against the spec's protocol run literally in float64
+    (``tests/spec_reference.py``) and against the exact sum plus the code's error
+    (``judge.judge_coded``), both within ``cerar.precision.rounding_bound`` relative to ||G||_F."""
+    from scripts.checks.gpu.judge import judge_coded
+    from tests.spec_reference import spec_all_reduce, spec_matrices
+
+    G64 = G.double().cpu()
+    reference = torch.from_numpy(spec_all_reduce(G64.numpy(), *spec_matrices(code.points, code.N))) * scale
+    judged = judge_coded(results, G, code, torch.float32, scale)
+    deviation = ((results.double().cpu() - reference).norm(dim=1) / (G64.norm() * scale)).max().item()
+    return {**judged, "spec_deviation": deviation, "ok": judged["ok"] and deviation <= judged["bound"]}
+
+
+def rounds(N: int, c: int, d: int, out: str) -> dict:  # noqa: ARG001
+    """``selfloop_all_reduce`` with the GPU held behind a one-second kernel while the host posts, so
+    that the host's lead reaches the contract's bound (2 x ``LOOK_BEHIND_POSTS``)."""
+    import cerar
+    from cerar.protocol import LOOK_BEHIND_POSTS
+
+    device = one_rank_group()
+    rate = cycles_per_second()
+    code = cerar.make_code(N, c, "perturbation", eps=0.05)
+    G = torch.randn(N, d, generator=torch.Generator().manual_seed(26))
+    flats = [G[i].clone().to(device) for i in range(N)]
+    measure: dict = {}
+    sleep(1.0, rate)
+    selfloop_all_reduce(flats, code, measure=measure)
+    judged = spec_judged(torch.stack([f.cpu() for f in flats]), G, code)
+    posts, lead = measure["posts"], max(measure["leads"])
+    expected_polls = max(posts // LOOK_BEHIND_POSTS - 1, 0) + 1  # one per window after the first, one at the end
+    ok = judged["ok"] and measure["polls"] == expected_polls and LOOK_BEHIND_POSTS < lead <= 2 * LOOK_BEHIND_POSTS
+    return {
+        "status": PASS if ok else FAIL,
+        "N": N,
+        "c": c,
+        "d": d,
+        "kappa": code.kappa,
+        "chunks": measure["chunks"],
+        "posts": posts,
+        "polls": measure["polls"],
+        "expected_polls": expected_polls,
+        "max_lead": lead,
+        "look_behind": LOOK_BEHIND_POSTS,
+        "spec_deviation": judged["spec_deviation"],
+        "error": judged["error"],
+        "bound": judged["bound"],
+        "reason": ""
+        if ok
+        else f"deviation from the spec {judged['spec_deviation']:.2e} (bound {judged['bound']:.2e}), "
+        f"polls {measure['polls']} (expected {expected_polls}), lead {lead} (bound {2 * LOOK_BEHIND_POSTS})",
+    }
+
+
+def _never_completing_round(timeout_s: float):
+    """A one-rank group and a self-loop round queued behind a kernel that outlives every deadline."""
+    device = one_rank_group(timeout_s)
+    rate = cycles_per_second()
+    x = torch.ones(2**20, device=device)
+    y = torch.zeros_like(x)
+    self_batch(x, y)[0].wait()
+    torch.cuda.synchronize()
+    sleep(FOREVER_S, rate)
+    return self_batch(x, y)
+
+
+def deadline(out: str) -> dict:
+    """The round bounded by the protocol's deadline (``_Ring.await_works`` under the stream-ordered
+    contract); its CollectiveError goes through the trainer's exit path, which exits 3."""
+    from cerar.protocol import _Ring
+    from train.distributed import exit_after_collective_failure
+
+    works = _never_completing_round(60.0)
+    ring = _Ring.of(None, TIMEOUT_S, "cerar self-loop")
+    start = time.monotonic()
+    try:
+        ring.await_works(works, "self-loop round: receive and send", ring.peers)
+    except Exception as error:
+        raised = {"raised_after_s": time.monotonic() - start, "raised_at": time.monotonic()}
+        Path(out).write_text(json.dumps({**raised, "error": type(error).__name__}))
+        exit_after_collective_failure(error)
+    return {"raised_after_s": None}
+
+
+def judge_deadline(value, code, seconds, log, ended_at) -> tuple[str, str]:  # noqa: ARG001
+    """PASS: CollectiveError within the timeout plus the slack, exit status 3, one ``error:`` line."""
+    lines = [line for line in log.splitlines() if line.startswith("error: ")]
+    if not value or value.get("raised_after_s") is None:
+        return FAIL, f"no CollectiveError (exit status {code})"
+    raised = value["raised_after_s"]
+    abort_s = ended_at - value["raised_at"]
+    ok = code == 3 and value["error"] == "CollectiveError" and TIMEOUT_S <= raised <= TIMEOUT_S + SLACK_S and lines
+    return (PASS if ok else FAIL), (
+        f"raised after {raised:.2f} s (timeout {TIMEOUT_S:g} s), exit status {code}, error to exit {abort_s:.2f} s; "
+        + (lines[-1][:200] if lines else "no error: line")
+    )
+
+
+def watchdog(out: str) -> dict:  # noqa: ARG001
+    """The round with no deadline of ours: the host waits (as a host blocked in a device
+    synchronize or a ``.item()`` would), torch's watchdog must end the process."""
+    works = _never_completing_round(GROUP_TIMEOUT_S)
+    start = time.monotonic()
+    while time.monotonic() - start < FOREVER_S and not works[0].is_completed():
+        time.sleep(0.1)
+    return {"status": FAIL, "reason": f"still alive after {time.monotonic() - start:.0f} s"}
+
+
+def judge_watchdog(value, code, seconds, log, ended_at) -> tuple[str, str]:  # noqa: ARG001
+    """PASS: the process ended by SIGABRT (multiprocessing's -6; 134 in a shell), no sooner than the
+    group's timeout; the seconds are the whole process (start-up, about 10 s, included)."""
+    ok = code == -6 and seconds >= GROUP_TIMEOUT_S
+    return (PASS if ok else FAIL), (
+        f"exit status {code} after {seconds:.1f} s (group timeout {GROUP_TIMEOUT_S:g} s, dump wait "
+        f"{DUMP_WAIT_MS / 1000:g} s, process start-up included)"
+    )
+
+
+def report(results) -> list[str]:
+    lines = []
+    for r in results:
+        v = r.value or {}
+        if r.case.name == "wait returns" and "host_wait_s" in v:
+            lines.append(
+                f"- wait returns: `wait()` returned after {v['host_wait_s'] * 1e3:.2f} ms behind a "
+                f"{v['kernel_s']:g} s kernel (work incomplete after it: {v['incomplete_after_wait']}); done after "
+                f"{v['until_done_s']:.2f} s; "
+                f"values arrived: {v['arrived']}."
+            )
+        if r.case.name == "wait(timeout) aborts" and r.status != "NOT RUN":
+            lines.append(f"- wait(timeout): {r.reason}.")
+        if r.case.name == "rounds" and "posts" in v:
+            lines.append(
+                f"- rounds: N={v['N']} logical workers, c={v['c']} perturbation (kappa {v['kappa']:.3g}), d={v['d']} "
+                f"in {v['chunks']} chunk(s): deviation from the spec's protocol {v['spec_deviation']:.2e} (bound "
+                f"{v['bound']:.2e}), error against the exact sum {v['error']:.2e}; {v['posts']} posts, {v['polls']} "
+                f"polls (expected {v['expected_polls']}), the host's largest lead {v['max_lead']} posts (bound "
+                f"2 x {v['look_behind']})."
+            )
+        if r.case.name in ("deadline", "watchdog") and r.status != "NOT RUN":
+            tail = [line for line in r.log.splitlines() if line.strip()][-6:]
+            lines += [f"- {r.case.name}: {r.reason}; the process's last lines:", "", "```", *tail, "```", ""]
+    return lines + [""]

@@ -1,0 +1,91 @@
+"""The cost model per chunk (cerar/costmodel.py): a one-chunk call (d < 2^17 c) exposes every round's
+addition and makes round 2's post wait for the rest of the encoding; on NVLink the transfers share
+HBM with the arithmetic. Held to what the protocol's worker code dispatches between its posts
+(counted by ``tests/test_costmodel.py``'s counter) and to a computation by hand."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cerar
+import cerar.costmodel as cm
+from cerar.ddp import DDP_DEFAULT_BUCKET_CAP_MB, default_bucket_cap_mb
+from cerar.matrices import device_matrices
+from cerar.rounds import CodedRingRank, pipeline_chunks
+from tests.test_costmodel import ArithmeticCounter
+
+
+@pytest.mark.parametrize("storage", cm.STORAGE_CHOICES)
+@pytest.mark.parametrize("N, c", [(4, 16), (5, 3), (3, 7)])
+def test_each_rounds_traffic_is_what_one_chunk_runs_between_its_posts(N, c, storage):
+    """Per round, the traffic issued right after the post (beside the transfer) and after the arrival
+    (before the next post), counted on the worker's own tensor operations, as ``all_reduce`` issues them."""
+    m = 4096
+    code = cerar.make_code(N, c, "exact") if c <= N else cerar.make_code(N, c, "perturbation", eps=0.3)
+    flat = torch.randn(c * m, generator=torch.Generator().manual_seed(N + c))
+    before = ArithmeticCounter(m)
+    with before:
+        rank = CodedRingRank(
+            device_matrices(code, N - 1, torch.float32, torch.device("cpu")), flat, c, m, N, storage=storage
+        )
+    (worker,) = rank.workers
+    in_flight, receive = [], []
+    for t in range(1, code.L + 1):
+        beside, after_arrival = ArithmeticCounter(m), ArithmeticCounter(m)
+        with beside:
+            worker.while_in_flight(t)
+        received = worker.receive_buffer(t)
+        received.copy_(worker.message(t))
+        with after_arrival:
+            worker.receive(t, received)
+        in_flight.append(beside.moved // m)
+        receive.append(after_arrival.moved // m)
+    after = ArithmeticCounter(m)
+    with after:
+        rank.write_result(flat)
+    model = cm.cerar_round_values(N, c, storage)
+    assert model["before"] == before.moved // m and model["after"] == after.moved // m
+    assert list(model["in_flight"]) == in_flight and list(model["receive"]) == receive
+    assert in_flight[0] == 2 * c - 1  # what round 2's post waits for
+
+
+@pytest.mark.quick
+def test_a_one_chunk_call_priced_by_hand():
+    """N = 4, c = 16, storage "messages", d = 16 x 4096 (m = 4096: one chunk), fp32. Before the first
+    post x(1)'s encoding, 17 m values; after each of the 18 arrivals an addition, 3 m; after the last,
+    the decoding, (c + L) m + c m = 50 m: 17 + 54 + 50 = 121 m in series with the transfers. Beside
+    round 1's transfer the rest of the encoding, 31 m; beside rounds 4..15 an injection, 3 m."""
+    N, c, m = 4, 16, 4096
+    d, mb = c * m, m * 4
+    pcie = cm.LinkModel(10e-6, 25e9, 1.5e12, storage="messages")
+    by_hand = 121 * mb / 1.5e12 + 18 * (10e-6 + mb / 25e9)  # every transfer longer than what runs beside it
+    assert pcie.cerar_time_overlapped(d, N, c) == pytest.approx(by_hand, rel=1e-12)
+    assert pcie.cerar_time_overlapped(d, N, c) > pcie.cerar_time_pipelined(d, N, c)  # the old best case
+    # NVLink-like: no latency, 400 GB/s, the transfers' 2 m of HBM traffic beside the arithmetic: round 1
+    # waits for the encoding (31 + 2 m), the 12 injection rounds for 3 + 2 m, the other 5 for the link
+    nvlink = cm.LinkModel(0.0, 400e9, 1.5e12, storage="messages", shares_memory=True)
+    by_hand = 121 * mb / 1.5e12 + 33 * mb / 1.5e12 + 12 * 5 * mb / 1.5e12 + 5 * mb / 400e9
+    assert nvlink.cerar_time_overlapped(d, N, c) == pytest.approx(by_hand, rel=1e-12)
+
+
+@pytest.mark.quick
+def test_the_ring_on_a_link_that_shares_memory_moves_its_transfers_through_it():
+    """N = 4, d = 4 x 2^20: 6 rounds of 2^20 values sent; the additions move 3 x 3 x 2^20 values.
+    Sharing HBM adds the 2 x 6 x 2^20 values of the transfers to the memory side of the max."""
+    d, values = 4 * 2**20, 2**20
+    shared = cm.LinkModel(5e-6, 300e9, 1.5e12, shares_memory=True)
+    memory = (9 * values + 12 * values) * 4 / 1.5e12
+    assert shared.ring_time_overlapped(d, 4) == pytest.approx(6 * 5e-6 + max(6 * values * 4 / 300e9, memory))
+    assert cm.SCENARIOS["nvlink"].shares_memory and not cm.SCENARIOS["pcie-node"].shares_memory
+
+
+@pytest.mark.quick
+def test_the_models_mirrors_of_torch_side_constants_agree():
+    """The pure-numpy model copies the bucket sizes and the chunking rule: they must match the code's."""
+    assert cm.DDP_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
+    assert cm.DDP_DEFAULT_BUCKET_CAP_MB == DDP_DEFAULT_BUCKET_CAP_MB
+    for N, c in ((4, 2), (4, 16), (8, 32), (64, 16)):
+        assert cm.ddp_bucket_cap_mb(N, c) == default_bucket_cap_mb(N, c)
+    for m in (1, 2**16, 2**17 - 1, 2**17, 2**20):
+        assert cm.pipeline_chunk_count(m) == len(pipeline_chunks(m))
+    assert cm.pipeline_chunk_count(cm.DDP_FIRST_BUCKET_BYTES // 4 // 4) == 1  # c = 4: DDP's first bucket, one chunk
