@@ -263,8 +263,9 @@ def run_table(args: argparse.Namespace) -> int:
 # Transport: code error, rounding and their total against kappa_max, per wire dtype
 # ---------------------------------------------------------------------------------------------
 
-TRANSPORT_SWEEP_KAPPA_MAX = (10.0, 15.0, 20.0, 30.0, 50.0, 100.0, 1e3, 1e4)
-"""kappa budgets of the transport sweep: fine where 16-bit messages balance (10-50), coarse up to fp32's 1e4."""
+TRANSPORT_SWEEP_KAPPA_MAX = (10.0, 15.0, 20.0, 32.0, 64.0, 100.0, 200.0, 1e3, 1e4)
+"""kappa budgets of the transport sweep: fine where 16-bit messages balance (bf16 20-32, fp16 64-100), coarse up
+to fp32's 1e4."""
 TRANSPORT_SWEEP_SHAPES = ((4, 5), (4, 8), (8, 9), (8, 16))
 """(N, c) the 16-bit default kappa_max is chosen over: c = N + 1 and c = 2N at N = 4 and 8."""
 
@@ -272,8 +273,10 @@ TRANSPORT_SWEEP_SHAPES = ((4, 5), (4, 8), (8, 9), (8, 16))
 @dataclasses.dataclass
 class TransportRow:
     """One code (N, c, construction, kappa_max) on one wire dtype: its predicted (truncation) error, the
-    rounding bound of its messages on that wire (``cerar.precision.rounding_bound``, float32 arithmetic)
-    and whether the derived rule admits it (``cerar.precision.admissible_kappa``; float32: always)."""
+    rounding its messages add on that wire (16 bits: ``cerar.precision.expected_rounding``, measured on
+    Gaussian gradients like the code error; float32: the arithmetic's ``rounding_bound``), their total
+    (in quadrature: the two are independent) and whether the rule admits it
+    (``cerar.precision.admissible_kappa``; float32: always)."""
 
     N: int
     c: int
@@ -288,7 +291,7 @@ class TransportRow:
 
     @property
     def total(self) -> float:
-        return self.code_error + self.rounding_error
+        return math.hypot(self.code_error, self.rounding_error)
 
     @property
     def ok(self) -> bool:
@@ -304,7 +307,7 @@ def transport_rows(
 ) -> list[TransportRow]:
     """Every kappa_max of ``kappa_grid`` on every wire of ``transports``: a row each (an unreachable budget
     gives rows that say so)."""
-    from cerar.precision import admissible_kappa, rounding_bound
+    from cerar.precision import admissible_kappa, expected_rounding, rounding_bound
     from cerar.wire import transport_dtype
 
     rows = []
@@ -316,7 +319,7 @@ def transport_rows(
             continue
         for transport in transports:
             wire = transport_dtype(transport)
-            rounding = rounding_bound(code, torch.float32, wire)
+            rounding = rounding_bound(code, torch.float32) if wire == torch.float32 else expected_rounding(code, wire)
             admissible = wire == torch.float32 or max(code.kappa, 1.0) <= admissible_kappa(code, torch.float32, wire)
             rows.append(
                 TransportRow(
@@ -327,7 +330,7 @@ def transport_rows(
 
 
 def best_kappa_max(rows: Sequence[TransportRow], transport: str) -> float | None:
-    """The kappa_max whose code has the least total (code error + rounding bound) on ``transport`` among the
+    """The kappa_max whose code has the least total (code error and rounding in quadrature) on ``transport`` among the
     rows the rule admits; None where it admits none."""
     candidates = [r for r in rows if r.transport == transport and r.ok and r.admissible]
     return min(candidates, key=lambda r: (r.total, r.kappa_max)).kappa_max if candidates else None
@@ -380,7 +383,7 @@ def run_transport_sweep(args: argparse.Namespace) -> int:
     constructions = args.construction or ["optimized"]
     for construction in constructions:
         rows = transport_rows(args.N, args.c, construction)
-        print(f"N={args.N} c={args.c} {construction}: code error (predicted), rounding bound on each wire, total")
+        print(f"N={args.N} c={args.c} {construction}: code error (predicted), rounding on each wire, total")
         print(format_transport_table(rows))
         for transport in ("float32", "float16", "bfloat16"):
             best = best_kappa_max(rows, transport)
@@ -530,8 +533,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--transport-sweep",
         action="store_true",
-        help="code error, rounding bound and total against kappa_max on float32/float16/bfloat16 messages, and "
-        "the kappa_max with the least total (default construction: optimized)",
+        help="code error, rounding (16 bits: measured on Gaussian gradients) and total against kappa_max on "
+        "float32/float16/bfloat16 messages, and the kappa_max with the least total (default construction: optimized)",
     )
     return ap
 

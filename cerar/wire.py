@@ -65,13 +65,15 @@ def transport_name(transport) -> str:
     return next(name for name, value in TRANSPORTS.items() if value == dtype)
 
 
-DEFAULT_TRANSPORT_KAPPA_MAX = {"float32": DEFAULT_KAPPA_MAX, "float16": 20.0, "bfloat16": 15.0}
-"""The kappa_max a code gets when none is given, per wire dtype. float32: the spec's 1e4. 16 bits: the
-kappa_max that minimises the code's error plus its rounding bound (``cerar.precision``), as the
-design tool finds it (``python -m cerar.design --transport-sweep``; ``reports/code_design.md``):
-code error falls about as 1 / kappa and the rounding bound grows as kappa u_wire N, so the total is
-least where they meet, at kappa ~ 15-30 for fp16 (u = 2^-11); for bf16 (u = 2^-8) the least total
-lies at the least kappa the codes reach, and the rule refuses most shapes there."""
+DEFAULT_TRANSPORT_KAPPA_MAX = {"float32": DEFAULT_KAPPA_MAX, "float16": 64.0, "bfloat16": 20.0}
+"""The kappa_max a code gets when none is given, per wire dtype. float32: the spec's 1e4. 16 bits: where
+the code's error and the rounding its messages add (``cerar.precision.expected_rounding``, both on Gaussian
+gradients) meet, which is also where their total is least, as the design tool finds it (``python -m
+cerar.design --transport-sweep``; ``reports/code_design.md``): code error falls about as 1 / kappa, the
+rounding grows as kappa u_wire, so they meet near kappa 64-100 on fp16 (u = 2^-11) and 20-32 on bf16
+(u = 2^-8, 8x fp16's). The defaults are the largest budgets of the sweep that the rule admits at every
+N = 3..8 with c = N+1, 2N and 3N (fp16 64: N=4, c=5 totals 0.015 where kappa_max 20 totalled 0.045; bf16
+20); at N = 2 the codes have no truncation error, only rounding, and 16-bit messages are refused there."""
 
 
 def default_kappa_max(transport) -> float:

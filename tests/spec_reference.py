@@ -68,8 +68,9 @@ def spec_least_squares_decoders(A: np.ndarray, N: int) -> np.ndarray:
     return D
 
 
-def spec_all_reduce(G: np.ndarray, A: np.ndarray, D: np.ndarray) -> np.ndarray:
-    """Every worker's S_hat_i for gradients G [N, d], in float64: the protocol of the spec, literally."""
+def spec_all_reduce(G: np.ndarray, A: np.ndarray, D: np.ndarray, deliver=None) -> np.ndarray:
+    """Every worker's S_hat_i for gradients G [N, d], in float64: the protocol of the spec, literally.
+    ``deliver(x)``: what the link delivers when x is sent (default: x itself), e.g. a 16-bit wire's rounding."""
     N, d = G.shape
     c = A.shape[-1]
     L = c + N - 2 if N > 1 else 0
@@ -86,7 +87,7 @@ def spec_all_reduce(G: np.ndarray, A: np.ndarray, D: np.ndarray) -> np.ndarray:
     for t in range(1, L + 1):
         x = [u(i, t) + yhat[i][t - 1] for i in range(N)]  # 1. send x_i(t) to i+1
         for i in range(N):
-            y = x[(i - 1) % N]  # 2. receive y_i(t) from i-1
+            y = x[(i - 1) % N] if deliver is None else deliver(x[(i - 1) % N])  # 2. receive y_i(t) from i-1
             yhat[i].append(y - u(i, t - N + 1))  # 3. take out the own contribution
     S_hat = np.stack([Gi[i] + D[i] @ np.array(yhat[i][1:]).reshape(L, m) for i in range(N)])
     return S_hat.reshape(N, c * m)[:, :d]
