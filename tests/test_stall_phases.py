@@ -52,6 +52,8 @@ CASES = {
     "flat-optimizer": (2, FLAT, "optimizer", "train-loss all_reduce"),
     "flat-eval": (2, FLAT, "eval", "all_gather_object of the validation shares"),
     "flat-checkpoint": (2, FLAT, "checkpoint", "checkpoint all_gather_object"),
+    # overlap: stalled in backward, past forward's one-off DDP bucket rebuild (docs/failures.md: not bounded)
+    "overlap-backward": (2, ["aggregator=cerar", "c=4", "trainer.overlap=true"], "backward", "backward with"),
     "hier-backward": (4, HIER, "backward", "non-finite flag all_reduce"),
     "hier-aggregate": (4, HIER, "aggregate", "aggregate (hier_cerar"),
 }
@@ -137,8 +139,8 @@ def _launch(case, cache, tmp):
 
 @pytest.fixture(scope="module")
 def stalls(tmp_path_factory, cache_dir):
-    """Every case, three launches at a time (a launch mostly waits out the deadline): each one's results, the times of the stall and of the survivors'
-    exits, the watchdog's records and the survivors' lines."""
+    """Every case, three launches at a time (a launch mostly waits out the deadline): each one's results, the
+    times of the stall and of the survivors' exits, the watchdog's records and the survivors' lines."""
     tmp = tmp_path_factory.mktemp("stalls")
     mp = pytest.MonkeyPatch()
     mp.setenv(DUMP_WAIT_VARIABLE, "1000")  # the emulated watchdog's dump wait: short, so a failing run ends soon
@@ -151,6 +153,7 @@ def stalls(tmp_path_factory, cache_dir):
     return outcomes
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_watchdog(stalls, case):
