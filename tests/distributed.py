@@ -50,7 +50,9 @@ either way; only the contract around it changes:
     the group's works, waits for its debug dump (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, torch's
     default 15 s: ``HeartbeatMonitor``) and ends the process with SIGABRT (the rethrow on the
     watchdog's thread: ``std::terminate``), exit status -6 as ``multiprocessing`` reports it, 134 from
-    a shell;
+    a shell. ``group_timeout_s`` (and a ``new_group``'s ``timeout``) is that watchdog's timeout; gloo's
+    own waits under the groups are given longer (``_transport_timeout_s``), so that, as on NCCL, a work
+    a stalled peer holds up is ended by the watchdog or by the code's own deadline, never by gloo;
   - cerar's calls follow their stream-ordered contract (``cerar.protocol.set_transport_contract``)
     with an ``EmulatedStream`` as the device queue: their device work runs in order on a thread of
     its own, as a CUDA stream runs kernels, so the host only enqueues and is held up only where the
