@@ -38,6 +38,21 @@ either way; only the contract around it changes:
     join within ``FIRST_BATCH_TIMEOUT_S`` raises;
   - ``_abort_process_group`` leaves the groups it aborts aborted, and records their names in the
     store under ``nccl-contract/aborted/<rank>``, which outlives the process;
+  - collectives (``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``) on any group not created
+    with ``backend="gloo"`` are NCCL's too: with ``async_op=True`` they return an ``NcclContractWork``
+    at once; without, they return once the result is there, unbounded, as the host read that follows
+    them on a GPU (``.item()``, ``.tolist()``, ``torch.cuda.synchronize``) blocks until the NCCL
+    kernel has run, whatever the time;
+  - torch's watchdog (``ProcessGroupNCCL::Watchdog::run`` -> ``watchdogHandler``): a thread checks
+    every ``WATCHDOG_PERIOD_S`` every work of the process against its group's timeout, timed from the
+    work's creation (``WorkNCCL::checkTimeout`` compares ``now - workStartTime_`` with the timeout);
+    on expiry it records ``nccl-contract/watchdog/<rank>`` in the store (what it timed out on), fails
+    the group's works, waits for its debug dump (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, torch's
+    default 15 s: ``HeartbeatMonitor``) and ends the process with SIGABRT (the rethrow on the
+    watchdog's thread: ``std::terminate``), exit status -6 as ``multiprocessing`` reports it, 134 from
+    a shell. ``group_timeout_s`` (and a ``new_group``'s ``timeout``) is that watchdog's timeout; gloo's
+    own waits under the groups are given longer (``_transport_timeout_s``), so that, as on NCCL, a work
+    a stalled peer holds up is ended by the watchdog or by the code's own deadline, never by gloo;
   - cerar's calls follow their stream-ordered contract (``cerar.protocol.set_transport_contract``)
     with an ``EmulatedStream`` as the device queue: their device work runs in order on a thread of
     its own, as a CUDA stream runs kernels, so the host only enqueues and is held up only where the
@@ -90,6 +105,10 @@ class ProcessExit:
 CONTRACTS = ("gloo", "nccl")
 FIRST_BATCH_TIMEOUT_S = 30.0
 ABORTED_KEY = "nccl-contract/aborted/"
+WATCHDOG_KEY = "nccl-contract/watchdog/"
+WATCHDOG_PERIOD_S = 0.1  # torch's watchdog sleeps kWatchdogThreadSleepMillis (100 ms) between checks
+DUMP_WAIT_VARIABLE = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
+DUMP_WAIT_DEFAULT_MS = 15_000
 
 _log = {
     "bytes_isend": 0,
@@ -105,6 +124,8 @@ _log = {
 _store = {"store": None}
 _aborted_groups: set[str] = set()
 _live_works: dict[str, weakref.WeakSet] = {}
+_group_timeouts: dict[str, float] = {}  # the emulated NCCL groups' own timeouts (the watchdog's), seconds
+_gloo_groups: set[str] = set()  # groups created with backend="gloo": gloo's contract, not NCCL's
 _serial = itertools.count()
 
 
@@ -134,12 +155,15 @@ class NcclContractWork:
     """One work for a whole batch, kept as ``WorkNCCL`` keeps it (module docstring). The batch's
     gloo works are driven to completion off the calling thread, up to the group's timeout."""
 
-    def __init__(self, works, group_name: str):
+    def __init__(self, works, group_name: str, what: str = "batch_isend_irecv"):
+        self.created = time.monotonic()  # the watchdog's clock starts here, as WorkNCCL's workStartTime_
         self.works = list(works)
         self.group_name = group_name
+        self.what = what
         self.serial = next(_serial)
         self.error: BaseException | None = None
-        self.done = threading.Event()
+        self.done = threading.Event()  # completed, failed, or failed by an abort
+        self.transferred = threading.Event()  # the transfer itself ended (what a host read of the result waits for)
         _live_works.setdefault(group_name, weakref.WeakSet()).add(self)
         threading.Thread(target=self._run, name="nccl-contract-transfer", daemon=True).start()
 
@@ -151,6 +175,7 @@ class NcclContractWork:
             self.fail(error)
         finally:
             self.done.set()
+            self.transferred.set()
 
     def fail(self, error: BaseException) -> None:
         if not self.done.is_set():
@@ -158,16 +183,17 @@ class NcclContractWork:
             self.done.set()
 
     def is_completed(self) -> bool:
-        _log["polls"] += 1
-        _log["polled_batches"].add(self.serial)
+        if self.what == "batch_isend_irecv":  # the log counts point-to-point batches only
+            _log["polls"] += 1
+            _log["polled_batches"].add(self.serial)
         return self.done.is_set()
 
     def wait(self, timeout=None) -> bool:
         if timeout is None or timeout == timedelta(0):  # NCCL's kNoTimeout: order, bound nothing
-            _log["waits"] += 1
+            _log["waits"] += self.what == "batch_isend_irecv"
             self.done.wait()
         else:
-            _log["waits_with_timeout"] += 1
+            _log["waits_with_timeout"] += 1  # any work's: NCCL's contract never wants one
             if not self.done.wait(timeout.total_seconds()):
                 _abort_group(self.group_name, f"a wait({timeout}) expired")
                 raise RuntimeError(
@@ -229,7 +255,100 @@ class EmulatedStream:
             raise TimeoutError("the emulated stream did not run its queued work by the deadline") from None
 
 
-def _install_contract(contract: str) -> None:
+def _transport_timeout_s(group_timeout_s: float) -> float:
+    """gloo's own timeout under NCCL's contract: past the emulated watchdog's (``group_timeout_s``) and its dump
+    wait, so that, as on NCCL, only the watchdog ends a work that a stalled peer holds up."""
+    return 2 * group_timeout_s + 30
+
+
+def _watchdog() -> None:
+    """torch's NCCL watchdog, emulated (module docstring): a work unfinished past its group's timeout, counted
+    from its creation, takes the process down with SIGABRT after the dump wait."""
+    import resource
+    import signal
+
+    while True:
+        time.sleep(WATCHDOG_PERIOD_S)
+        now = time.monotonic()
+        for name, works in list(_live_works.items()):
+            timeout_s = _group_timeouts.get(name)
+            if timeout_s is None:
+                continue
+            late = [w for w in list(works) if not w.done.is_set() and now - w.created > timeout_s]
+            if not late:
+                continue
+            work = late[0]
+            reason = f"{work.what} on group {name!r} ran {now - work.created:.1f}s > the group's timeout {timeout_s:g}s"
+            with contextlib.suppress(Exception):
+                import torch.distributed as dist
+
+                shared_store().set(f"{WATCHDOG_KEY}{dist.get_rank()}", reason)
+            print(f"[emulated NCCL watchdog] {reason}: dumping, then SIGABRT", file=sys.stderr, flush=True)
+            _abort_group(name, "the watchdog's timeout")
+            time.sleep(int(os.environ.get(DUMP_WAIT_VARIABLE, DUMP_WAIT_DEFAULT_MS)) / 1e3)
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
+            os.kill(os.getpid(), signal.SIGABRT)
+
+
+def _install_collectives(group_timeout_s: float) -> None:
+    """NCCL's collectives, their host reads and its watchdog, on gloo (module docstring)."""
+    import inspect
+
+    import torch.distributed as dist
+
+    c10d = dist.distributed_c10d
+    _group_timeouts[c10d._get_default_group().group_name] = float(group_timeout_s)
+    original_new_group = c10d.new_group
+
+    def new_group(*args, **kwargs):
+        bound = inspect.signature(original_new_group).bind(*args, **kwargs)
+        gloo = bound.arguments.get("backend") in ("gloo", dist.Backend.GLOO)
+        timeout = bound.arguments.get("timeout")
+        timeout_s = 600.0 if timeout is None else timeout.total_seconds()  # torch's default for NCCL groups
+        if not gloo:  # the watchdog's timeout; the transport's own waits longer (_transport_timeout_s)
+            bound.arguments["timeout"] = timedelta(seconds=_transport_timeout_s(timeout_s))
+        group = original_new_group(*bound.args, **bound.kwargs)
+        if group is None or group == c10d.GroupMember.NON_GROUP_MEMBER:
+            return group
+        if gloo:
+            _gloo_groups.add(group.group_name)
+        else:
+            _group_timeouts[group.group_name] = timeout_s
+        return group
+
+    dist.new_group = c10d.new_group = new_group
+
+    def emulate(name: str) -> None:
+        original = getattr(c10d, name)
+        signature = inspect.signature(original)
+
+        def collective(*args, **kwargs):
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            group = bound.arguments.get("group") or c10d._get_default_group()
+            if group.group_name in _gloo_groups:
+                return original(*args, **kwargs)
+            if group.group_name in _aborted_groups:
+                raise RuntimeError(f"NCCL contract: group {group.group_name!r} was aborted; it takes no more work")
+            asynchronous = bound.arguments.get("async_op", False)
+            bound.arguments["async_op"] = True
+            work = NcclContractWork([original(*bound.args, **bound.kwargs)], group.group_name, name)
+            if asynchronous:
+                return work
+            work.transferred.wait()  # the host read of the result: unbounded; an abort does not release it
+            if work.error is not None:
+                raise RuntimeError(f"NCCL contract: {name} failed: {work.error}") from work.error
+            return None
+
+        setattr(c10d, name, collective)
+        setattr(dist, name, collective)
+
+    for name in ("all_reduce", "all_gather", "broadcast", "barrier"):
+        emulate(name)
+    threading.Thread(target=_watchdog, name="nccl-contract-watchdog", daemon=True).start()
+
+
+def _install_contract(contract: str, group_timeout_s: float = 60.0) -> None:
     """Wrap ``dist.batch_isend_irecv`` for this process: log what is handed to it and, under
     ``"nccl"``, return one NcclContractWork for the batch after the first-batch check; under
     ``"nccl"`` also emulate NCCL's abort and give cerar its stream-ordered contract."""
@@ -287,6 +406,7 @@ def _install_contract(contract: str) -> None:
         return original_abort(group)
 
     dist.distributed_c10d._abort_process_group = abort_process_group
+    _install_collectives(group_timeout_s)
 
     from cerar import protocol
 
@@ -328,9 +448,9 @@ def _entry(fn, rank, world_size, port, args, results, group_timeout_s, contract,
             store=dist.PrefixStore("run_workers/", _store["store"]),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=group_timeout_s),
+            timeout=timedelta(seconds=_transport_timeout_s(group_timeout_s) if contract == "nccl" else group_timeout_s),
         )
-        _install_contract(contract)
+        _install_contract(contract, group_timeout_s)
         value = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # plain bytes: tensors must not travel as shared memory of a dying process
         torch.save(value, buffer)

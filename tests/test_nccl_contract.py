@@ -35,7 +35,7 @@ from tests.distributed import (
 from tests.spec_reference import spec_all_reduce
 from tests.test_spec_reference import spec_code_matrices
 from train.config import ConfigError
-from train.distributed import NCCL_ERROR_HANDLING_VARIABLE, configure_nccl_watchdog
+from train.distributed import NCCL_BLOCKING_WAIT_VARIABLES, NCCL_ERROR_HANDLING_VARIABLE, configure_nccl_watchdog
 
 STALL_SLACK_S = 3.0
 """What a survivor may take beyond the timeout to raise: the rounds it completes before it reaches
@@ -312,3 +312,16 @@ def test_the_trainer_turns_nccls_watchdog_abort_on_and_refuses_to_run_with_it_of
     assert configure_nccl_watchdog({NCCL_ERROR_HANDLING_VARIABLE: "3"}) == "3"  # another abort mode is kept
     with pytest.raises(ConfigError, match=f"{NCCL_ERROR_HANDLING_VARIABLE}=0"):
         configure_nccl_watchdog({NCCL_ERROR_HANDLING_VARIABLE: "0"})
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", NCCL_BLOCKING_WAIT_VARIABLES)
+def test_the_trainer_refuses_nccls_blocking_wait_in_one_line(name):
+    """TORCH_NCCL_BLOCKING_WAIT (or its old name) set: every wait() would block the host and no work would be
+    on the watchdog's list (ProcessGroupNCCL::WorkNCCL::wait, workEnqueue). Refused before any group exists."""
+    for value in ("1", "true"):
+        with pytest.raises(ConfigError, match=f"^{name}={value} makes every NCCL wait block the host") as refused:
+            configure_nccl_watchdog({name: value})
+        assert "\n" not in str(refused.value)
+    environ = {name: "0"}  # explicitly off: allowed
+    assert configure_nccl_watchdog(environ) == "1" and environ[NCCL_ERROR_HANDLING_VARIABLE] == "1"

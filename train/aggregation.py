@@ -27,6 +27,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from train.distributed import await_work
+
 log = logging.getLogger(__name__)
 
 
@@ -69,7 +71,7 @@ class AllReduceAggregator(Aggregator):
 
     def aggregate(self, flat: torch.Tensor) -> int:
         if self.world_size > 1:
-            dist.all_reduce(flat)
+            await_work(dist.all_reduce(flat, async_op=True), self.timeout_s)  # the trainer's deadline, on NCCL too
             flat.div_(self.world_size)
         return ring_allreduce_bytes(flat.numel(), flat.element_size(), self.world_size)
 
@@ -85,7 +87,7 @@ class LowPrecisionAllReduce(Aggregator):
     def aggregate(self, flat: torch.Tensor) -> int:
         if self.world_size > 1:
             low = flat.div(self.world_size).to(self.dtype)
-            dist.all_reduce(low)
+            await_work(dist.all_reduce(low, async_op=True), self.timeout_s)
             flat.copy_(low)
         return ring_allreduce_bytes(flat.numel(), torch.tensor([], dtype=self.dtype).element_size(), self.world_size)
 

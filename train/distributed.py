@@ -1,11 +1,23 @@
 """Process-group setup for torchrun (or a plain single process) and the small collectives the loop needs.
 
-Backend: NCCL when the job runs on GPUs, gloo on CPU. Every collective inherits the process group's
-timeout (`trainer.collective_timeout_s`). On gloo that timeout bounds each wait on the host. On NCCL a
-wait only orders CUDA streams, so the bound is NCCL's watchdog: with `TORCH_NCCL_ASYNC_ERROR_HANDLING`
-on (set to 1, tear down, unless the environment chose another non-zero mode; 0 is refused) it aborts a
-collective that exceeds the group's timeout and takes the process down. A plain `python train/main.py`
-runs as a group of one.
+Backend: NCCL when the job runs on GPUs, gloo on CPU. A plain `python train/main.py` runs as a group of one.
+
+The trainer's deadline (`trainer.collective_timeout_s`, T) bounds every host-blocking point of a step
+(`bounded`): each collective is posted with ``async_op=True`` and the host polls ``Work.is_completed()``
+until it completes or T has passed since the post, then calls ``Work.wait()`` (as CERAR's rounds do,
+`cerar.protocol._Rounds`). On gloo this is the same bound as gloo's own timeout. On NCCL it is the only
+bound the trainer has before torch's: a collective's ``wait()`` (``WorkNCCL::wait`` -> ``synchronize()``)
+only orders the current stream after the NCCL stream, so without the poll the host would block later,
+in a ``.item()`` or ``torch.cuda.synchronize`` that nothing bounds, until torch's watchdog
+(``ProcessGroupNCCL::Watchdog`` -> ``watchdogHandler`` -> ``WorkNCCL::checkTimeout``, timed from the
+work's creation) fires at the group's timeout, waits for its debug dump
+(``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``) and rethrows on its own thread: ``std::terminate``, SIGABRT,
+exit status 134, no message of ours. NCCL groups are therefore created with the watchdog's timeout at
+``WATCHDOG_FACTOR`` x T (`watchdog_timeout_s`): our deadline, T after the post, comes first by T at least.
+The watchdog stays the backstop, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` on (set to 1, tear down,
+unless the environment chose another non-zero mode; 0 is refused), and ``TORCH_NCCL_BLOCKING_WAIT``
+set is refused (`configure_nccl_watchdog`). Object collectives (``all_gather_object``: a size
+exchange, then ``.item()``) run on a gloo group (`group_with_timeout`), where gloo's timeout bounds them.
 
 The loop runs each collective inside `guarded(operation)`: before entering it a rank records in the
 rendezvous store how many collectives it has entered; when one fails (a peer died, or stalled past the
@@ -63,13 +75,37 @@ def pick_device(cfg, launch: Launch) -> torch.device:
 
 
 NCCL_ERROR_HANDLING_VARIABLE = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+NCCL_BLOCKING_WAIT_VARIABLES = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")
+"""torch reads both names (``getCvarBool(TORCH_NCCL_BLOCKING_WAIT, false)`` in ``ProcessGroupNCCL``'s
+constructor; the second is the deprecated spelling)."""
+
+WATCHDOG_FACTOR = 2.0
+"""NCCL groups' own timeout (the watchdog's) is this many times the trainer's deadline."""
+
+
+def watchdog_timeout_s(timeout_s: float) -> float:
+    """The timeout the trainer gives its NCCL groups for a deadline of ``timeout_s``: torch's watchdog
+    times a work from its creation, the trainer's deadline from the post (a few microseconds later),
+    so the watchdog fires ``(WATCHDOG_FACTOR - 1) x timeout_s`` after our deadline at the earliest."""
+    return WATCHDOG_FACTOR * float(timeout_s)
 
 
 def configure_nccl_watchdog(environ=None) -> str:
     """Make NCCL's watchdog end a stalled collective: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (abort the
     communicator and tear the process down at the group's timeout) unless already set; 0, which turns
-    the watchdog's abort off and would let a stalled peer hang the job, is refused. Returns the mode."""
+    the watchdog's abort off and would let a stalled peer hang the job, is refused. So is
+    TORCH_NCCL_BLOCKING_WAIT (or NCCL_BLOCKING_WAIT) set to anything but 0: with it ``WorkNCCL::wait``
+    blocks the host on every ``wait()``, timeout or not, and ``ProcessGroupNCCL::workEnqueue`` leaves
+    the work off the watchdog's list, so every CERAR round would become a host round trip and the
+    watchdog's backstop would be gone. Returns the error-handling mode."""
     environ = os.environ if environ is None else environ
+    for name in NCCL_BLOCKING_WAIT_VARIABLES:
+        value = environ.get(name, "").strip()
+        if value and value.lower() not in ("0", "false", "n", "no"):
+            raise ConfigError(
+                f"{name}={value} makes every NCCL wait block the host and takes the works off torch's watchdog "
+                f"(CERAR's rounds would each become a host round trip); unset it"
+            )
     mode = environ.setdefault(NCCL_ERROR_HANDLING_VARIABLE, "1")
     if mode.strip() == "0":
         raise ConfigError(
@@ -81,8 +117,10 @@ def configure_nccl_watchdog(environ=None) -> str:
 
 def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -> None:
     backend = "nccl" if device.type == "cuda" else "gloo"
+    set_deadline(timeout_s)
     if backend == "nccl":
         configure_nccl_watchdog()  # read by ProcessGroupNCCL when it is created, so before init
+        timeout_s = watchdog_timeout_s(timeout_s)  # the watchdog's, behind the trainer's deadline
     timeout = timedelta(seconds=timeout_s)
     if "MASTER_ADDR" in os.environ:
         store = None
@@ -123,8 +161,7 @@ def check_same_config(config_hash: str, code_hash: str, device: torch.device) ->
     sources): one all-gather of both hashes; a mismatch stops all ranks with one clear error."""
     mine = torch.tensor(list(bytes.fromhex(config_hash + code_hash)), dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    with guarded("start-up config/code hash exchange"):
-        dist.all_gather(gathered, mine)
+    bounded("start-up config/code hash exchange", lambda: dist.all_gather(gathered, mine, async_op=True))
     half = len(mine) // 2
     config_differs = [r for r, g in enumerate(gathered) if not torch.equal(g[:half], gathered[0][:half])]
     code_differs = [r for r, g in enumerate(gathered) if not torch.equal(g[half:], gathered[0][half:])]
@@ -144,13 +181,23 @@ class TrainCollectiveError(RuntimeError):
     """A collective of the loop failed or timed out; the message names the operation, step and missing ranks."""
 
 
-_progress = {"entered": 0, "step": 0}
+_progress = {"entered": 0, "step": 0, "phase": "start-up"}
 _HEARTBEAT = "cerar_pythia/entered/"
 
 
 def set_step(step: int) -> None:
     """The step the loop is working on, for error messages and the heartbeat."""
     _progress["step"] = step
+
+
+def set_phase(phase: str) -> None:
+    """The phase of the step the host is in (train/loop.py's PhaseTimer), for error messages."""
+    _progress["phase"] = phase
+
+
+def deadline_s() -> float:
+    """The trainer's deadline for one collective (`set_deadline`)."""
+    return _deadline["timeout_s"]
 
 
 def _store():
@@ -203,7 +250,8 @@ def guarded(operation: str):
     except Exception as err:
         first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise TrainCollectiveError(
-            f"collective {operation!r} at step {_progress['step']} failed on rank {dist.get_rank()} after "
+            f"collective {operation!r} at step {_progress['step']} (phase: {_progress['phase']}) failed on rank "
+            f"{dist.get_rank()} after "
             f"{time.monotonic() - start:.1f}s: {_missing_ranks()}; {type(err).__name__}: {first_line}"
         ) from err
 
@@ -249,8 +297,45 @@ def _abort_quietly() -> None:
         abort_process_groups()
 
 
+_deadline = {"timeout_s": 300.0}
+_FIRST_POLL_PAUSE, _LAST_POLL_PAUSE = 20e-6, 2e-4  # s between polls, doubling (cerar.protocol's): <= 0.2 ms late
+
+
+def set_deadline(timeout_s: float) -> None:
+    """The trainer's deadline for one collective (``trainer.collective_timeout_s``), used by `bounded`."""
+    _deadline["timeout_s"] = float(timeout_s)
+
+
+def await_work(work, timeout_s: float | None = None) -> None:
+    """Poll ``work.is_completed()`` until it is true or ``timeout_s`` (default: the trainer's deadline) has
+    passed, then ``work.wait()`` (which raises a failed work's error). On expiry raises TimeoutError; the
+    host never blocks on the work itself, so a stalled peer cannot hold it past the deadline."""
+    timeout_s = _deadline["timeout_s"] if timeout_s is None else float(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    pause = _FIRST_POLL_PAUSE
+    while not work.is_completed():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"did not complete within {timeout_s:g}s (trainer.collective_timeout_s)")
+        time.sleep(min(pause, left))
+        pause = min(2 * pause, _LAST_POLL_PAUSE)
+    work.wait()
+
+
+def bounded(operation: str, post, timeout_s: float | None = None):
+    """Run one collective under the trainer's deadline: ``post()`` issues it with ``async_op=True`` and
+    returns its Work (or a list of Works), which `await_work` polls; a failure or an expired deadline
+    becomes a TrainCollectiveError naming the operation, the step and the peers (`guarded`). Returns
+    what ``post`` returned."""
+    with guarded(operation):
+        works = post()
+        for work in works if isinstance(works, list | tuple) else [works]:
+            if work is not None:
+                await_work(work, timeout_s)
+    return works
+
+
 def all_reduce_mean(values: list[float], device: torch.device, operation: str = "all_reduce mean") -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
-    with guarded(operation):
-        dist.all_reduce(t)
+    bounded(operation, lambda: dist.all_reduce(t, async_op=True))
     return (t / dist.get_world_size()).tolist()

@@ -3,7 +3,7 @@
 overlap=false (the paper's measurement): backward runs under DDP's `no_sync`, so DDP reduces nothing;
 the parameters' `.grad` are views of one persistent flat buffer (`FlatGradients`), which is aggregated
 in place once per step (no concatenation, no copy back). Each phase (forward, backward, aggregate,
-optimizer) is timed between device synchronisations. overlap=true: the aggregator is DDP's
+optimizer) is timed by CUDA events read once per step (`PhaseTimer`). overlap=true: the aggregator is DDP's
 communication hook and runs inside backward; `time/aggregate` is then 0 (it is part of backward).
 
 Diagnostics of approximate aggregation, where replicas can differ (CERAR: only rank N-1, the
@@ -41,32 +41,60 @@ import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
 from train import checkpoint as ckpt
-from train.distributed import all_reduce_mean, group_with_timeout, guarded, set_step
+from train.distributed import (
+    all_reduce_mean,
+    bounded,
+    deadline_s,
+    group_with_timeout,
+    guarded,
+    set_phase,
+    set_step,
+)
 from train.loss_scale import build_loss_scaler
 
 log = logging.getLogger(__name__)
 
 
 class PhaseTimer:
-    """Seconds per phase, measured between device synchronisations."""
+    """Seconds per phase. On CUDA, from a pair of events recorded on the current stream around each
+    phase and read once per step (`collect`, after the step's last bounded wait, when they wait only
+    for this rank's own kernels): a ``torch.cuda.synchronize`` at each phase boundary would block the
+    host on a collective that a stalled peer never completes, outside any deadline of ours, until
+    torch's watchdog aborts the process (train/distributed.py). On the CPU, the host's clock.
+    ``current`` names the phase the host is in, for the failure message (`train.distributed.set_phase`)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds: dict[str, float] = {}
-
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        self._sync()
-        start = time.perf_counter()
-        yield
-        self._sync()
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+        set_phase(name)
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            start_s = time.perf_counter()
+            yield
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start_s
+        set_phase(f"after {name}")
+
+    def collect(self) -> dict[str, float]:
+        """Add the phases recorded on the stream since the last call (waits for the last event: call it
+        once every collective the step's kernels wait on has passed its bounded wait)."""
+        if self._events:
+            self._events[-1][2].synchronize()
+            for name, start, end in self._events:
+                self.seconds[name] = self.seconds.get(name, 0.0) + start.elapsed_time(end) / 1e3
+            self._events.clear()
+        return self.seconds
 
     def reset(self) -> None:
+        self._events.clear()
         self.seconds = {"data": 0.0, "forward": 0.0, "backward": 0.0, "aggregate": 0.0, "optimizer": 0.0}
 
 
@@ -123,8 +151,7 @@ def local_nonfinite(params: list[torch.nn.Parameter], flat: torch.Tensor | None)
 def exact_mean(local: torch.Tensor) -> torch.Tensor:
     """g_bar, the exact mean of every rank's `local` (a new tensor), by torch's all-reduce."""
     exact = local.clone()
-    with guarded("exact all_reduce (g_bar)"):
-        dist.all_reduce(exact)
+    bounded("exact all_reduce (g_bar)", lambda: dist.all_reduce(exact, async_op=True))
     return exact.div_(dist.get_world_size())
 
 
@@ -134,8 +161,7 @@ def gradient_noise(local: torch.Tensor, exact: torch.Tensor) -> float:
     ||g_bar||. It shrinks as 1/sqrt(batch); CERAR's aggregation error does not. Every rank gets the same value."""
     N = dist.get_world_size()
     spread = (local - exact).square().sum().double().reshape(1)
-    with guarded("noise all_reduce"):
-        dist.all_reduce(spread)
+    bounded("noise all_reduce", lambda: dist.all_reduce(spread, async_op=True))
     return math.sqrt(float(spread) / (N * (N - 1))) / max(float(exact.norm()), 1e-30)
 
 
@@ -149,8 +175,7 @@ def error_and_noise(local: torch.Tensor, aggregated: torch.Tensor, exact: torch.
     g_bar_norm = exact.norm()
     error = (aggregated - exact).norm() / g_bar_norm.clamp_min(1e-30)
     worst = error.double().reshape(1)
-    with guarded("error all_reduce"):
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    bounded("error all_reduce", lambda: dist.all_reduce(worst, op=dist.ReduceOp.MAX, async_op=True))
     return {
         "agg/rel_error_max": float(worst),
         "agg/rel_error_rank0": float(error) if rank == 0 else None,
@@ -172,8 +197,7 @@ def measure_auto_c(auto_c, local: torch.Tensor, step: int, seed: int, sample_val
     samples = [column_sample(auto_c.codes[c], local.numel(), sample_values, step, seed) for c in candidates]
     mine = torch.cat([gather_columns(local, indices) for indices, _ in samples]).float()
     gathered = [torch.empty_like(mine) for _ in range(N)]
-    with guarded("c=auto all_gather of gradient samples"):
-        dist.all_gather(gathered, mine)
+    bounded("c=auto all_gather of gradient samples", lambda: dist.all_gather(gathered, mine, async_op=True))
     G = torch.stack(gathered)
     measured = torch.zeros(len(candidates) + 1, 2, dtype=torch.float64, device=local.device)
     if rank == 0:  # every rank then decides from rank 0's noise, bit for bit
@@ -185,8 +209,7 @@ def measure_auto_c(auto_c, local: torch.Tensor, step: int, seed: int, sample_val
             part = G[:, offset : offset + indices.numel()].contiguous()
             measured[k] = torch.tensor(worst_rank_error(part, code, code.m_for(local.numel())))
         offset += indices.numel()
-    with guarded("c=auto all_reduce of candidate errors"):
-        dist.all_reduce(measured)
+    bounded("c=auto all_reduce of candidate errors", lambda: dist.all_reduce(measured, async_op=True))
     *numbers, (noise, _) = measured.tolist()
     decision = auto_c.decide(step, noise, {c: tuple(numbers[k]) for k, c in enumerate(candidates)})
     if rank == 0:
@@ -271,8 +294,8 @@ class Trainer:
         """Model/optimizer/scheduler of this rank plus every rank's data position and RNG (gathered)."""
         mine = {"data": self.data.train.state_dict(), "rng": ckpt.rng_states()}
         per_rank = [None] * self.world_size
-        with guarded("checkpoint all_gather_object"):
-            dist.all_gather_object(per_rank, mine)
+        with guarded("checkpoint all_gather_object"):  # gloo: gloo's timeout bounds the size exchange's wait
+            dist.all_gather_object(per_rank, mine, group=group_with_timeout(deadline_s()))
         return {
             "step": self.state.step,
             "skipped_steps": self.state.skipped_steps,
@@ -289,6 +312,7 @@ class Trainer:
         }
 
     def save_checkpoint(self) -> None:
+        set_phase("checkpoint")
         state = self.checkpoint_state()  # collective: every rank takes part
         if self.world_size > 1:  # asked by every rank before the write: creating the group is collective
             writing = group_with_timeout(self.cfg.checkpoint.write_timeout_s)
@@ -348,9 +372,8 @@ class Trainer:
     def _grads_finite_everywhere(self, flat: torch.Tensor | None) -> bool:
         """One all-reduce of a flag: every rank skips a step alike if any rank saw inf/nan."""
         flag = local_nonfinite(self.params, flat).to(torch.float64).reshape(1)
-        with guarded("non-finite flag all_reduce"):
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return flag.item() == 0.0
+        bounded("non-finite flag all_reduce", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
+        return flag.item() == 0.0  # the all-reduce has completed: the read waits for nothing remote
 
     def _maybe_inject_nonfinite(self, step: int) -> None:
         """trainer.inject_nonfinite_at_step (testing/chaos only): at that step one gradient of one rank is inf."""
@@ -430,6 +453,7 @@ class Trainer:
                 record["amp/scale"] = self.scaler.get_scale()
             if self.grads is None:
                 self.optimizer.zero_grad(set_to_none=True)
+        self.timer.collect()  # every collective of the step has passed its bounded wait
         self.state.step = step
         self.state.tokens += self.tokens_per_step
         record.update({"train_loss_local": loss, "bytes_sent": bytes_sent, "skipped_steps": self.state.skipped_steps})
@@ -458,8 +482,9 @@ class Trainer:
         """Every rank's share of the fixed validation set, gathered once (replicas that differ each need all)."""
         if self._val_all is None:
             shares = [None] * self.world_size
-            with guarded("all_gather_object of the validation shares"):
-                dist.all_gather_object(shares, [b.cpu() for b in self.data.val_batches])
+            mine = [b.cpu() for b in self.data.val_batches]
+            with guarded("all_gather_object of the validation shares"):  # on gloo: bounded by gloo's timeout
+                dist.all_gather_object(shares, mine, group=group_with_timeout(deadline_s()))
             self._val_all = [batch for share in shares for batch in share]
         return self._val_all
 
@@ -468,16 +493,15 @@ class Trainer:
         """Validation loss over the fixed validation set: the reference replica's (`val_loss`) and the
         worst replica's. Replicas that agree split the set between them; replicas that may differ
         (CERAR) each evaluate the whole set with their own parameters."""
+        set_phase("eval")
         if not self.replicas_differ:
             total = self._loss_sum(self.data.val_batches)
-            with guarded("evaluation all_reduce"):
-                dist.all_reduce(total)
+            bounded("evaluation all_reduce", lambda: dist.all_reduce(total, async_op=True))
             loss = float(total[0] / total[1])
             return {"val_loss": loss, "val_loss_worst_replica": loss}
         total = self._loss_sum(self._whole_validation_set())
         losses = [torch.empty_like(total) for _ in range(self.world_size)]
-        with guarded("evaluation all_gather"):
-            dist.all_gather(losses, total)
+        bounded("evaluation all_gather", lambda: dist.all_gather(losses, total, async_op=True))
         per_rank = [float(t[0] / t[1]) for t in losses]
         return {"val_loss": per_rank[self.reference_rank], "val_loss_worst_replica": max(per_rank)}
 
@@ -485,23 +509,28 @@ class Trainer:
     def replica_drift(self) -> dict:
         """How far approximate aggregation let the replicas part from the reference replica (rank N-1):
         max |theta_r - theta_ref| and ||theta_r - theta_ref|| / ||theta_ref||, each the worst rank's."""
+        set_phase("drift")
         theta = flat_params(self.params).float()
         reference = theta.clone()
-        with guarded(f"drift broadcast from rank {self.reference_rank}"):
-            dist.broadcast(reference, src=self.reference_rank)
+        bounded(
+            f"drift broadcast from rank {self.reference_rank}",
+            lambda: dist.broadcast(reference, src=self.reference_rank, async_op=True),
+        )
         difference = theta - reference
         worst = torch.stack([difference.abs().max(), difference.norm() / reference.norm().clamp_min(1e-30)])
-        with guarded("drift all_reduce"):
-            dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        bounded("drift all_reduce", lambda: dist.all_reduce(worst, op=dist.ReduceOp.MAX, async_op=True))
         max_abs, rel_l2 = worst.tolist()
         return {"drift/max_abs": max_abs, "drift/rel_l2": rel_l2}
 
     @torch.no_grad()
     def resync_from_exact_rank(self) -> None:
         """Broadcast the parameters of the reference replica, rank N-1 (exact under CERAR), to every replica."""
+        set_phase("resync")
         theta = flat_params(self.params)
-        with guarded(f"resync broadcast from rank {self.reference_rank}"):
-            dist.broadcast(theta, src=self.reference_rank)
+        bounded(
+            f"resync broadcast from rank {self.reference_rank}",
+            lambda: dist.broadcast(theta, src=self.reference_rank, async_op=True),
+        )
         write_flat_params(self.params, theta)
 
     # ------------------------------------------------------------------ the loop
@@ -530,6 +559,7 @@ class Trainer:
             if self.world_size > 1 and self._due(t.resync_every, step):
                 self.resync_from_exact_rank()
             if logged:
+                set_phase("logging")
                 local_loss = float(record.pop("train_loss_local"))  # the step's one host sync for the loss
                 (train_loss,) = all_reduce_mean([local_loss], self.device, "train-loss all_reduce")
                 out = {"step": step, "train_loss": train_loss}

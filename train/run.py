@@ -28,7 +28,17 @@ from train.config import (
     validate,
 )
 from train.data import EMBEDDED_KEY, build_data
-from train.distributed import check_same_config, guarded, init_process_group, launch_from_env, pick_device
+from train.distributed import (
+    bounded,
+    check_same_config,
+    deadline_s,
+    group_with_timeout,
+    guarded,
+    init_process_group,
+    launch_from_env,
+    pick_device,
+    set_deadline,
+)
 from train.loop import Trainer
 from train.metrics import RunLogger, parameter_sha256
 from train.model import build_model, count_parameters, optimizer_param_groups
@@ -51,6 +61,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     write_pid_file(run_dir, launch.rank)
     if not dist.is_initialized():  # train/sweep.py starts the group once for several runs
         init_process_group(launch, device, cfg.trainer.collective_timeout_s)
+    set_deadline(cfg.trainer.collective_timeout_s)  # also when the group was started before (sweeps, tests)
     check_same_config(config_fingerprint(cfg), code_fingerprint(), device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
 
@@ -130,8 +141,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     if trainer.state.step < cfg.trainer.max_steps:  # trainer.stop_after_step: a simulated preemption
         log.warning("stopped after step %d of %d (trainer.stop_after_step)", trainer.state.step, cfg.trainer.max_steps)
         trainer.logger.close()
-        with guarded("final barrier"):
-            dist.barrier()
+        bounded("final barrier", lambda: dist.barrier(async_op=True))
         return None
     summary = {
         **run_description(cfg, launch.world_size, trainer),
@@ -151,8 +161,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         summary["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     trainer.logger.summary(summary)
     trainer.logger.close()
-    with guarded("final barrier"):
-        dist.barrier()
+    bounded("final barrier", lambda: dist.barrier(async_op=True))
     if launch.rank == 0:  # the one line to read at the end of a long log
         val = summary["final_val_loss"]
         print(
@@ -242,7 +251,7 @@ def gather_param_sha256(model: torch.nn.Module) -> list[str]:
     """Every rank's parameter fingerprint, in rank order (equal under exact aggregators or after a resync)."""
     shas = [None] * dist.get_world_size()
     with guarded("all_gather_object of parameter fingerprints"):
-        dist.all_gather_object(shas, parameter_sha256(model))
+        dist.all_gather_object(shas, parameter_sha256(model), group=group_with_timeout(deadline_s()))  # gloo
     return shas
 
 
@@ -268,12 +277,10 @@ def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: 
 def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: int, device) -> int | None:
     """resume=auto: continue from the newest valid checkpoint if any; true: require one; false: fresh."""
     if resume == "false":
-        with guarded("barrier before removing checkpoints"):
-            dist.barrier()
+        bounded("barrier before removing checkpoints", lambda: dist.barrier(async_op=True))
         if rank == 0 and (removed := ckpt.discard_checkpoints(run_dir)):
             log.warning("resume=false: removed %d old checkpoint(s) in %s", removed, run_dir)
-        with guarded("barrier after removing checkpoints"):
-            dist.barrier()
+        bounded("barrier after removing checkpoints", lambda: dist.barrier(async_op=True))
         return None
     loaded = ckpt.load_latest_checkpoint(run_dir)  # on CPU; restore() copies it onto this run's device
     if loaded is None:

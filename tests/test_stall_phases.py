@@ -1,0 +1,171 @@
+"""A peer stalled in any phase of a training step, under NCCL's contract with torch's watchdog emulated
+(tests/distributed.py, ``contract="nccl"``): every survivor exits with status 3 and one line naming the
+collective, the phase and the peer, within the trainer's deadline plus SLACK_S, and before the emulated
+watchdog fires (which would end it with SIGABRT, exit status -6, at the group's timeout after its dump wait).
+
+The stalled rank stops itself (SIGSTOP) as it enters the phase at step STALL_STEP; the groups' own timeout is
+the trainer's NCCL one (`train.distributed.watchdog_timeout_s`). Without the trainer's bounded waits (the
+non-finite flag read by ``.item()``, the loss and evaluation reductions, the object gathers) the survivors
+block in the emulated host read until the watchdog's SIGABRT.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from tests.distributed import DUMP_WAIT_VARIABLE, WATCHDOG_KEY, ProcessExit, held_store, run_workers, shared_store
+
+T_S = 3.0  # trainer.collective_timeout_s: the trainer's deadline
+WATCHDOG_S = 2 * T_S  # the NCCL groups' own timeout: train.distributed.watchdog_timeout_s(T_S)
+SLACK_S = 6.0  # the rest of a step before the survivors reach the stuck collective, and the abort, on a loaded host
+STALL_STEP = 2
+JOB = [
+    "model=tiny",
+    "data.seq_len=32",
+    "trainer.micro_batch_size=4",
+    "trainer.max_steps=3",
+    "trainer.log_every=1",
+    "trainer.eval_every=2",
+    "trainer.eval_batches=2",
+    "trainer.drift_every=0",
+    "trainer.progress_bar=false",
+    "wandb.mode=disabled",
+    "checkpoint.every=2",
+    f"trainer.collective_timeout_s={T_S}",
+]
+FLAT = ["aggregator=cerar", "c=auto", f"aggregator.auto_warmup_steps={STALL_STEP}", "aggregator.auto_check_every=1"]
+HIER = ["aggregator=hier_cerar", "aggregator.local_size=2", "c=4", "aggregator.coded_on_two_nodes=true"]
+
+# phase the stalled rank stops in -> the collective every survivor reports
+CASES = {
+    "flat-data": (2, FLAT, "data", "non-finite flag all_reduce"),
+    "flat-forward": (2, FLAT, "forward", "non-finite flag all_reduce"),
+    "flat-backward": (2, FLAT, "backward", "non-finite flag all_reduce"),
+    "flat-auto_c": (3, FLAT, "auto_c", "exact all_reduce (g_bar)"),  # N = 2 has no inexact code to measure
+    "flat-aggregate": (2, FLAT, "aggregate", "aggregate (cerar"),
+    "flat-optimizer": (2, FLAT, "optimizer", "train-loss all_reduce"),
+    "flat-eval": (2, FLAT, "eval", "all_gather_object of the validation shares"),
+    "flat-checkpoint": (2, FLAT, "checkpoint", "checkpoint all_gather_object"),
+    # overlap: stalled in backward, past forward's one-off DDP bucket rebuild (docs/failures.md: not bounded)
+    "overlap-backward": (2, ["aggregator=cerar", "c=4", "trainer.overlap=true"], "backward", "backward with"),
+    "hier-backward": (4, HIER, "backward", "non-finite flag all_reduce"),
+    "hier-aggregate": (4, HIER, "aggregate", "aggregate (hier_cerar"),
+}
+VICTIM = 1
+
+
+def _stop_on_entering(phase: str) -> None:
+    """SIGSTOP this process as it enters ``phase`` at step STALL_STEP or later: a phase of the step timer
+    (data, forward, backward, auto_c, aggregate, optimizer), the evaluation, or the checkpoint."""
+    import contextlib
+
+    from train import distributed, loop
+
+    def stop() -> None:
+        if distributed._progress["step"] >= STALL_STEP:
+            shared_store().set("stalled_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    if phase in ("eval", "checkpoint"):
+        name = "evaluate" if phase == "eval" else "save_checkpoint"
+        method = getattr(loop.Trainer, name)
+
+        def stopping(self, *args, **kwargs):
+            stop()
+            return method(self, *args, **kwargs)
+
+        setattr(loop.Trainer, name, stopping)
+        return
+    timed = loop.PhaseTimer.phase
+
+    @contextlib.contextmanager
+    def phase_then_stop(self, name):
+        if name == phase:
+            stop()
+        with timed(self, name):
+            yield
+
+    loop.PhaseTimer.phase = phase_then_stop
+
+
+def _stalled_training(rank, world_size, phase, overrides, cache, run_dir):
+    """The trainer in this process, as train/main.py runs it (a collective failure: abort, one line, exit 3);
+    rank VICTIM stops itself on entering ``phase`` at step STALL_STEP."""
+    from tests.runs import composed
+    from train.distributed import exit_after_collective_failure
+    from train.main import is_collective_failure
+    from train.run import run
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
+    if rank == VICTIM:
+        _stop_on_entering(phase)
+    try:
+        run(composed(*JOB, *overrides, f"data.cache_dir={cache}"), Path(run_dir))
+    except RuntimeError as err:
+        if is_collective_failure(err):  # the one line exit_after_collective_failure prints, kept for the test
+            shared_store().set(f"line/{rank}", "error: " + " ".join(str(err).split()))
+            exit_after_collective_failure(err, code=3)
+        raise
+    return "finished without a failure"
+
+
+def _launch(case, cache, tmp):
+    world, overrides, phase, _ = CASES[case]
+    store = held_store()
+    survivors = [r for r in range(world) if r != VICTIM]
+    results = run_workers(
+        _stalled_training,
+        world,
+        args=(phase, overrides, str(cache), str(tmp / case)),
+        timeout_s=240,
+        group_timeout_s=WATCHDOG_S,
+        expect=[],
+        exits=survivors,
+        contract="nccl",
+        store=store,
+    )
+    ended = time.time()
+    stalled = float(store.get("stalled_at").decode()) if store.check(["stalled_at"]) else None
+    lines = {r: store.get(f"line/{r}").decode() for r in survivors if store.check([f"line/{r}"])}
+    fired = {r: store.get(f"{WATCHDOG_KEY}{r}").decode() for r in survivors if store.check([f"{WATCHDOG_KEY}{r}"])}
+    return results, stalled, ended, fired, lines
+
+
+@pytest.fixture(scope="module")
+def stalls(tmp_path_factory, cache_dir):
+    """Every case, three launches at a time (a launch mostly waits out the deadline): each one's results, the
+    times of the stall and of the survivors' exits, the watchdog's records and the survivors' lines."""
+    tmp = tmp_path_factory.mktemp("stalls")
+    mp = pytest.MonkeyPatch()
+    mp.setenv(DUMP_WAIT_VARIABLE, "1000")  # the emulated watchdog's dump wait: short, so a failing run ends soon
+    mp.setenv("OMP_NUM_THREADS", "1")
+    try:
+        with ThreadPoolExecutor(max_workers=3) as pool:
+            outcomes = dict(zip(CASES, pool.map(lambda case: _launch(case, cache_dir, tmp), CASES), strict=True))
+    finally:
+        mp.undo()
+    return outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_watchdog(stalls, case):
+    world, _, phase, operation = CASES[case]
+    results, stalled, ended, fired, lines = stalls[case]
+    survivors = [r for r in range(world) if r != VICTIM]
+    assert stalled is not None, f"rank {VICTIM} never entered phase {phase!r} at step {STALL_STEP}"
+    assert not fired, f"the emulated watchdog fired first: {fired}"
+    assert [results[r] for r in survivors] == [ProcessExit(3)] * len(survivors), results
+    assert ended - stalled < T_S + SLACK_S, ended - stalled
+    for r in survivors:
+        line = lines[r]
+        assert line.startswith(f"error: collective '{operation}") and f"failed on rank {r} " in line, line
+        assert f"rank {VICTIM}" in line.split("failed on rank", 1)[1], line  # the peer
+        assert "(phase: " in line, line
