@@ -107,7 +107,7 @@ HIERARCHICAL = ("hier_ring", "hier_cerar", "hier_ring16")
 # issue 25: the 8-bit all-reduce (cerar.quantized): int8 flat, hier_int8 on the two tiers (int8 on the rails)
 AGGREGATORS = (*AGGREGATORS, "int8", "hier_int8")
 HIERARCHICAL = (*HIERARCHICAL, "hier_int8")
-EXTRA_COLUMNS = [*EXTRA_COLUMNS, "int8_block"]
+EXTRA_COLUMNS = [*EXTRA_COLUMNS, "int8_block", "transport"]
 DEFAULT_CSV = ROOT / "reports" / "data" / "allreduce.csv"
 DEFAULT_FIGURES = ROOT / "reports" / "figures"
 ITEMSIZE = 4  # float32
@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--half-dtype", choices=["float16", "bfloat16"], default="float16",
                     help="hier_ring16: the 16-bit message type (default float16, as torch's fp16 hook)")  # fmt: skip
     ap.add_argument("--int8-block", type=int, default=128, help="int8/hier_int8: values per float32 scale")
+    ap.add_argument("--cerar-transport", choices=["float32", "float16", "bfloat16"], default="float32",
+                    help="cerar/hier_cerar: the dtype their messages travel in (cerar.wire; 16 bits: kappa_max "
+                         "defaults to cerar.default_kappa_max of it), recorded in the transport column")  # fmt: skip
     ap.add_argument("--storages", type=_strs, default=None,
                     help="CERAR storage choices, e.g. spec,messages (default: the library's default)")  # fmt: skip
     ap.add_argument("--pipeline-chunks", type=_ints, default=None,
@@ -248,7 +251,10 @@ def worker(args) -> int:
         for cons in args.constructions or list(cerar.CONSTRUCTIONS):
             for c in cs:
                 try:
-                    code = cerar.make_code(workers, c, construction=cons, eps=args.eps, kappa_max=args.kappa_max)
+                    kappa_max = args.kappa_max
+                    if kappa_max is None and args.cerar_transport != "float32":
+                        kappa_max = cerar.default_kappa_max(args.cerar_transport)
+                    code = cerar.make_code(workers, c, construction=cons, eps=args.eps, kappa_max=kappa_max)
                 except ValueError as e:
                     skipped.append(f"{agg} {cons} c={c}: {e}")
                     continue
@@ -281,6 +287,8 @@ def worker(args) -> int:
             return hierarchical_quantized_all_reduce(buf, tiers, op="sum", timeout=ct, block=args.int8_block)
         cerar.rounds.PIPELINE_MAX_CHUNKS = chunks
         kw = {} if storage is None else {"storage": storage}  # None: the library's default (older versions: no knob)
+        if args.cerar_transport != "float32":
+            kw["transport"] = args.cerar_transport
         if agg == "hier_cerar":
             return hierarchical.hierarchical_all_reduce(buf, code, tiers, timeout=ct, **kw)
         return cerar.all_reduce(buf, code, timeout=ct, **kw)
@@ -362,6 +370,7 @@ def worker(args) -> int:
                 }  # fmt: skip
                 if agg in ("cerar", "hier_cerar"):
                     row["storage"] = storage or _default_storage()
+                    row["transport"] = args.cerar_transport
                 if agg in ("int8", "hier_int8"):
                     row["int8_block"] = args.int8_block
                 if nics:
@@ -462,6 +471,8 @@ def worker_argv(args, rows_out: Path, where: str, run_id: str) -> list[str]:
         a += ["--eps", str(args.eps)]
     if args.kappa_max is not None:
         a += ["--kappa-max", str(args.kappa_max)]
+    if args.cerar_transport != "float32":
+        a += ["--cerar-transport", args.cerar_transport]
     return a
 
 
@@ -588,7 +599,9 @@ def _label(r: dict) -> str:
     if r["aggregator"] not in ("cerar", "hier_cerar"):
         return r["aggregator"]
     storage, chunks = r.get("storage") or "", str(r.get("pipeline_chunks") or "")
+    transport = r.get("transport") or ""
     return (f"{r['aggregator']} {r['construction']} c={r['c']}"
+            + (f" {transport}" if transport not in ("", "float32") else "")
             + (f" {storage}" if storage not in ("", "-", "spec") else "")
             + (f" chunks={chunks}" if chunks not in ("", "2") else ""))  # fmt: skip
 
