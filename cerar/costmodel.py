@@ -608,9 +608,10 @@ ring over all n G ranks (node-major; NCCL's ring), whose every round waits for i
 
 # issue 25: the 8-bit all-reduce (cerar.quantized; cerar.hierarchical.quantized), priced by its bytes (int8
 # values and a float32 scale per block, as cerar.int8_blocks lays them out) and by its quantize/dequantize passes
-TWO_TIER_AGGREGATORS = (*TWO_TIER_AGGREGATORS, "hier_int8", "int8")
+TWO_TIER_AGGREGATORS = (*TWO_TIER_AGGREGATORS, "hier_int8", "int8", "hier_cerar16")
 """``hier_int8``: the exact fp32 tier inside the node, the 8-bit all-reduce on the rails; ``int8``: the
-8-bit all-reduce flat over all n G ranks."""
+8-bit all-reduce flat over all n G ranks; ``hier_cerar16``: ``hier_cerar`` over 16-bit messages on both tiers
+(``cerar.wire``: 2-byte values, the arithmetic in float32, each block cast on its way out and back in)."""
 INT8_BLOCK = 128
 """Values per float32 scale (``cerar.int8_blocks.DEFAULT_BLOCK``)."""
 INT8_QUANTIZE_BYTES = 25
@@ -726,6 +727,9 @@ def two_tier_features(
         tier = [rounds, values * itemsize / nics_per_node] if n > 1 else [0, 0]
         first = [rounds, values * itemsize] if n == 1 else [0, 0]
         return np.array([*first, *tier, moved * itemsize + cast], dtype=float)
+    sixteen = aggregator == "hier_cerar16"
+    if sixteen:  # the bytes on both tiers in 2-byte values; the arithmetic's traffic in float32, plus the casts
+        aggregator, itemsize = "hier_cerar", 2
     coded = aggregator == "hier_cerar" and n > 1 and (n > 2 or coded_on_two_nodes)
     if aggregator == "hier_cerar" and c is None:
         raise ValueError("aggregator 'hier_cerar' needs c (number of components of the code for the nodes)")
@@ -745,6 +749,8 @@ def two_tier_features(
     moved = (intra_moved + inter_moved) * itemsize
     if aggregator == "hier_ring16":
         moved = moved + CAST_BYTES_PER_VALUE * d
+    if sixteen:
+        moved = (intra_moved + inter_moved) * 4 + CAST_BYTES_PER_VALUE * d
     return np.array(
         [intra_rounds, intra_values * itemsize, inter_rounds, inter_values * itemsize * sharing, moved], dtype=float
     )
@@ -962,6 +968,13 @@ def two_tier_projection(
     out["int8"] = cluster.time("hier_int8", d)
     out["int8_ratio"] = out["int8"] / out["hier_ring"]
     out["choice_int8"] = min([*fp32, (out["half"], 2, "16-bit messages"), (out["int8"], 4, "8-bit messages")])[2]
+    # issue 25: hierarchical CERAR over fp16 messages at c = 2n (the fp16 default kappa_max reaches it at every n),
+    # against the 16-bit exact hierarchy
+    if nodes > 2:
+        out["cerar16"] = cluster.time("hier_cerar16", d, 2 * nodes)
+        out["cerar16_ratio_to_half"] = out["cerar16"] / cluster.time("hier_ring16", d)
+    else:
+        out["cerar16"], out["cerar16_ratio_to_half"] = None, None
     return out
 
 

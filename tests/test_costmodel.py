@@ -475,3 +475,19 @@ def test_cli_report_renders_the_two_tiers_and_the_figure(tmp_path):
     assert "| lab-4x2-mtu9000 | 200 | 12 |" in text and "| 0.96 |" in text  # 24 MB/s fitted on a 200 Mbit/s link
     assert "hier_cerar optimized c=16 1.0e-02" in text
     assert fig.stat().st_size > 10_000
+
+
+@pytest.mark.quick
+def test_hierarchical_cerar_over_fp16_messages_is_priced_at_two_bytes_on_the_wire_and_four_in_memory():
+    """hier_cerar16 (issue 25), by hand at n = 4 nodes of G = 2, c = 8, d = 2^20, one NIC per node: s = d/2 per
+    rail; inside, 2 (G-1) = 2 rounds of s 2-byte values; between, L = c + n - 2 = 10 rounds of ceil(s/c) 2-byte
+    values on each of the G rails sharing the NIC; the arithmetic's traffic that of hier_cerar at 4 bytes a value
+    (the float32 model) plus 12 bytes per value of casts."""
+    from cerar.costmodel import two_tier_features
+
+    d, n, G, c = 2**20, 4, 2, 8
+    s = d // G
+    f16 = two_tier_features("hier_cerar16", d, n, G, c)
+    f32 = two_tier_features("hier_cerar", d, n, G, c)
+    assert list(f16[:4]) == [2 * (G - 1), 2 * (G - 1) * s * 2, c + n - 2, (c + n - 2) * (s // c) * 2 * G]
+    assert f16[4] == f32[4] + 12 * d
