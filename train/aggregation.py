@@ -223,7 +223,29 @@ class CerarAggregator(Aggregator):
         return sent
 
 
-class HierarchicalAggregator(Aggregator):
+class TwoTierBytes:
+    """What the two-tier aggregators report: the bytes each tier sent in the last step (`step_metrics`), from the
+    calls' stats in flat mode or from their hook's (`bytes_sent_by_hook`)."""
+
+    hook_state = None
+    tier_bytes: dict
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        if self.hook_state is None:
+            return 0
+        stats = list(self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        self.tier_bytes = {
+            "intra_node": sum(s.intra_node.bytes_sent for s in stats),
+            "inter_node": sum(s.inter_node.bytes_sent for s in stats),
+        }
+        return sum(self.tier_bytes.values())
+
+    def step_metrics(self) -> dict:
+        return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
+
+
+class HierarchicalAggregator(TwoTierBytes, Aggregator):
     """Two tiers (`cerar.hierarchical`): exact reduce-scatter and all-gather inside each node and, between
     the nodes, CERAR with a code for n = nodes (or, with exact_ring, the exact ring: the baseline).
 
@@ -341,19 +363,6 @@ class HierarchicalAggregator(Aggregator):
         )
         ddp.register_comm_hook(self.hook_state, self.hierarchical.hierarchical_hook)
 
-    def bytes_sent_by_hook(self, numel: int) -> int:
-        if self.hook_state is None:
-            return 0
-        stats = list(self.hook_state.last_stats)
-        self.hook_state.reset_stats()
-        self.tier_bytes = {
-            "intra_node": sum(s.intra_node.bytes_sent for s in stats),
-            "inter_node": sum(s.inter_node.bytes_sent for s in stats),
-        }
-        return sum(self.tier_bytes.values())
-
-    def step_metrics(self) -> dict:
-        return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
 
 
 def _transport_suffix(transport: str) -> str:
@@ -453,7 +462,7 @@ class QuantizedAggregator(Aggregator):
         return sent
 
 
-class HierarchicalQuantizedAggregator(Aggregator):
+class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
     """`cerar.hierarchical.quantized`: exact float32 reduce-scatter and all-gather inside each node, the 8-bit
     all-reduce on the rails between the nodes. Every rank receives the same average (the replicas stay
     identical). `step_metrics` reports the bytes each tier sent in the last step."""
@@ -495,19 +504,6 @@ class HierarchicalQuantizedAggregator(Aggregator):
         self.hook_state = HierarchicalQuantizedHookState(timeout=self.timeout, layout=self.layout, block=self.block)
         ddp.register_comm_hook(self.hook_state, hierarchical_quantized_hook)
 
-    def bytes_sent_by_hook(self, numel: int) -> int:
-        if self.hook_state is None:
-            return 0
-        stats = list(self.hook_state.last_stats)
-        self.hook_state.reset_stats()
-        self.tier_bytes = {
-            "intra_node": sum(s.intra_node.bytes_sent for s in stats),
-            "inter_node": sum(s.inter_node.bytes_sent for s in stats),
-        }
-        return sum(self.tier_bytes.values())
-
-    def step_metrics(self) -> dict:
-        return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
 
 
 def build_quantized_aggregator(cfg, world_size: int) -> Aggregator:

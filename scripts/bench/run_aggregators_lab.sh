@@ -19,16 +19,7 @@ REPEATS=${REPEATS:-3}
 LOG=reports/logs/hierarchical_lab.log
 CSV=reports/data/hierarchical_lab.csv
 FAILED=0
-step() {
-  local name=$1; shift
-  echo "=== $(date -Is) $name: uptime before: $(uptime)" | tee -a "$LOG"
-  echo "\$ $*" >>"$LOG"
-  local t0=$SECONDS
-  "$@" >>"$LOG" 2>&1
-  local rc=$?
-  echo "=== $(date -Is) $name: rc=$rc in $((SECONDS - t0)) s; uptime after: $(uptime)" | tee -a "$LOG"
-  [ $rc = 0 ] || FAILED=$((FAILED + 1))
-}
+. scripts/bench/lab_step.sh  # step NAME COMMAND...
 COMMON=(--lab --rate-mbit 200 --mtu 9000 --sizes-mb 64 --repeats "$REPEATS" --warmup 1 --timeout 3600 --csv "$CSV"
   --cerar-transport float16 --constructions optimized --quiet)
 step "clean stale labs" $PY scripts/lab/netlab.py --cleanup

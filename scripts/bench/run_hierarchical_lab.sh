@@ -36,16 +36,7 @@ LOG=$OUT/logs/hierarchical_lab.log
 CSV=$OUT/data/hierarchical_lab.csv
 T0=$SECONDS
 FAILED=0
-step() {  # step NAME COMMAND...: run it, logging uptime before and after, its exit status and duration
-  local name=$1; shift
-  echo "=== $(date -Is) $name: uptime before: $(uptime)" | tee -a "$LOG"
-  echo "\$ $*" >>"$LOG"
-  local t0=$SECONDS
-  "$@" >>"$LOG" 2>&1
-  local rc=$?
-  echo "=== $(date -Is) $name: rc=$rc in $((SECONDS - t0)) s; uptime after: $(uptime)" | tee -a "$LOG"
-  [ $rc = 0 ] || FAILED=$((FAILED + 1))
-}
+. scripts/bench/lab_step.sh  # step NAME COMMAND...
 
 step "clean stale labs" $PY scripts/lab/netlab.py --cleanup
 # the optimized codes, searched (or read from the shipped table) once here instead of by 8 ranks at once
