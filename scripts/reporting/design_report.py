@@ -9,10 +9,11 @@ rendered here, with the scripts that own ``reports/``.
     python scripts/reporting/design_report.py --transport        # reports/code_design_transport.md only
 
 ``--transport`` writes the 16-bit messages' part (docs/cerar-16bit.md): for the shapes the 16-bit default
-kappa_max is chosen over (``cerar.design.TRANSPORT_SWEEP_SHAPES``), code error, rounding bound on the wire
-and their total against kappa_max on float32, float16 and bfloat16 messages, which budgets the derived
-rule admits, the kappa_max with the least total per shape, and the default those choices support
-(``cerar.design.chosen_default``) beside the one the library ships (``cerar.wire.DEFAULT_TRANSPORT_KAPPA_MAX``).
+kappa_max is chosen over (``cerar.design.TRANSPORT_SWEEP_SHAPES``), code error, rounding on the wire
+(measured on Gaussian gradients) and their total against kappa_max on float32, float16 and bfloat16
+messages, which budgets the rule admits, the kappa_max with the least total per shape, and the default
+those choices support (``cerar.design.chosen_default``) beside the one the library ships
+(``cerar.wire.DEFAULT_TRANSPORT_KAPPA_MAX``).
 """
 
 from __future__ import annotations
@@ -439,11 +440,12 @@ def run_transport(args: argparse.Namespace, argv: Sequence[str]) -> int:
     parts = [
         "# Code design for 16-bit messages: code error, rounding and their total against kappa_max\n",
         f"Written by `python scripts/reporting/design_report.py {shlex.join(argv)}` in {seconds:.0f} s "
-        f"({_provenance()}). Code error: `code.predicted_error()` (Gaussian gradients, no rounding). Rounding: "
-        "`cerar.precision.rounding_bound(code, float32, wire)` = kappa (N u_wire + sqrt(c + L) u_32), relative "
-        "to ||G||_F, float32 arithmetic. A code is admitted on a 16-bit wire when that bound is at most the larger "
-        "of its code error and the exact ring's rounding on the same wire (`cerar.precision.admissible_kappa`; "
-        "docs/cerar-16bit.md). Raw rows: `" + str(csv_path) + "`.\n",
+        f"({_provenance()}). Code error: `code.predicted_error()` (Gaussian gradients, no rounding). Rounding on a "
+        "16-bit wire: `cerar.precision.expected_rounding(code, wire)`, what the wire adds on the same Gaussian "
+        "gradients (the protocol run with and without it), relative to ||S||, float32 arithmetic; on float32: "
+        "`rounding_bound`. Total: the two in quadrature. A code is admitted on a 16-bit wire when that rounding is "
+        "at most the larger of its code error and the exact ring's rounding on the same wire "
+        "(`cerar.precision.admissible_kappa`; docs/cerar-16bit.md). Raw rows: `" + str(csv_path) + "`.\n",
     ]
     shapes = list(dict.fromkeys((r.N, r.c, r.construction) for r in rows))
     for N, c, construction in shapes:
