@@ -183,8 +183,7 @@ def _two_tiers(
 ) -> HierarchicalStats:
     assert method in RAIL_METHODS
     wire = wire_for(transport)
-    layout, G = groups.layout, groups.layout.local_size
-    d = tensor.numel()
+    layout, d = groups.layout, tensor.numel()
     check_agreement(
         _Ring.of(groups.all_ranks, _as_timedelta(timeout), operation),
         {
@@ -204,9 +203,34 @@ def _two_tiers(
     if d == 0:
         return stats
     rail_args = (method, code, groups.rail, op, timeout, storage, timed, operation, groups.local_rank, transport)
-    if G == 1:  # nothing inside a node: the rail is every rank in rank order, the call flat CERAR's own
-        stats.inter_node = reduce_on_rail(tensor, *rail_args)
-        return stats
+
+    def on_rail(shard: torch.Tensor) -> AllReduceStats:
+        return reduce_on_rail(shard, *rail_args)
+
+    run_tiers(tensor, groups, stats, op, timeout, timed, operation, on_rail, wire)
+    return stats
+
+
+def run_tiers(
+    tensor: torch.Tensor,
+    groups: TierGroups,
+    stats: HierarchicalStats,
+    op: str,
+    timeout,
+    timed: bool,
+    operation: str,
+    on_rail,
+    wire=None,
+) -> None:
+    """Steps 1-3 of the module docstring on ``tensor`` (d > 0, the call's agreement already checked), for any
+    rail method: ``on_rail(shard)`` all-reduces one shard in place over this rank's rail and returns its
+    ``AllReduceStats``. With G = 1 the rail is every rank in rank order and ``on_rail`` gets the whole tensor.
+    Fills ``stats.inter_node`` (the rail's) and ``stats.intra_node`` (the two exact tiers inside the node, their
+    messages on ``wire``: None for float32, or a 16-bit ``cerar.wire.Wire``)."""
+    G, d = groups.layout.local_size, tensor.numel()
+    if G == 1:  # nothing inside a node: the rail is every rank in rank order, the call the flat one
+        stats.inter_node = on_rail(tensor)
+        return
 
     timer = PhaseTimer(tensor.device, enabled=timed)
     ring = _Ring.of(groups.intra_node, _as_timedelta(timeout), f"{operation}: inside node {groups.node}")
@@ -229,7 +253,7 @@ def _two_tiers(
         if op == "avg":
             rounds.issue(divide)
         rounds.finish()  # each tier ends with its deadline kept: a stall inside the node is reported here
-        stats.inter_node = reduce_on_rail(mine, *rail_args)
+        stats.inter_node = on_rail(mine)
         rounds = _Rounds(ring, timer, wire)
         all_gather(shards, rounds)
         if not in_place:
@@ -245,4 +269,3 @@ def _two_tiers(
         peak_extra_bytes=(incoming.numel() + (0 if in_place else flat.numel())) * flat.element_size()
         + rounds.peak_wire_bytes,
     )
-    return stats

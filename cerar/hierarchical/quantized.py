@@ -30,21 +30,11 @@ from __future__ import annotations
 
 import torch
 
-from cerar.hierarchical.collective import HierarchicalStats, _groups
-from cerar.hierarchical.intra_node import all_gather, reduce_scatter
+from cerar.hierarchical.collective import HierarchicalStats, _groups, run_tiers
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups
 from cerar.int8_blocks import DEFAULT_BLOCK, FORMAT
-from cerar.protocol import (
-    AllReduceStats,
-    CollectiveError,
-    _as_timedelta,
-    _Ring,
-    _Rounds,
-    as_equal_shards,
-    check_agreement,
-)
+from cerar.protocol import AllReduceStats, CollectiveError, _as_timedelta, _Ring, check_agreement
 from cerar.quantized import QUANTIZED_PROTOCOL_VERSION, check_quantized_call, quantized_all_reduce
-from cerar.rounds import PhaseTimer
 
 RAIL_METHOD = "int8 quantized"
 
@@ -68,7 +58,7 @@ def hierarchical_quantized_all_reduce(
     operation = "cerar.hierarchical_quantized_all_reduce"
     check_quantized_call(tensor, op, block, operation)
     groups = _groups(layout, timeout, operation)
-    layout, G = groups.layout, groups.layout.local_size
+    layout = groups.layout
     method = RAIL_METHOD if layout.nodes > 1 else "none"
     d = tensor.numel()
     check_agreement(
@@ -88,47 +78,13 @@ def hierarchical_quantized_all_reduce(
     stats = HierarchicalStats(layout, method, exact=method == "none")
     if d == 0:
         return stats
-    if G == 1:  # nothing inside a node: the rail is every rank in rank order
-        stats.inter_node = _on_rail(tensor, groups, op, timeout, block, timed, operation)
-        return stats
 
-    timer = PhaseTimer(tensor.device, enabled=timed)
-    ring = _Ring.of(groups.intra_node, _as_timedelta(timeout), f"{operation}: inside node {groups.node}")
-    flat, in_place = as_equal_shards(tensor, G)
-    shards = flat.view(G, -1)
-    incoming = flat.new_empty(shards.shape[1])
-    mine = shards[groups.local_rank]
+    def on_rail(shard: torch.Tensor) -> AllReduceStats:
+        if method == "none":  # one node: nothing between nodes (as reduce_on_rail)
+            return AllReduceStats()
+        return _on_rail(shard, groups, op, timeout, block, timed, operation)
 
-    def divide() -> None:  # the rail divides by n, for 1 / (n G) in all
-        with timer.phase("decode"):
-            mine.div_(G)
-
-    def copy_back() -> None:
-        with timer.phase("decode"):
-            tensor.copy_(flat[:d].view(tensor.shape))
-
-    with torch.no_grad():
-        rounds = _Rounds(ring, timer)
-        reduce_scatter(shards, rounds, incoming, timer)
-        if op == "avg":
-            rounds.issue(divide)
-        rounds.finish()  # each tier ends with its deadline kept: a stall inside the node is reported here
-        if method != "none":
-            stats.inter_node = _on_rail(mine, groups, op, timeout, block, timed, operation)
-        rounds = _Rounds(ring, timer)
-        all_gather(shards, rounds)
-        if not in_place:
-            rounds.issue(copy_back)
-        rounds.finish()
-    seconds = timer.totals()
-    stats.intra_node = AllReduceStats(
-        bytes_sent=ring.bytes_sent,
-        bytes_received=ring.bytes_received,
-        rounds=2 * (G - 1),
-        seconds_comm=seconds.get("comm", 0.0),
-        seconds_decode=seconds.get("decode", 0.0),
-        peak_extra_bytes=(incoming.numel() + (0 if in_place else flat.numel())) * flat.element_size(),
-    )
+    run_tiers(tensor, groups, stats, op, timeout, timed, operation, on_rail)
     return stats
 
 

@@ -29,10 +29,10 @@ FAULTS = [
     Fault(
         name="rail-float16",
         file="cerar/hierarchical/collective.py",
-        original="        stats.inter_node = reduce_on_rail(mine, *rail_args)\n        rounds = _Rounds(ring, timer, wire)",
-        replacement='        if method == "cerar":\n            mine.copy_(mine.to(torch.float16))\n        stats.inter_node = reduce_on_rail(mine, *rail_args)\n        rounds = _Rounds(ring, timer, wire)',
+        original="        stats.inter_node = on_rail(mine)\n        rounds = _Rounds(ring, timer, wire)",
+        replacement='        mine.copy_(mine.to(torch.float16))\n        stats.inter_node = on_rail(mine)\n        rounds = _Rounds(ring, timer, wire)',
         tests=("tests/test_hierarchical.py::test_two_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums[gloo]",),
-        why="the coded rail silently rounds the node sums to float16 (2^-11) before CERAR",
+        why="the rail silently rounds the node sums to float16 (2^-11) before its call (the coded rail, and every other)",
     ),
     Fault(
         name="rounding-bound-x100",
