@@ -48,6 +48,11 @@ class Aggregator:
         self.world_size = world_size
         self.timeout_s = timeout_s
 
+    @property
+    def timeout(self) -> timedelta:
+        """The collective timeout as the cerar calls and hooks take it."""
+        return timedelta(seconds=self.timeout_s)
+
     def aggregate(self, flat: torch.Tensor) -> int:
         """Average `flat` across ranks in place; return the bytes this rank sent."""
         raise NotImplementedError
@@ -139,7 +144,46 @@ class PowerSGDAggregator(Aggregator):
         raise RuntimeError("powersgd runs as a DDP communication hook only (trainer.overlap=true)")
 
 
-class CerarAggregator(Aggregator):
+class HookStatsBytes:
+    """Aggregators whose DDP hook (cerar's) keeps each bucket's stats in `hook_state.last_stats`: the last step's
+    bytes are read from them, and the record is cleared for the next step."""
+
+    hook_state = None
+
+    def take_hook_stats(self) -> list | None:
+        """The stats of the buckets since the last call (None without a hook), cleared."""
+        if self.hook_state is None:
+            return None
+        stats = list(self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        return stats
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        stats = self.take_hook_stats()
+        return 0 if stats is None else sum(int(s.bytes_sent) for s in stats)
+
+
+class TwoTierBytes(HookStatsBytes):
+    """What the two-tier aggregators report: the bytes each tier sent in the last step (`step_metrics`), from the
+    calls' stats in flat mode or from their hook's (`bytes_sent_by_hook`)."""
+
+    tier_bytes: dict
+
+    def bytes_sent_by_hook(self, numel: int) -> int:
+        stats = self.take_hook_stats()
+        if stats is None:
+            return 0
+        self.tier_bytes = {
+            "intra_node": sum(s.intra_node.bytes_sent for s in stats),
+            "inter_node": sum(s.inter_node.bytes_sent for s in stats),
+        }
+        return sum(self.tier_bytes.values())
+
+    def step_metrics(self) -> dict:
+        return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
+
+
+class CerarAggregator(HookStatsBytes, Aggregator):
     """CERAR (or, with exact_ring, cerar's exact ring) through the cerar public API."""
 
     def __init__(
@@ -176,10 +220,6 @@ class CerarAggregator(Aggregator):
 
             self.group = transport_group(None, self.timeout)
 
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self.timeout_s)
-
     def use_code(self, code) -> None:
         """Aggregate with `code` from the next call on (c=auto's switch; every rank switches at the same step).
         An exact code aggregates by the exact ring instead: the same bytes, and the same bits on every rank, so
@@ -214,35 +254,6 @@ class CerarAggregator(Aggregator):
             transport_dtype=self.transport,
         )
         ddp.register_comm_hook(self.hook_state, cerar_hook)
-
-    def bytes_sent_by_hook(self, numel: int) -> int:
-        if self.hook_state is None:
-            return 0
-        sent = sum(int(s.bytes_sent) for s in self.hook_state.last_stats)
-        self.hook_state.reset_stats()
-        return sent
-
-
-class TwoTierBytes:
-    """What the two-tier aggregators report: the bytes each tier sent in the last step (`step_metrics`), from the
-    calls' stats in flat mode or from their hook's (`bytes_sent_by_hook`)."""
-
-    hook_state = None
-    tier_bytes: dict
-
-    def bytes_sent_by_hook(self, numel: int) -> int:
-        if self.hook_state is None:
-            return 0
-        stats = list(self.hook_state.last_stats)
-        self.hook_state.reset_stats()
-        self.tier_bytes = {
-            "intra_node": sum(s.intra_node.bytes_sent for s in stats),
-            "inter_node": sum(s.inter_node.bytes_sent for s in stats),
-        }
-        return sum(self.tier_bytes.values())
-
-    def step_metrics(self) -> dict:
-        return {f"bytes_sent/{tier}": sent for tier, sent in self.tier_bytes.items()}
 
 
 class HierarchicalAggregator(TwoTierBytes, Aggregator):
@@ -294,10 +305,6 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
             self.groups = hierarchical.tier_groups(layout, self.timeout)
         self._describe(exact_ring)
         warnings.filterwarnings("ignore", category=hierarchical.HierarchicalWarning)  # _describe said it once
-
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self.timeout_s)
 
     def _describe(self, exact_ring: bool) -> None:
         """The layout, what runs between the nodes and why, on rank 0's console."""
@@ -364,7 +371,6 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
         ddp.register_comm_hook(self.hook_state, self.hierarchical.hierarchical_hook)
 
 
-
 def _transport_suffix(transport: str) -> str:
     """The aggregator name's mark of 16-bit messages: "" for float32, "-float16" / "-bfloat16"."""
     return "" if transport == "float32" else f"-{transport}"
@@ -416,7 +422,7 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
 # ------------------------------------------------------------------------------------------------
 
 
-class QuantizedAggregator(Aggregator):
+class QuantizedAggregator(HookStatsBytes, Aggregator):
     """`cerar.quantized.quantized_all_reduce`: int8 messages with one float32 scale per `block` values, each
     contribution quantized once and summed in float32, the reduced shards quantized once and all-gathered.
     Every rank decodes the same bytes, so every rank receives the same average and the replicas stay
@@ -436,10 +442,6 @@ class QuantizedAggregator(Aggregator):
 
             self.transport = transport_group(None, self.timeout)
 
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self.timeout_s)
-
     def aggregate(self, flat: torch.Tensor) -> int:
         if self.world_size < 2:
             return 0
@@ -453,13 +455,6 @@ class QuantizedAggregator(Aggregator):
 
         self.hook_state = QuantizedHookState(timeout=self.timeout, transport=self.transport, block=self.block)
         ddp.register_comm_hook(self.hook_state, quantized_hook)
-
-    def bytes_sent_by_hook(self, numel: int) -> int:
-        if self.hook_state is None:
-            return 0
-        sent = sum(int(s.bytes_sent) for s in self.hook_state.last_stats)
-        self.hook_state.reset_stats()
-        return sent
 
 
 class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
@@ -485,10 +480,6 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
             log.info("%s: %s (local size from %s); between the nodes: %s, block %d", self.name, layout, where,
                      self.method, block)  # fmt: skip
 
-    @property
-    def timeout(self) -> timedelta:
-        return timedelta(seconds=self.timeout_s)
-
     def aggregate(self, flat: torch.Tensor) -> int:
         if self.world_size < 2:
             return 0
@@ -503,7 +494,6 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
 
         self.hook_state = HierarchicalQuantizedHookState(timeout=self.timeout, layout=self.layout, block=self.block)
         ddp.register_comm_hook(self.hook_state, hierarchical_quantized_hook)
-
 
 
 def build_quantized_aggregator(cfg, world_size: int) -> Aggregator:
