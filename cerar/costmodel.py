@@ -608,10 +608,13 @@ ring over all n G ranks (node-major; NCCL's ring), whose every round waits for i
 
 # issue 25: the 8-bit all-reduce (cerar.quantized; cerar.hierarchical.quantized), priced by its bytes (int8
 # values and a float32 scale per block, as cerar.int8_blocks lays them out) and by its quantize/dequantize passes
-TWO_TIER_AGGREGATORS = (*TWO_TIER_AGGREGATORS, "hier_int8", "int8", "hier_cerar16")
+TWO_TIER_AGGREGATORS = (*TWO_TIER_AGGREGATORS, "hier_int8", "int8", "hier_cerar16", "cerar16")
 """``hier_int8``: the exact fp32 tier inside the node, the 8-bit all-reduce on the rails; ``int8``: the
 8-bit all-reduce flat over all n G ranks; ``hier_cerar16``: ``hier_cerar`` over 16-bit messages on both tiers
-(``cerar.wire``: 2-byte values, the arithmetic in float32, each block cast on its way out and back in)."""
+(``cerar.wire``: 2-byte values, the arithmetic in float32, each block cast on its way out and back in);
+``cerar16``: the flat ``cerar`` over 16-bit messages the same way (aggregator=auto prices it)."""
+FLAT_AGGREGATORS = ("ring", "cerar", "ring16", "cerar16")
+"""The flat rings over all n G ranks, whose every round waits for its slowest hop (``TwoTierCluster.time``)."""
 INT8_BLOCK = 128
 """Values per float32 scale (``cerar.int8_blocks.DEFAULT_BLOCK``)."""
 INT8_QUANTIZE_BYTES = 25
@@ -711,22 +714,24 @@ def two_tier_features(
         return int8_two_tier_features(aggregator, d, nodes, local_size, nics_per_node, block)
     d = np.asarray(d)
     n, G = nodes, local_size
-    if aggregator in ("ring", "cerar", "ring16"):
+    if aggregator in FLAT_AGGREGATORS:
         N = n * G
-        cast = 0
+        cast, arithmetic_itemsize = 0, itemsize
         if aggregator == "ring16":
-            itemsize, cast = 2, CAST_BYTES_PER_VALUE * d
+            itemsize, arithmetic_itemsize, cast = 2, 2, CAST_BYTES_PER_VALUE * d
+        if aggregator == "cerar16":  # 2-byte messages, float32 arithmetic, each block cast out and back
+            itemsize, arithmetic_itemsize, cast = 2, 4, CAST_BYTES_PER_VALUE * d
         if aggregator in ("ring", "ring16"):
             rounds, values, moved = ring_rounds(N), ring_values(d, N), ring_values_moved(d, N)
         else:
             if c is None:
-                raise ValueError("aggregator 'cerar' needs c (number of components)")
+                raise ValueError(f"aggregator {aggregator!r} needs c (number of components)")
             rounds, values = cerar_rounds(N, c), cerar_values(d, N, c)
             moved = cerar_arithmetic(d, N, c, storage)["values_moved"]
         # one ring per NIC (as NCCL lays its channels), each on 1/nics of the tensor
         tier = [rounds, values * itemsize / nics_per_node] if n > 1 else [0, 0]
         first = [rounds, values * itemsize] if n == 1 else [0, 0]
-        return np.array([*first, *tier, moved * itemsize + cast], dtype=float)
+        return np.array([*first, *tier, moved * arithmetic_itemsize + cast], dtype=float)
     sixteen = aggregator == "hier_cerar16"
     if sixteen:  # the bytes on both tiers in 2-byte values; the arithmetic's traffic in float32, plus the casts
         aggregator, itemsize = "hier_cerar", 2
@@ -794,7 +799,7 @@ class TwoTierCluster:
         ``terms`` when that is the one between nodes (the lab's case, and the fit's), the intra tier's
         rate otherwise (a PCIe node with a fast network)."""
         t = self.terms(aggregator, d, c, itemsize)
-        if aggregator in ("ring", "cerar", "ring16") and self.nodes > 1:
+        if aggregator in FLAT_AGGREGATORS and self.nodes > 1:
             x = two_tier_features(aggregator, d, self.nodes, self.local_size, c, itemsize, self.nics_per_node,
                                   self.storage)  # fmt: skip
             intra_hop = self.intra.alpha * x[2] + x[3] * self.nics_per_node / self.intra.bandwidth

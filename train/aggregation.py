@@ -68,6 +68,13 @@ class Aggregator:
         """Extra fields for the step's record (the hierarchical aggregators' bytes per tier)."""
         return {}
 
+    def state_dict(self) -> dict | None:
+        """What a checkpoint keeps of the aggregator's own decisions (aggregator=auto's); None: nothing."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        raise ValueError(f"aggregator={self.name} keeps no state, but the checkpoint holds some for it")
+
 
 class AllReduceAggregator(Aggregator):
     """torch.distributed.all_reduce, then divide by N; hook mode is DDP's built-in reduction."""
@@ -196,6 +203,7 @@ class CerarAggregator(HookStatsBytes, Aggregator):
         kappa_max: float | None,
         exact_ring: bool,
         transport: str = "float32",
+        group=None,
     ):
         super().__init__(world_size, timeout_s)
         import cerar
@@ -214,8 +222,8 @@ class CerarAggregator(HookStatsBytes, Aggregator):
                     self.code, torch.float32, self.cerar.wire.transport_dtype(transport), f"transport={transport}"
                 )
         self.hook_state = None
-        self.group = None  # CERAR's own group: its batches never mix with the loop's collectives
-        if world_size > 1 and dist.is_initialized():
+        self.group = group  # CERAR's own group (given, or made here): its batches never mix with the loop's
+        if group is None and world_size > 1 and dist.is_initialized():
             from cerar.ddp import transport_group
 
             self.group = transport_group(None, self.timeout)
@@ -277,6 +285,7 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
         exact_ring: bool,
         coded_on_two_nodes: bool,
         transport: str = "float32",
+        describe: bool = True,
     ):
         super().__init__(world_size, timeout_s)
         import warnings
@@ -303,7 +312,8 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
         self.groups = None  # the tiers' own groups: their batches never mix with the loop's collectives
         if world_size > 1 and dist.is_initialized():
             self.groups = hierarchical.tier_groups(layout, self.timeout)
-        self._describe(exact_ring)
+        if describe:
+            self._describe(exact_ring)
         warnings.filterwarnings("ignore", category=hierarchical.HierarchicalWarning)  # _describe said it once
 
     def _describe(self, exact_ring: bool) -> None:
@@ -414,6 +424,10 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
         )
     if a.kind in ("int8", "hier_int8"):
         return build_quantized_aggregator(cfg, world_size)
+    if a.kind == "auto":  # every candidate built now, on every rank; the links measured by Trainer (prepare)
+        from train.auto_aggregator import AutoAggregator
+
+        return AutoAggregator(cfg, world_size)
     raise ValueError(f"aggregator.kind={a.kind!r} is unknown")
 
 
@@ -430,14 +444,14 @@ class QuantizedAggregator(HookStatsBytes, Aggregator):
 
     name = "int8"
 
-    def __init__(self, world_size: int, timeout_s: float, block: int):
+    def __init__(self, world_size: int, timeout_s: float, block: int, group=None):
         super().__init__(world_size, timeout_s)
         from cerar import quantized
 
         self.quantized, self.block = quantized, block
         self.hook_state = None
-        self.transport = None  # its own group: its batches never mix with the loop's collectives
-        if world_size > 1 and dist.is_initialized():
+        self.transport = group  # its own group (given, or made here): its batches never mix with the loop's
+        if group is None and world_size > 1 and dist.is_initialized():
             from cerar.ddp import transport_group
 
             self.transport = transport_group(None, self.timeout)
@@ -464,7 +478,7 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
 
     name = "hier_int8"
 
-    def __init__(self, world_size: int, timeout_s: float, layout, block: int):
+    def __init__(self, world_size: int, timeout_s: float, layout, block: int, describe: bool = True):
         super().__init__(world_size, timeout_s)
         from cerar.hierarchical import quantized, tier_groups
 
@@ -475,7 +489,7 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
         self.groups = None  # the tiers' own groups: their batches never mix with the loop's collectives
         if world_size > 1 and dist.is_initialized():
             self.groups = tier_groups(layout, self.timeout)
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        if describe and (not dist.is_initialized() or dist.get_rank() == 0):
             where = "LOCAL_WORLD_SIZE" if layout.from_launcher else "aggregator.local_size"
             log.info("%s: %s (local size from %s); between the nodes: %s, block %d", self.name, layout, where,
                      self.method, block)  # fmt: skip

@@ -137,18 +137,27 @@ def worst_rank_error(G: torch.Tensor, code, total_columns: int) -> tuple[float, 
     S_hat = cerar.simulate(G, code).double()
     S = G.double().sum(0)
     squared_errors = (S_hat - S).square().sum(1)
-    norm_squared = S.square().sum()
-    if not norm_squared > 0:
-        return math.nan, 0.0
     worst = int(squared_errors.argmax())
-    ratio = float(squared_errors[worst] / norm_squared)
-    error = math.sqrt(ratio)
     columns = G.shape[1] // code.c
-    if columns >= total_columns or columns < 2 or ratio == 0.0:
-        return error, 0.0
     a = (S_hat[worst] - S).view(code.c, columns).square().sum(0)  # per column: the worst rank's squared error
     b = S.view(code.c, columns).square().sum(0)  # per column: the exact sum's squared norm
-    variance = float((a - ratio * b).var()) / (columns * float(b.mean()) ** 2) * (1 - columns / total_columns)
+    return ratio_estimate(a, b, total_columns)
+
+
+def ratio_estimate(a: torch.Tensor, b: torch.Tensor, total_units: int) -> tuple[float, float]:
+    """(sqrt(sum a / sum b), its standard error) from a sample of units (columns, blocks, values) of which
+    `total_units` exist: a per sampled unit the squared error, b the exact sum's squared norm. The standard error
+    is the delta method's for a ratio estimate, with the finite-population correction (0 when the sample holds
+    every unit); nan, 0 when the exact sum is zero."""
+    norm_squared = float(b.sum())
+    if not norm_squared > 0:
+        return math.nan, 0.0
+    ratio = float(a.sum()) / norm_squared
+    error = math.sqrt(ratio)
+    units = a.numel()
+    if units >= total_units or units < 2 or ratio == 0.0:
+        return error, 0.0
+    variance = float((a - ratio * b).var()) / (units * float(b.mean()) ** 2) * (1 - units / total_units)
     return error, math.sqrt(max(variance, 0.0)) / (2 * error)
 
 

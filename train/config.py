@@ -87,6 +87,19 @@ class DataConfig:
 
 
 @dataclass
+class LinksConfig:
+    """aggregator=auto's declared links (every field null: measure them at start). Seconds per round and Gbit/s
+    per direction of one link, per tier; GB/s at which the arithmetic streams; NICs per node (null: 1)."""
+
+    intra_alpha_s: float | None = None
+    intra_gbit_s: float | None = None
+    inter_alpha_s: float | None = None
+    inter_gbit_s: float | None = None
+    memory_gbyte_s: float | None = None
+    nics_per_node: int | None = None
+
+
+@dataclass
 class AggregatorConfig:
     """How gradients are summed across replicas.
 
@@ -128,6 +141,13 @@ class AggregatorConfig:
     # float32, or float16 / bfloat16: 16-bit messages (each with a power-of-two scale), float32 arithmetic.
     # With 16 bits, kappa_max null means cerar.default_kappa_max(transport), and the code must be admissible.
     transport: str = "float32"
+    # auto (train/auto_aggregator.py, docs/auto.md): the fastest candidate whose worst-rank error on the run's own
+    # gradients is at most error_budget x the noise, on the links measured at start (or declared in auto_links:
+    # intra_alpha_s, intra_gbit_s, inter_alpha_s, inter_gbit_s, memory_gbyte_s, nics_per_node); warm-up, checks
+    # and sample as c=auto's fields above. auto_aggregators: the candidate families to keep (null: all;
+    # train.auto_choice.FAMILIES), the exact ones always kept.
+    auto_aggregators: list[str] | None = None
+    auto_links: LinksConfig = field(default_factory=lambda: LinksConfig())
 
 
 @dataclass
@@ -221,6 +241,11 @@ QUANTIZED_FIELDS = ("block",)  # in a run's identity only for the quantized kind
 AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, *QUANTIZED_KINDS)
 HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int8")
 
+# aggregator=auto (issue 28): chooses among the others from measured noise and measured links
+AUTO_KIND = "auto"
+AUTO_FIELDS = ("auto_aggregators", "auto_links")  # in a run's identity only for aggregator=auto
+AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, AUTO_KIND)
+
 
 def register_configs() -> None:
     """Make TrainConfig the schema of configs/config.yaml (its defaults list names `train_schema`)."""
@@ -297,6 +322,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
     _validate_transport(cfg)
     if cfg.c == AUTO_C:
         _validate_auto_c(cfg)
+    if a.kind == AUTO_KIND:
+        _validate_auto_aggregator(cfg)
     if a.kind == "powersgd":
         _require(a.powersgd_rank >= 1, f"aggregator.powersgd_rank={a.powersgd_rank} must be >= 1")
     if a.kind in HOOK_ONLY_AGGREGATORS:
@@ -375,13 +402,15 @@ def _validate_transport(cfg) -> None:
     )
 
 
-def code_kappa_max(a) -> float | None:
+def code_kappa_max(a, transport: str | None = None) -> float | None:
     """The kappa_max the aggregator's codes are built with: aggregator.kappa_max, else (16-bit transport, eps
-    unset) cerar.default_kappa_max(transport), else null (cerar's default)."""
-    if a.kappa_max is None and a.eps is None and a.transport != "float32":
+    unset) cerar.default_kappa_max(transport), else null (cerar's default). `transport`: aggregator.transport
+    unless given (aggregator=auto's candidates each have their own)."""
+    transport = a.transport if transport is None else transport
+    if a.kappa_max is None and a.eps is None and transport != "float32":
         import cerar
 
-        return cerar.default_kappa_max(a.transport)
+        return cerar.default_kappa_max(transport)
     return a.kappa_max
 
 
@@ -406,14 +435,41 @@ def _validate_auto_c(cfg) -> None:
         not effective_overlap(cfg),
         "c=auto needs trainer.overlap=false (it measures the per-rank gradients before they are aggregated)",
     )
-    _require(a.error_budget > 0, f"aggregator.error_budget={a.error_budget} must be > 0 (a fraction of the noise)")
-    _require(a.auto_warmup_steps >= 1, f"aggregator.auto_warmup_steps={a.auto_warmup_steps} must be >= 1")
-    for key in ("auto_check_every", "auto_sample_values"):
-        _require(a[key] >= 0, f"aggregator.{key}={a[key]} must be >= 0")
+    _validate_schedule(a)
     if a.auto_candidates is not None:
         _require(len(a.auto_candidates) > 0, "aggregator.auto_candidates=[] is empty (null: the default candidates)")
         for c in a.auto_candidates:
             _require(c >= 1, f"aggregator.auto_candidates holds c={c}: every c must be >= 1")
+
+
+def _validate_schedule(a) -> None:
+    """The fields c=auto and aggregator=auto share: the budget, the warm-up, the checks and the sample."""
+    _require(a.error_budget > 0, f"aggregator.error_budget={a.error_budget} must be > 0 (a fraction of the noise)")
+    _require(a.auto_warmup_steps >= 1, f"aggregator.auto_warmup_steps={a.auto_warmup_steps} must be >= 1")
+    for key in ("auto_check_every", "auto_sample_values"):
+        _require(a[key] >= 0, f"aggregator.{key}={a[key]} must be >= 0")
+
+
+def _validate_auto_aggregator(cfg) -> None:
+    """aggregator=auto measures the per-rank gradients before aggregation; its declared links and families must
+    be ones it knows."""
+    from train.auto_choice import FAMILIES
+
+    a = cfg.aggregator
+    _require(
+        not effective_overlap(cfg),
+        "aggregator=auto needs trainer.overlap=false (it measures the per-rank gradients before they are aggregated)",
+    )
+    _validate_schedule(a)
+    _require(a.block >= 1, f"aggregator.block={a.block} must be >= 1 (values per scale of the 8-bit messages)")
+    _require(a.transport == "float32", "aggregator=auto chooses each candidate's transport: leave aggregator.transport")
+    if a.auto_aggregators is not None:
+        for family in a.auto_aggregators:
+            _require(
+                family in FAMILIES, f"aggregator.auto_aggregators holds {family!r}: not one of {', '.join(FAMILIES)}"
+            )
+    for key, value in a.auto_links.items():  # the schema rejects unknown keys
+        _require(value is None or value > 0, f"aggregator.auto_links.{key}={value} must be > 0 (or null: measured)")
 
 
 def _validate_cerar_code(cfg, world_size: int) -> None:
@@ -523,14 +579,18 @@ def training_identity(cfg, world_size: int) -> dict:
         return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
     identity: dict = {}
-    auto = cfg.c == AUTO_C
+    chooses = cfg.aggregator.kind == AUTO_KIND  # aggregator=auto: its schedule's fields and every candidate's
+    auto = cfg.c == AUTO_C or chooses
     for section in ("model", "data", "aggregator"):
         for key, value in plain(cfg[section]).items():
             auto_setting = section == "aggregator" and key in AUTO_C_FIELDS
             hierarchical_setting = section == "aggregator" and key in HIERARCHICAL_FIELDS
             if hierarchical_setting and cfg.aggregator.kind not in HIERARCHICAL_KINDS:
                 continue  # absent from the identities of runs that do not use them (and of older runs)
-            if section == "aggregator" and key in QUANTIZED_FIELDS and cfg.aggregator.kind not in QUANTIZED_KINDS:
+            quantized_setting = section == "aggregator" and key in QUANTIZED_FIELDS
+            if quantized_setting and cfg.aggregator.kind not in QUANTIZED_KINDS and not chooses:
+                continue
+            if section == "aggregator" and key in AUTO_FIELDS and not chooses:
                 continue
             if section == "aggregator" and key == "transport" and value == "float32":
                 continue  # the default: absent, as in the runs from before the field

@@ -26,6 +26,10 @@ candidate code's worst-rank error on the step's own gradients, and the aggregato
 decision names for this step on; every step logs `auto_c/c`, the c it aggregated with, and a check logs its
 evidence (`auto_c/noise`, `auto_c/allowed_error`, `auto_c/error_c<c>`, their standard errors) and its cost
 (`time/auto_c`). The choice is checkpointed and restored with the run.
+
+aggregator=auto (train/auto_aggregator.py) the same way, one level up: at its checks `check` measures the noise and
+every candidate aggregator's error and switches to the fastest that fits; every step logs `auto/choice` and
+`auto/predicted_s`, a check its evidence (`auto/noise`, `auto/error/<candidate>`) and its cost (`time/auto`).
 """
 
 from __future__ import annotations
@@ -287,6 +291,9 @@ class Trainer:
 
             self.auto_c = build_auto_c(world_size, self.numel, cfg.aggregator)
             aggregator.use_code(self.auto_c.code)
+        self.chooses = cfg.aggregator.kind == "auto" and world_size > 1  # aggregator=auto (auto_aggregator.py)
+        if self.chooses:
+            aggregator.prepare(self.numel, device)  # the links measured, every candidate priced
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -309,6 +316,7 @@ class Trainer:
             "scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "ranks": per_rank,
             "auto_c": self.auto_c.state_dict() if self.auto_c is not None else None,
+            "aggregator": self.aggregator.state_dict(),  # aggregator=auto: its choice and evidence
         }
 
     def save_checkpoint(self) -> None:
@@ -337,6 +345,8 @@ class Trainer:
         if self.auto_c is not None and state.get("auto_c"):  # the c chosen so far, and its evidence
             self.auto_c.load_state_dict(state["auto_c"])
             self.aggregator.use_code(self.auto_c.code)
+        if state.get("aggregator") is not None:
+            self.aggregator.load_state_dict(state["aggregator"])
         mine = state["ranks"][self.rank]
         self.data.train.load_state_dict(mine["data"])
         ckpt.set_rng_states(mine["rng"])
@@ -424,6 +434,9 @@ class Trainer:
                         a = self.cfg.aggregator
                         record.update(measure_auto_c(self.auto_c, flat, step, self.cfg.seed, a.auto_sample_values))
                         self.aggregator.use_code(self.auto_c.code)
+                if self.chooses and self.aggregator.due(step):  # before aggregating: it may switch aggregators
+                    with self.timer.phase("auto"):
+                        record.update(self.aggregator.check(flat, step, self.cfg.seed))
                 local = exact = None
                 if measure:
                     local, exact = flat.clone(), exact_mean(flat)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from pathlib import Path
 
@@ -162,6 +163,16 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     trainer.logger.summary(summary)
     trainer.logger.close()
     bounded("final barrier", lambda: dist.barrier(async_op=True))
+    if launch.rank == 0 and "auto" in summary:  # aggregator=auto: its choice, predicted beside measured
+        auto = summary["auto"]
+        log.info(
+            "aggregator=auto: %s; seconds per aggregation, predicted / measured: %s",
+            auto["fallback"] or f"chose {auto['choice']}",
+            ", ".join(
+                f"{name} {auto['predicted_s'].get(name, math.nan):.4g} / {seconds:.4g} ({auto['calls'][name]} calls)"
+                for name, seconds in auto["measured_s"].items()
+            ),
+        )
     if launch.rank == 0:  # the one line to read at the end of a long log
         val = summary["final_val_loss"]
         print(
@@ -177,6 +188,8 @@ def reference_replica(cfg: DictConfig, trainer: Trainer) -> str:
     """What the reference replica (rank N-1: checkpoints keep it, resync broadcasts it, drift and val_loss are
     measured against it) holds: the exact average, or (16-bit transport) the average within the wire's rounding."""
     a = cfg.aggregator
+    if a.kind == "auto":
+        return f"rank N-1, as aggregator=auto's last choice ({trainer.aggregator.choice.choice}) leaves it"
     if a.kind in ("nccl", "fp16", "bf16", "powersgd"):
         return "rank N-1, as every rank (torch's aggregate)"
     if a.transport != "float32":
@@ -224,7 +237,7 @@ def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
     layout = getattr(trainer.aggregator, "layout", None)  # hier_cerar / hier_ring
     if layout is not None:
         description["nodes"], description["local_size"] = layout.nodes, layout.local_size
-        description["method_between_nodes"] = trainer.aggregator.method
+        description["method_between_nodes"] = getattr(trainer.aggregator, "method", None)  # auto: per choice
     if trainer.auto_c is not None:
         auto = trainer.auto_c
         description["auto_c"] = {
@@ -235,6 +248,8 @@ def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
             "bytes_per_step": {c: auto.bytes_by_c[c] for c in sorted(auto.codes)},
             "decisions": auto.state_dict()["decisions"],
         }
+    if a.kind == "auto" and world_size > 1:
+        description["auto"] = trainer.aggregator.summary()
     return json.loads(json.dumps(description))  # JSON's view: c as string keys, as summary.json will hold them
 
 

@@ -1,0 +1,281 @@
+"""aggregator=auto (train/auto_choice.py, train/auto_aggregator.py, cerar/link_probe.py): the fastest candidate
+aggregator whose error fits the run's own noise, on the links the run measured.
+
+The story: the decision is the arithmetic's (the fastest that fits; only ever more accurate afterwards); the
+prices follow the links as the byte and round counts written here say, so the choice moves where the links
+differ; a link probe that describes no link is refused; the sample a candidate is measured on keeps its
+arithmetic, so its call on the sample returns, value for value, what its call on the whole gradient returns
+there; every rank decides from the same numbers; real training runs choose, resume with their choice and fall
+back to the exact all-reduce, saying so in one line, when the links are not known.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tests.distributed import run_workers
+
+N = 4
+KAPPA_MAX = 50  # the codes err ~0.05-0.08 (perturbation), their float32 rounding at most ~kappa 2^-24 = 3e-6
+
+
+def fake_candidates(*names):
+    from train.auto_choice import EXACT, Candidate
+
+    return {EXACT: Candidate(EXACT, "nccl", "ring", exact=True), **{n: Candidate(n, "x", "ring16") for n in names}}
+
+
+# ------------------------------------------------------------------ the pure decision
+
+
+@pytest.mark.quick
+def test_the_fastest_that_fits_is_taken_and_only_more_accurate_ones_replace_it():
+    from train.auto_choice import AutoChoice, fastest_within
+
+    seconds = {"nccl": 1.0, "fast": 0.2, "mid": 0.5, "slow": 0.9}
+    assert fastest_within(seconds, {"nccl": 0.0, "fast": 0.1, "mid": 0.01, "slow": 0.001}, 0.02) == "mid"
+    assert fastest_within(seconds, {"nccl": 0.0, "fast": 0.1, "mid": math.nan}, 0.2) == "fast"  # nan never fits
+    assert fastest_within(seconds, {"fast": 0.3, "mid": 0.25}, 0.2) == "mid"  # none fits: the most accurate
+
+    auto = AutoChoice(fake_candidates("fast", "mid", "slow"), seconds, budget=0.1, warmup_steps=3, check_every=2)
+    assert not auto.due(2) and auto.due(3) and not auto.due(4) and auto.due(5)
+    assert auto.to_measure() == ["fast", "mid", "slow"]
+    # noise 0.1: allowed 0.01; bounds are error + 2 standard errors: fast 0.02 (no), mid 0.008 (yes), slow 0.001
+    first = auto.decide(3, 0.1, {"fast": (0.01, 0.005), "mid": (0.006, 0.001), "slow": (0.001, 0.0)})
+    assert (first["choice"], first["reason"]) == ("mid", "first choice")
+    assert auto.to_measure() == ["mid", "slow"]  # fast was less accurate: it never comes back
+    assert auto.decide(5, 0.1, {"mid": (0.008, 0.0), "slow": (0.001, 0.0)})["choice"] == "mid"
+    moved = auto.decide(7, 0.05, {"mid": (0.008, 0.0), "slow": (0.001, 0.0)})  # allowed 0.005: mid no longer fits
+    assert (moved["choice"], moved["reason"], auto.excluded) == ("slow", "mid exceeds the budget", ["mid"])
+    last = auto.decide(9, 0.001, {"slow": (0.001, 0.0)})  # allowed 1e-4: only the exact one is left
+    assert last["choice"] == "nccl" and auto.to_measure() == [] and not auto.due(11)
+    again = AutoChoice(fake_candidates("fast", "mid", "slow"), seconds)
+    again.load_state_dict(auto.state_dict())
+    assert again.state_dict() == auto.state_dict()
+    assert not AutoChoice(fake_candidates("fast")).due(100)  # unpriced: exact throughout
+
+
+# ------------------------------------------------------------------ prices from links
+
+
+def hand_ring_seconds(d, n, alpha, bandwidth, itemsize=4):
+    """The ring all-reduce by its counts: 2 (n-1) rounds of one chunk of ceil(d/n) values."""
+    return 2 * (n - 1) * (alpha + math.ceil(d / n) * itemsize / bandwidth)
+
+
+def hand_int8_seconds(d, n, alpha, bandwidth, block=128):
+    """The 8-bit all-reduce by its counts: 2 (n-1) messages of ceil(d/n) int8 values and a float32 per block."""
+    s = math.ceil(d / n)
+    return 2 * (n - 1) * (alpha + (s + 4 * math.ceil(s / block)) / bandwidth)
+
+
+@pytest.mark.quick
+def test_prices_follow_the_links_so_the_choice_moves_where_they_differ():
+    from cerar.hierarchical import NodeLayout
+    from train.auto_aggregator import cluster_from_declared
+    from train.auto_choice import fastest_within
+
+    d, flat = 1_000_003, NodeLayout(1, N)
+    slow = {"intra_alpha_s": 1e-4, "intra_gbit_s": 0.2, "memory_gbyte_s": 1e12}  # 200 Mbit/s, free arithmetic
+    cluster, _ = cluster_from_declared(flat, slow)
+    bandwidth = 0.2e9 / 8
+    for model, hand in (("ring", hand_ring_seconds(d, N, 1e-4, bandwidth)),
+                        ("ring16", hand_ring_seconds(d, N, 1e-4, bandwidth, itemsize=2)),
+                        ("int8", hand_int8_seconds(d, N, 1e-4, bandwidth))):  # fmt: skip
+        assert cluster.time(model, d) == pytest.approx(hand, rel=1e-6), model
+    bounds = {"nccl": 0.0, "fp16": 1e-4, "int8": 3e-3}
+    names = {"nccl": "ring", "fp16": "ring16", "int8": "int8"}
+
+    def choice(links, allowed):
+        cluster, _ = cluster_from_declared(flat, links)
+        return fastest_within({k: cluster.time(m, d) for k, m in names.items()}, bounds, allowed)
+
+    assert choice(slow, 1e-2) == "int8" and choice(slow, 1e-3) == "fp16"  # the budget decides between them
+    # 400 Gbit/s and 5 GB/s of arithmetic: int8's quantize/dequantize passes (> 40 bytes a value) cost more than
+    # the bytes they save, the casts of fp16 too; the float32 all-reduce is the fastest
+    fast = {"intra_alpha_s": 1e-6, "intra_gbit_s": 400.0, "memory_gbyte_s": 5.0}
+    assert choice(fast, 1e-2) == "nccl"
+    with pytest.raises(Exception, match="misses intra_gbit_s"):
+        cluster_from_declared(flat, {"intra_alpha_s": 1e-4, "memory_gbyte_s": 10.0})
+
+
+@pytest.mark.quick
+def test_a_probe_that_describes_no_link_is_refused():
+    from cerar.link_probe import LinkProbeError, NicSharing, fit_tier, ring_features
+
+    alpha, bandwidth, memory = 2e-4, 1e8, 1e10
+    sizes = [4096, 32768, 262144, 2097152]
+    timings = [(d, float(ring_features(d, N) @ [alpha, 1 / bandwidth, 1 / memory])) for d in sizes]
+    tier, rmse = fit_tier(timings, N, memory)
+    assert tier.alpha == pytest.approx(alpha, rel=1e-6) and tier.bandwidth == pytest.approx(bandwidth, rel=1e-6)
+    assert rmse < 1e-9
+    with pytest.raises(LinkProbeError, match="no bytes term"):  # larger calls no slower: no bandwidth to fit
+        fit_tier([(d, 1e-3) for d in sizes], N, memory)
+    with pytest.raises(LinkProbeError, match="misses the timings"):
+        fit_tier([(4096, 1e-3), (32768, 1e-1), (262144, 2e-3), (2097152, 1.0)], N, memory)
+    assert NicSharing(1.0, 2.0, 2).nics_per_node == 1 and NicSharing(1.0, 1.05, 2).nics_per_node == 2
+
+
+# ------------------------------------------------------------------ the sample keeps the arithmetic
+
+
+def auto_config(*overrides):
+    from tests.runs import composed
+
+    return composed("aggregator=auto", "model=tiny", *overrides)
+
+
+def _sample_worker(rank, world_size, d):
+    """Each inexact candidate on a 2 x 2 layout: its call on the whole gradient, its call on a sample; the values
+    at the sampled positions, and the measured error with every unit sampled against the whole call's."""
+    from cerar.ddp import transport_group
+    from cerar.hierarchical import NodeLayout
+    from train.auto_aggregator import build_candidate, measure_candidate, sample_indices
+    from train.auto_choice import candidates
+
+    cfg = auto_config(
+        "aggregator.local_size=2",
+        "aggregator.auto_aggregators=[ring16,int8,cerar,cerar16,hier_int8]",
+        "aggregator.construction=perturbation",
+        f"aggregator.kappa_max={KAPPA_MAX}",
+    )
+    layout = NodeLayout(2, 2)
+    pool = candidates(world_size, 2, 2, cfg.aggregator)
+    group = transport_group(None, 60)
+    g = torch.from_numpy(np.random.default_rng(rank).standard_normal(d).astype(np.float32))
+    g[: d // 3] *= 1e-3  # decades apart, as a model's layers are
+    out = {}
+    for name in ("fp16", "int8", "cerar-c8", "cerar16-c8", "hier_int8"):
+        cand = pool[name]
+        agg = build_candidate(cand, cfg, world_size, layout, group)
+        whole = g.clone()
+        agg.aggregate(whole)
+        indices, count, total = sample_indices(d, cand, 6000, torch.Generator().manual_seed(7))
+        x = torch.where(indices < d, g[indices.clamp(max=d - 1)], 0.0)
+        agg.aggregate(x)
+        kept = indices < d
+        everything = measure_candidate(agg, cand, g, 0, torch.Generator())
+        out[name] = {
+            "sampled": x[kept].numpy(),
+            "whole_there": whole[indices[kept]].numpy(),
+            "whole": whole.numpy(),
+            "units": (count, total),
+            "error_all_units": everything,
+        }
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient():
+    d = 50_003  # a multiple of nothing: every layout pads
+    results = run_workers(_sample_worker, N, args=(d,))
+    G = np.stack([np.random.default_rng(r).standard_normal(d).astype(np.float32) for r in range(N)])
+    G[:, : d // 3] *= 1e-3
+    mean = G.astype(np.float64).mean(0)
+    worst = {}
+    for rank, got in enumerate(results):
+        for name, r in got.items():
+            count, total = r["units"]
+            assert count < total, name  # a real sample
+            difference = np.linalg.norm(r["sampled"] - r["whole_there"]) / np.linalg.norm(r["whole_there"])
+            # the same arithmetic on the same values: equal up to the rounding of the operations that may associate
+            # otherwise (the coded ones' float32 products, kappa times float32's rounding; the 16-bit sums, whose
+            # order follows a value's position in the call, N of 16-bit's unit roundoff 2^-11), far below any
+            # candidate's error (the codes' ~0.07) on mixed-up units
+            rounding = 4 * KAPPA_MAX * 2.0**-24 + (N * 2.0**-11 if "16" in name else 0.0)
+            assert difference <= rounding, (rank, name, difference)
+            whole_error = np.linalg.norm(r["whole"] - mean) / np.linalg.norm(mean)
+            worst[name] = max(worst.get(name, 0.0), whole_error)
+            error, se = r["error_all_units"]
+            assert se == 0.0 and error == pytest.approx(whole_error, rel=1e-4, abs=1e-7), (rank, name)
+    # every candidate errs far above its rounding on its worst rank (CERAR's reference rank is exact): a sample
+    # that mixed up its units would show
+    assert all(error > 30 * 4 * KAPPA_MAX * 2.0**-24 for error in worst.values()), worst
+
+
+# ------------------------------------------------------------------ every rank alike
+
+
+def _decide_worker(rank, world_size, rho):
+    """A real AutoAggregator: links measured, one check on gradients mu + noise of known size."""
+    from train.auto_aggregator import AutoAggregator
+
+    cfg = auto_config("aggregator.auto_warmup_steps=1", "aggregator.auto_aggregators=[ring16,int8,cerar]")
+    auto = AutoAggregator(cfg, world_size)
+    d = 40_000
+    auto.prepare(d, torch.device("cpu"))
+    mu = np.random.default_rng(0).standard_normal(d)
+    z = np.random.default_rng(100 + rank).standard_normal(d)
+    sigma = rho * np.linalg.norm(mu) / math.sqrt(d / world_size)
+    flat = torch.from_numpy((mu + sigma * z).astype(np.float32))
+    record = auto.check(flat, 1, seed=3)
+    return {"links": auto.links["timings"], "seconds": auto.choice.seconds, "decision": auto.choice.decisions[-1],
+            "record": record, "expected_noise": rho / math.sqrt(1 + rho**2)}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_measures_and_decides_from_the_same_numbers():
+    results = run_workers(_decide_worker, N, args=(0.5,))
+    first = results[0]
+    for r in results[1:]:  # each rank timed its own calls; the all-reduced timings and all that follows agree
+        assert r["links"] == first["links"] and r["seconds"] == first["seconds"] and r["decision"] == first["decision"]
+    decision = first["decision"]
+    assert decision["noise"] == pytest.approx(first["expected_noise"], rel=0.05)
+    bounds = {n: e + 2 * decision["standard_errors"][n] for n, e in decision["errors"].items()}
+    bounds["nccl"] = 0.0
+    chosen = decision["choice"]
+    assert bounds[chosen] <= decision["allowed"]
+    faster = [n for n in bounds if first["seconds"][n] < first["seconds"][chosen]]
+    assert all(bounds[n] > decision["allowed"] for n in faster), (chosen, faster, bounds)
+    assert decision["errors"]["cerar-c16"] > decision["errors"]["cerar-c5"] > 0  # measured, not assumed
+
+
+# ------------------------------------------------------------------ real training runs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_auto_runs_choose_resume_with_their_choice_and_fall_back_when_links_are_unknown(tmp_path, cache_dir):
+    from tests.runs import SMALL, read_run, torchrun
+
+    auto = "aggregator=auto aggregator.auto_warmup_steps=2 aggregator.auto_check_every=2 checkpoint.every=1"
+    proc = torchrun(
+        N,
+        "sweep.py",
+        [
+            str(tmp_path),
+            f"full: {auto}",
+            f"late: {auto} trainer.stop_after_step=3",
+            f"late: {auto} resume=true",
+            "unknown: aggregator=auto aggregator.auto_warmup_steps=2 aggregator.auto_links.intra_alpha_s=0.001",
+            "--",
+            *SMALL,
+        ],
+        cache_dir,
+        timeout=850,
+    )
+    records, full = read_run(tmp_path / "full")
+    names = full["auto"]["candidates"]
+    first = full["auto"]["decisions"][0]
+    assert first["step"] == 2 and first["reason"] == "first choice"
+    used = {r["step"]: names[r["auto/choice"]] for r in records}
+    assert used[1] == "nccl" and used[2] == first["choice"]
+    assert set(full["auto"]["measured_s"]) == {"nccl", *{d["choice"] for d in full["auto"]["decisions"]}}
+    assert full["auto"]["links"]["tiers"]["intra"]["bandwidth_bytes_s"] > 0
+    late_records, late = read_run(tmp_path / "late")
+    assert late["resumed_from_step"] == 3
+    restored = late["auto"]["decisions"][0]  # from the checkpoint: the first launch's decision, not a new one
+    step2 = next(r for r in late_records if r["step"] == 2)  # what the first launch logged (its own prices)
+    assert restored["predicted_s"] == step2["auto/predicted_s"] and names[step2["auto/choice"]] == first["choice"]
+    same_data = ("noise", "errors", "standard_errors", "choice", "step")  # same seed and data: the same evidence
+    assert {k: restored[k] for k in same_data} == {k: first[k] for k in same_data}
+    assert [d["step"] for d in late["auto"]["decisions"]] == [d["step"] for d in full["auto"]["decisions"]]
+    _, unknown = read_run(tmp_path / "unknown")
+    assert unknown["auto"]["fallback"] and unknown["auto"]["choice"] == "nccl" and not unknown["auto"]["decisions"]
+    log = (proc.stdout + proc.stderr).splitlines()  # the console line (not the summary's copy of it)
+    warning = [line for line in log if "aggregator=auto: no link measurement" in line and '"fallback"' not in line]
+    assert len(warning) == 1 and "misses" in warning[0] and "aggregating exactly (nccl) throughout" in warning[0]
