@@ -19,17 +19,18 @@
 # ring, CERAR fp32 c=auto), L the new aggregators (the 8-bit all-reduce, CERAR over fp16 messages at c = N+1 = 5
 # and c = 2N = 8). L's first launch ran int8 and was stopped when CERAR fp16's default kappa_max moved from the
 # rounding bound's 20 to the measured balance's 64; L now runs the two CERAR fp16 settings.
+# M is aggregator=auto (issue 28) at the same shape and seed as K's nccl_s1: its same-seed gap against nccl's band.
 set -u
 cd "$(dirname "$0")/../.."
-half=${1:?usage: scripts/studies/run_fidelity.sh A|B|C|D|E|F|G|H|I|J|K|L [OUT]}
+half=${1:?usage: scripts/studies/run_fidelity.sh A|B|C|D|E|F|G|H|I|J|K|L|M [OUT]}
 case "$half" in
 G | H | I | J) OUT=${2:-reports/runs/fidelity-corpus-v2} ;;
-K | L) OUT=${2:-reports/runs/aggregators-1500} ;;
+K | L | M) OUT=${2:-reports/runs/aggregators-1500} ;;
 *) OUT=${2:-reports/runs/fidelity} ;;
 esac
 LOG=reports/logs/fidelity_runs.log
 STEPS=3000
-case "$half" in K | L) STEPS=1500 ;; esac
+case "$half" in K | L | M) STEPS=1500 ;; esac
 COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=$STEPS
   trainer.eval_every=100 trainer.eval_batches=16 trainer.drift_every=50 trainer.measure_error_every=50
   trainer.log_every=10 trainer.progress_bar=false checkpoint.every=0 wandb.mode=disabled
@@ -72,7 +73,8 @@ K) RUNS=("nccl_s1: aggregator=nccl seed=1"
     "nccl_s2: aggregator=nccl seed=2") ;;
 L) RUNS=("cerar_fp16_c5_s1: aggregator=cerar aggregator.transport=float16 c=5 seed=1"
     "cerar_fp16_c8_s1: aggregator=cerar aggregator.transport=float16 c=8 seed=1") ;;
-*) echo "unknown half $half (A to L)" >&2; exit 2 ;;
+M) RUNS=("auto_s1: aggregator=auto seed=1") ;;
+*) echo "unknown half $half (A to M)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
