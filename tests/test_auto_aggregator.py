@@ -134,7 +134,8 @@ def _sample_worker(rank, world_size, d):
     at the sampled positions, and the measured error with every unit sampled against the whole call's."""
     from cerar.ddp import transport_group
     from cerar.hierarchical import NodeLayout
-    from train.auto_aggregator import build_candidate, measure_candidate, sample_indices
+    from train.auto_aggregator import build_candidate, measure_candidate
+    from train.auto_c import sample_indices
     from train.auto_choice import candidates
 
     cfg = auto_config(
@@ -154,7 +155,9 @@ def _sample_worker(rank, world_size, d):
         agg = build_candidate(cand, cfg, world_size, layout, group)
         whole = g.clone()
         agg.aggregate(whole)
-        indices, count, total = sample_indices(d, cand, 6000, torch.Generator().manual_seed(7))
+        indices, count, total = sample_indices(
+            d, cand.parts, cand.pieces, cand.unit, 6000, torch.Generator().manual_seed(7)
+        )
         x = torch.where(indices < d, g[indices.clamp(max=d - 1)], 0.0)
         agg.aggregate(x)
         kept = indices < d

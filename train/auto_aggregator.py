@@ -22,6 +22,7 @@ beside the prediction.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -132,8 +133,9 @@ def cluster_from_timings(layout, timings: dict):
         nics = NicSharing(timings["inter_alone_s"], timings["inter"][-1][1], G).nics_per_node
         # the fit's bandwidth is one rail's among all at once: the NIC's own is that times the rails sharing it
         shared = -(-G // nics)
-        tiers["inter"] = type(tiers["inter"])(tiers["inter"].alpha, tiers["inter"].bandwidth * shared,
-                                              "measured inter", f"{nics} NIC(s) per node")  # fmt: skip
+        tiers["inter"] = dataclasses.replace(
+            tiers["inter"], bandwidth=tiers["inter"].bandwidth * shared, note=f"{nics} NIC(s) per node"
+        )
         fits["inter"]["bandwidth_bytes_s"] = tiers["inter"].bandwidth
     intra = tiers.get("intra", tiers.get("inter"))
     inter = tiers.get("inter", intra)
@@ -167,31 +169,12 @@ def cluster_from_declared(layout, links: dict):
 # --------------------------------------------------------------------------------------------- the errors
 
 
-def sample_indices(d: int, cand: Candidate, values: int, generator: torch.Generator) -> tuple[torch.Tensor, int, int]:
-    """(indices, units sampled, units in all) of a sample of about `values` values of a d-value gradient that
-    keeps `cand`'s arithmetic: the same units (columns, blocks) at the same offsets in every part and piece
-    (`Candidate`), laid out part-major, then piece-major, so that the candidate's call on the sample splits it
-    into parts, pieces and units exactly where its call on the gradient would. Indices >= d are padding (zero):
-    beyond the gradient, or beyond a piece's end. The same on every rank for the same generator."""
-    parts, pieces, unit = cand.parts, cand.pieces, cand.unit
-    P = -(-d // parts)  # a part: a node's shard (as_equal_shards)
-    M = -(-P // pieces)  # a piece: a CERAR component, an int8 shard
-    slots = -(-M // unit)
-    count = slots if values <= 0 else min(slots, max(1, -(-values // (parts * pieces * unit))))
-    picked = torch.arange(slots) if count == slots else torch.randperm(slots, generator=generator)[:count].sort().values
-    offsets = (picked.unsqueeze(1) * unit + torch.arange(unit)).view(1, 1, count, unit)
-    within = torch.arange(pieces).view(1, pieces, 1, 1) * M + offsets
-    indices = torch.arange(parts).view(parts, 1, 1, 1) * P + within
-    padding = (offsets >= M) | (within >= P) | (indices >= d)
-    return torch.where(padding, torch.full_like(indices, d), indices).reshape(-1), count, slots
-
-
 def measure_candidate(aggregator: Aggregator, cand: Candidate, flat: torch.Tensor, values: int, generator) -> list:
     """[error, standard error] of this rank's aggregate under `cand` on a sample of `flat` (every rank calls, with
     the same generator state): the candidate's real call on the sample against the exact mean of the sample."""
-    from train.auto_c import gather_columns, ratio_estimate
+    from train.auto_c import gather_columns, ratio_estimate, sample_indices
 
-    indices, count, total = sample_indices(flat.numel(), cand, values, generator)
+    indices, count, total = sample_indices(flat.numel(), cand.parts, cand.pieces, cand.unit, values, generator)
     x = gather_columns(flat, indices).float()
     exact = x.double()
     bounded(f"aggregator=auto: exact sample all_reduce ({cand.name})", lambda: dist.all_reduce(exact, async_op=True))

@@ -109,15 +109,31 @@ def column_sample(code, d: int, values: int, step: int, seed: int) -> tuple[torc
     About `values` values per rank (0: every column); the same indices on every rank for the same step and
     seed. Indices are component-major (component k's sampled values are contiguous), the layout
     `cerar.simulate` splits into c components of the sampled columns; indices >= d are padding (zero)."""
-    m = code.m_for(d)
-    columns = m if values <= 0 else min(m, max(1, -(-values // code.c)))
-    if columns == m:
-        picked = torch.arange(m)
-    else:
-        generator = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + code.c) % 2**63)
-        picked = torch.randperm(m, generator=generator)[:columns].sort().values
-    indices = (torch.arange(code.c).unsqueeze(1) * m + picked.unsqueeze(0)).reshape(-1)
+    generator = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + code.c) % 2**63)
+    indices, columns, _ = sample_indices(d, 1, code.c, 1, values, generator)
     return indices, columns
+
+
+def sample_indices(
+    d: int, parts: int, pieces: int, unit: int, values: int, generator: torch.Generator
+) -> tuple[torch.Tensor, int, int]:
+    """(indices, units sampled, units in all) of a sample of about `values` values (0: all) of a d-value gradient
+    that keeps a call's arithmetic: `parts` equal shards, each cut into `pieces`, whose values are mixed or
+    scaled together in `unit`s (train/auto_choice.py `Candidate`; CERAR's columns: 1 part, c pieces, unit 1). The
+    same units at the same offsets in every part and piece, laid out part-major, then piece-major, so that the
+    call on the sample splits it into parts, pieces and units exactly where its call on the gradient would.
+    Indices >= d are padding (zero): beyond the gradient, or beyond a piece's end. The same on every rank for
+    the same generator."""
+    P = -(-d // parts)  # a part: a node's shard (as_equal_shards)
+    M = -(-P // pieces)  # a piece: a CERAR component, an int8 shard
+    slots = -(-M // unit)
+    count = slots if values <= 0 else min(slots, max(1, -(-values // (parts * pieces * unit))))
+    picked = torch.arange(slots) if count == slots else torch.randperm(slots, generator=generator)[:count].sort().values
+    offsets = (picked.unsqueeze(1) * unit + torch.arange(unit)).view(1, 1, count, unit)
+    within = torch.arange(pieces).view(1, pieces, 1, 1) * M + offsets
+    indices = torch.arange(parts).view(parts, 1, 1, 1) * P + within
+    padding = (offsets >= M) | (within >= P) | (indices >= d)
+    return torch.where(padding, torch.full_like(indices, d), indices).reshape(-1), count, slots
 
 
 def gather_columns(flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:

@@ -258,7 +258,7 @@ FAULTS = [
     # --- aggregator=auto (issue 28) ---
     Fault(
         name="auto-sample-piece-floor",
-        file="train/auto_aggregator.py",
+        file="train/auto_c.py",
         original="    M = -(-P // pieces)  # a piece: a CERAR component, an int8 shard",
         replacement="    M = P // pieces  # a piece: a CERAR component, an int8 shard",
         tests=("tests/test_auto_aggregator.py::test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient",),
@@ -266,7 +266,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-sample-ignores-node-shards",
-        file="train/auto_aggregator.py",
+        file="train/auto_c.py",
         original="    P = -(-d // parts)  # a part: a node's shard (as_equal_shards)",
         replacement="    P, parts = d, 1  # a part: a node's shard (as_equal_shards)",
         tests=("tests/test_auto_aggregator.py::test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient",),
