@@ -240,7 +240,11 @@ def test_every_shipped_code_has_the_properties_the_spec_requires(entry, no_store
     allowed = 6 * _sampling_spread(code, m) * predicted + rounding
     assert np.all(np.abs(errors - predicted) <= allowed), (errors, predicted, allowed)
     assert abs(errors.max() - code.predicted_error()) <= allowed.max()
-    assert code.predicted_error() == pytest.approx(entry["predicted_error"], rel=1e-6, abs=1e-12)
+    # the shipped table's figure, as rebuilt here: float64 arithmetic through matrices of condition kappa, which
+    # another machine's BLAS rounds differently by up to ~kappa u (c + L) (1.8e-12 seen on a kappa 1e6 code whose
+    # error is 1.7e-6)
+    rounding64 = code.kappa * FLOAT64_UNIT_ROUNDOFF * (c + L)
+    assert code.predicted_error() == pytest.approx(entry["predicted_error"], rel=1e-6, abs=rounding64)
     # the last worker, whose sum never wraps round the ring, is exact (every worker at N = 2)
     assert errors[N - 1] <= rounding, errors
     if N == 2:
