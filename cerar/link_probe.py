@@ -1,11 +1,11 @@
 """Measure the links a job runs on, in the cost model's terms: a tier's alpha (seconds per round) and bandwidth
 (bytes per second per direction of one link), and the memory bandwidth the arithmetic streams at.
 
-    timings = time_ring(group, sizes=(4096, 65536, 1 << 20), reps=3, timeout=60)  # every member calls
+    timings = time_ring(group, sizes=(4096, 65536, 1 << 20), reps=5, timeout=60)  # every member calls
     tier, rel_rmse = fit_tier(timings, n=group.size(), memory_bandwidth=probe_memory_bandwidth(device))
 
 How: cerar's exact ``ring_all_reduce`` of d float32 values, timed on the group's own members at a few sizes
-(the median of ``reps`` calls after one untimed call that makes the connections; growing x4 until the bytes
+(the fastest of ``reps`` calls after one untimed call that makes the connections; growing x4 until the bytes
 dominate the time), is 2 (n-1) rounds and
 2 (n-1) ceil(d/n) x 4 bytes per rank plus the additions' memory traffic (``costmodel.two_tier_features``,
 the features the model predicts with). With the memory term taken from ``probe_memory_bandwidth`` (a timed
@@ -23,7 +23,6 @@ all-reduce of the maxima).
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -48,18 +47,21 @@ class LinkProbeError(RuntimeError):
     """A probe whose timings no alpha + bytes / bandwidth describes (or that could not run)."""
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for this rank's queued device work (CUDA; nothing on a CPU), so that a host clock times it."""
     if device.type == "cuda":  # after a bounded cerar call: the stream holds only this rank's own work
         torch.cuda.synchronize(device)
 
 
 def time_ring(
-    group, sizes=DEFAULT_SIZES, reps: int = 3, timeout=60.0, device=None, grow: bool = True
+    group, sizes=DEFAULT_SIZES, reps: int = 5, timeout=60.0, device=None, grow: bool = True
 ) -> list[tuple[int, float]]:
     """(d, seconds) of cerar's exact ring all-reduce of d float32 values on ``group`` for each size, and (with
     ``grow``) for sizes 4x larger until ``BYTES_DOMINATE`` holds or ``MAX_VALUES`` is reached. A collective:
-    every member calls it with the same arguments. Each size's seconds are the members' mean of their medians of
-    ``reps`` calls (averaged by the same ring, so every member takes the same sizes and returns the same rows).
+    every member calls it with the same arguments. Each size's seconds are the members' mean of their fastest of
+    ``reps`` calls (averaged by the same ring, so every member takes the same sizes and returns the same rows):
+    a busy CPU or a neighbour's traffic only ever adds time, so the fastest call is the link's (on the lab's 8
+    ranks over 2 cores the medians missed any alpha + bytes / bandwidth by 44-55 % RMS).
     One untimed call first makes the connections. The calls keep cerar's per-round deadlines (``timeout``), so a
     stalled member ends the probe with cerar's error, never a hang."""
     from cerar.protocol import ring_all_reduce
@@ -73,12 +75,12 @@ def time_ring(
         x = torch.ones(d, device=device)
         seconds = []
         for _ in range(reps):
-            _sync(device)
+            sync_device(device)
             start = time.perf_counter()
             ring_all_reduce(x, group, timeout=timeout, timed=False)
-            _sync(device)
+            sync_device(device)
             seconds.append(time.perf_counter() - start)
-        agreed = torch.tensor([statistics.median(seconds)], dtype=torch.float64, device=device)
+        agreed = torch.tensor([min(seconds)], dtype=torch.float64, device=device)
         ring_all_reduce(agreed, group, op="avg", timeout=timeout, timed=False)
         return float(agreed)
 
@@ -98,10 +100,10 @@ def probe_memory_bandwidth(device=None, values: int = 1 << 22, reps: int = 3) ->
     x.add_(y)  # untimed: pages and kernels in place
     best = math.inf
     for _ in range(reps):
-        _sync(device)
+        sync_device(device)
         start = time.perf_counter()
         x.add_(y)
-        _sync(device)
+        sync_device(device)
         best = min(best, time.perf_counter() - start)
     return 12 * values / max(best, 1e-9)
 
@@ -137,7 +139,10 @@ def fit_tier(
     if not beta > 0:
         raise LinkProbeError(f"fit_tier: the timings {timings!r} grow with no bytes term (bandwidth unmeasurable)")
     if not rel_rmse <= MAX_FIT_RMSE:
-        raise LinkProbeError(f"fit_tier: alpha + bytes / bandwidth misses the timings by {rel_rmse:.0%} (RMS)")
+        raise LinkProbeError(
+            f"fit_tier ({name or f'{n} ranks'}): alpha + bytes / bandwidth misses the timings by {rel_rmse:.0%} "
+            f"(RMS; at most {MAX_FIT_RMSE:.0%}): " + ", ".join(f"{d} values {1e3 * t:.3g} ms" for d, t in timings)
+        )
     return costmodel.Tier(float(alpha), float(1 / beta), name, f"measured: {len(timings)} sizes"), rel_rmse
 
 

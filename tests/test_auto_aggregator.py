@@ -62,6 +62,36 @@ def test_the_fastest_that_fits_is_taken_and_only_more_accurate_ones_replace_it()
 # ------------------------------------------------------------------ prices from links
 
 
+@pytest.mark.quick
+def test_the_model_ranks_and_the_timed_calls_decide():
+    """Where the model's fastest is slow in fact (gloo's 16-bit arithmetic on a CPU prices as half the bytes),
+    the timed calls overrule it: the shortlist is the `trials` fitting candidates the model ranks fastest and the
+    exact one, and the fastest timed of them is taken; a choice that still fits is not timed again."""
+    from train.auto_choice import AutoChoice
+
+    seconds = {"nccl": 1.0, "a": 0.2, "b": 0.3, "c": 0.4, "d": 0.5, "loose": 0.1}
+    bounds = {"a": (0.001, 0.0), "b": (0.002, 0.0), "c": (0.003, 0.0), "d": (0.004, 0.0), "loose": (0.5, 0.0)}
+    asked = []
+
+    def time_calls(names):  # what the real calls took: a is slow in fact, c the fastest
+        asked.append(list(names))
+        return {"nccl": 0.9, "a": 1.5, "b": 0.8, "c": 0.6, "d": 0.1}
+
+    auto = AutoChoice(fake_candidates(*bounds), seconds, budget=0.1, warmup_steps=1, check_every=1, trials=2)
+    first = auto.decide(1, 0.1, bounds, time_calls)  # allowed 0.01: loose never fits; d fits but ranks 4th
+    assert asked == [["a", "b", "nccl"]] and first["choice"] == "b"
+    assert first["timed_s"] == {"nccl": 0.9, "a": 1.5, "b": 0.8}
+    assert auto.decide(2, 0.1, {"b": (0.002, 0.0), "a": (0.001, 0.0)}, time_calls)["reason"] == "still fits"
+    assert len(asked) == 1  # a kept choice is not timed
+    moved = auto.decide(3, 0.015, {"b": (0.002, 0.0), "a": (0.001, 0.0)}, time_calls)  # allowed 0.0015
+    assert asked[-1] == ["a", "nccl"] and moved["choice"] == "nccl"  # timed: nccl 0.9 s beats a's 1.5 s
+    alone = AutoChoice(fake_candidates(*bounds), seconds, budget=0.1, warmup_steps=1, trials=0)
+    assert alone.decide(1, 0.1, bounds, time_calls)["choice"] == "a" and len(asked) == 2  # trials=0: the model
+    assert AutoChoice(fake_candidates(*bounds), seconds, budget=0.1, trials=3).shortlist(
+        {"nccl": 0.0, **{n: e for n, (e, _) in bounds.items()}}, 0.01
+    ) == ["a", "b", "c", "nccl"]
+
+
 def hand_ring_seconds(d, n, alpha, bandwidth, itemsize=4):
     """The ring all-reduce by its counts: 2 (n-1) rounds of one chunk of ceil(d/n) values."""
     return 2 * (n - 1) * (alpha + math.ceil(d / n) * itemsize / bandwidth)
@@ -230,10 +260,13 @@ def test_every_rank_measures_and_decides_from_the_same_numbers():
     assert decision["noise"] == pytest.approx(first["expected_noise"], rel=0.05)
     bounds = {n: e + 2 * decision["standard_errors"][n] for n, e in decision["errors"].items()}
     bounds["nccl"] = 0.0
-    chosen = decision["choice"]
+    chosen, seconds = decision["choice"], first["seconds"]
     assert bounds[chosen] <= decision["allowed"]
-    faster = [n for n in bounds if first["seconds"][n] < first["seconds"][chosen]]
-    assert all(bounds[n] > decision["allowed"] for n in faster), (chosen, faster, bounds)
+    # timed: the 3 fitting candidates the model prices fastest and the exact one; the fastest timed is taken
+    fits = sorted((n for n, b in bounds.items() if b <= decision["allowed"]), key=lambda n: (seconds[n], bounds[n]))
+    assert sorted(decision["timed_s"]) == sorted({*fits[:3], "nccl"}) and len(fits) > 3, (fits, decision)
+    assert chosen == min(decision["timed_s"], key=decision["timed_s"].get)
+    assert all(t > 0 for t in decision["timed_s"].values())
     assert decision["errors"]["cerar-c16"] > decision["errors"]["cerar-c5"] > 0  # measured, not assumed
 
 

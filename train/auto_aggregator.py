@@ -14,7 +14,10 @@ it) and, for every candidate to measure, its worst rank's error on a seeded samp
 through the candidate's real call: the sample keeps the values that the call mixes or scales together (CERAR's
 columns, int8's blocks, each inside its node shard for the two-tier ones; `sample_indices`), so the call's
 error on the sample is its error on those units of the gradient, and `ratio_estimate` gives its standard error.
-Every rank's numbers are all-gathered and every rank decides from the same ones (`AutoChoice.decide`).
+Every rank's numbers are all-gathered and every rank decides from the same ones (`AutoChoice.decide`). When the
+choice may move, the shortlist it names (the fitting candidates the model predicts fastest, and the exact one) is
+timed by the real call on a copy of the step's whole gradient (`time_calls`: one untimed call, then
+`auto_trial_calls` timed, the slowest rank's mean), and the fastest timed is taken.
 
 Each aggregate call is timed on the host, per choice, so that the summary sets the measured seconds per step
 beside the prediction.
@@ -97,7 +100,7 @@ def measure_links(groups, d: int, device: torch.device, timeout) -> dict:
         for d, t in rows:
             slots[1, int(math.log2(d))] = t
         if groups.local_rank == 0:  # one rail alone: the NIC's own bandwidth (the others wait in the all-reduce)
-            extra[0] = time_ring(groups.rail, [rows[-1][0]], 3, timeout, device, grow=False)[0][1]
+            extra[0] = time_ring(groups.rail, [rows[-1][0]], 5, timeout, device, grow=False)[0][1]
     extra[1] = 1.0 / probe_memory_bandwidth(device)  # seconds per byte: the slowest rank's after the MAX
     both = torch.cat([slots.reshape(-1), extra]).to(device)
     bounded("aggregator=auto: link timings all_reduce",
@@ -205,7 +208,9 @@ class AutoAggregator(Aggregator):
             budget=float(a.error_budget),
             warmup_steps=int(a.auto_warmup_steps),
             check_every=int(a.auto_check_every),
+            trials=int(a.auto_trials),
         )
+        self.trial_calls = int(a.auto_trial_calls)
         self.sample_values = int(a.auto_sample_values)
         declared = {key: value for key, value in a.auto_links.items() if value is not None}
         self.declared = declared or None  # None: measure the links
@@ -296,13 +301,38 @@ class AutoAggregator(Aggregator):
         every = torch.stack(gathered).cpu()  # [rank, candidate, (error, standard error)]
         worst = every[:, :-1, 0].nan_to_num(math.inf).argmax(0)
         measured = {name: tuple(every[worst[k], k].tolist()) for k, name in enumerate(names)}
-        record = self.choice.decide(step, float(every[0, -1, 0]), measured)
+        record = self.choice.decide(step, float(every[0, -1, 0]), measured, lambda short: self.time_calls(short, flat))
         if dist.get_rank() == 0:
             log.info("%s", self.choice.describe(record))
         out = {"auto/noise": record["noise"], "auto/allowed_error": record["allowed"]}
         out.update({f"auto/error/{name}": e for name, e in record["errors"].items()})
         out.update({f"auto/error_se/{name}": e for name, e in record["standard_errors"].items()})
+        out.update({f"auto/timed_s/{name}": s for name, s in record["timed_s"].items()})
         return out
+
+    def time_calls(self, names: list[str], flat: torch.Tensor) -> dict[str, float]:
+        """Seconds per real call of each named candidate on a copy of this step's gradient `flat` (every rank
+        calls, in the same order): one untimed call (connections, buffers), then `trial_calls` timed, each after
+        the device has drained; the slowest rank's mean (all-reduced MAX), so every rank ranks the same numbers.
+        Each call keeps its aggregator's deadline, so a stalled peer ends the trial with the trainer's error."""
+        from cerar.link_probe import sync_device
+
+        scratch = torch.empty_like(flat)
+        seconds = torch.zeros(len(names), dtype=torch.float64)
+        for k, name in enumerate(names):
+            for call in range(1 + self.trial_calls):
+                scratch.copy_(flat)
+                sync_device(flat.device)
+                start = time.perf_counter()
+                with guarded(f"aggregator=auto: timing {name}"):
+                    self.aggregators[name].aggregate(scratch)
+                sync_device(flat.device)
+                if call:
+                    seconds[k] += (time.perf_counter() - start) / self.trial_calls
+        seconds = seconds.to(flat.device)
+        bounded("aggregator=auto: trial timings all_reduce",
+                lambda: dist.all_reduce(seconds, dist.ReduceOp.MAX, async_op=True))  # fmt: skip
+        return dict(zip(names, seconds.cpu().tolist(), strict=True))
 
     def aggregate(self, flat: torch.Tensor) -> int:
         start = time.perf_counter()

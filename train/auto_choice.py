@@ -14,8 +14,11 @@ sample of its error must keep (train/auto_measure.py).
 
 The schedule (`AutoChoice`), as c=auto's: until `warmup_steps` the run aggregates exactly (`nccl`); at that
 step every candidate is measured (error and its standard error, on the step's own gradients) and priced
-(predicted seconds per step, `seconds`); the fastest whose error bound (estimate + 2 standard errors) is at
-most `budget` x the gradient noise is taken. Every `check_every` steps after, the choice is measured again
+(predicted seconds per step, `seconds`); of those whose error bound (estimate + 2 standard errors) is at most
+`budget` x the gradient noise, the `trials` the model predicts fastest and the exact one are timed by their real
+call on the step's gradient (`time_calls`), and the fastest timed is taken: the model ranks, a measurement
+decides, so a cost the model does not price (gloo's 16-bit arithmetic on a CPU, a link the probe misread) cannot
+make the run slower than the exact all-reduce. Every `check_every` steps after, the choice is measured again
 with the candidates more accurate than it; if it no longer fits it is excluded for the rest of the run and the
 fastest that fits among the more accurate ones replaces it. The run therefore only ever moves to more accurate
 choices and cannot oscillate; the exact candidates (error 0) always fit. The decisions are a pure function of
@@ -26,6 +29,7 @@ at the same step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from train.auto_c import DEFAULT_ERROR_BUDGET, SIGMAS, candidate_codes
@@ -134,7 +138,9 @@ def fastest_within(seconds: dict[str, float], bound: dict[str, float], allowed: 
 class AutoChoice:
     """The aggregator=auto schedule and its decisions (module docstring). `seconds` holds each candidate's
     predicted seconds per step (empty while unpriced: the run then stays exact); `choice` is the candidate in
-    use; `excluded` those that exceeded the budget at a re-check; `decisions` one record per check."""
+    use; `excluded` those that exceeded the budget at a re-check; `decisions` one record per check; `trials` how
+    many fitting candidates (the model's fastest) a decision that moves times beside the exact one (0: the model
+    alone decides)."""
 
     candidates: dict[str, Candidate]
     seconds: dict[str, float] = field(default_factory=dict)
@@ -145,12 +151,16 @@ class AutoChoice:
     excluded: list[str] = field(default_factory=list)
     decisions: list[dict] = field(default_factory=list)
     bounds: dict[str, float] = field(default_factory=dict)  # each candidate's last measured error bound
+    trials: int = 3
 
     def __post_init__(self) -> None:
         if EXACT not in self.candidates:
             raise ValueError(f"AutoChoice needs the exact candidate {EXACT!r}")
-        if self.warmup_steps < 1 or self.check_every < 0:
-            raise ValueError(f"AutoChoice: warmup_steps={self.warmup_steps} must be >= 1, check_every >= 0")
+        if self.warmup_steps < 1 or self.check_every < 0 or self.trials < 0:
+            raise ValueError(
+                f"AutoChoice: warmup_steps={self.warmup_steps} must be >= 1, check_every={self.check_every} and "
+                f"trials={self.trials} >= 0"
+            )
 
     @property
     def priced(self) -> bool:
@@ -176,9 +186,26 @@ class AutoChoice:
         ceiling = self.bounds.get(self.choice, math.inf)
         return sorted(name for name in inexact if name == self.choice or self.bounds.get(name, 0.0) < ceiling)
 
-    def decide(self, step: int, noise: float, measured: dict[str, tuple[float, float]]) -> dict:
+    def shortlist(self, pool: dict[str, float], allowed: float) -> list[str]:
+        """The candidates of `pool` (name -> error bound) a decision times: the `trials` fitting ones with the
+        fewest predicted seconds, and the exact one (always fits, the yardstick), fastest predicted first."""
+        fits = sorted((name for name, b in pool.items() if b <= allowed), key=lambda n: (self.seconds[n], pool[n], n))
+        short = fits[: self.trials]
+        if EXACT in pool and EXACT not in short:
+            short.append(EXACT)
+        return short
+
+    def decide(
+        self,
+        step: int,
+        noise: float,
+        measured: dict[str, tuple[float, float]],
+        time_calls: Callable[[list[str]], dict[str, float]] | None = None,
+    ) -> dict:
         """Take a check's numbers (the noise; per candidate, error and standard error); return the decision
-        record, switching `choice` when it says so."""
+        record, switching `choice` when it says so. When the choice may move and `time_calls` is given, it is
+        called with `shortlist` and returns each one's measured seconds per call (the same on every rank); the
+        fastest measured is taken."""
         bound = {name: error + SIGMAS * se for name, (error, se) in measured.items()}
         bound.update({name: 0.0 for name, cand in self.candidates.items() if cand.exact})
         self.bounds.update(bound)
@@ -194,6 +221,12 @@ class AutoChoice:
             pool = {name: b for name, b in bound.items() if name not in self.excluded and b < bound[before]}
             pool.update({name: 0.0 for name, cand in self.candidates.items() if cand.exact})
         self.choice = fastest_within(self.seconds, pool, allowed)
+        timed: dict[str, float] = {}
+        short = self.shortlist(pool, allowed) if time_calls is not None and reason != "still fits" else []
+        if self.trials > 0 and len(short) > 1:
+            times = time_calls(short)
+            timed = {name: float(times[name]) for name in short}
+            self.choice = min(short, key=lambda name: (timed[name], pool[name], name))
         record = {
             "step": step,
             "noise": noise,
@@ -203,6 +236,7 @@ class AutoChoice:
             "before": before,
             "choice": self.choice,
             "predicted_s": self.seconds[self.choice],
+            "timed_s": timed,
             "reason": reason,
         }
         self.decisions.append(record)
@@ -234,9 +268,14 @@ class AutoChoice:
         )
         move = f"keeps {record['choice']}" if record["choice"] == record["before"] else (
             f"{record['before']} -> {record['choice']}")  # fmt: skip
+        timed = record.get("timed_s") or {}
+        trial = "; timed per call: " + ", ".join(
+            f"{name} {1e3 * s:.3g} ms" for name, s in sorted(timed.items(), key=lambda kv: kv[1])
+        ) if timed else ""  # fmt: skip
         return (
             f"step {record['step']}: aggregator=auto {record['reason']}: {move}, predicted "
             f"{1e3 * record['predicted_s']:.3g} ms per step (exact {EXACT}: {1e3 * self.seconds[EXACT]:.3g} ms); "
             f"noise {record['noise']:.3g}, budget {self.budget:g} x noise = {record['allowed']:.3g}; "
             f"{len(record['errors'])} measured, fitting by predicted time: {', '.join(fits) or 'none but the exact'}"
+            f"{trial}"
         )

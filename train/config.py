@@ -145,8 +145,12 @@ class AggregatorConfig:
     # gradients is at most error_budget x the noise, on the links measured at start (or declared in auto_links:
     # intra_alpha_s, intra_gbit_s, inter_alpha_s, inter_gbit_s, memory_gbyte_s, nics_per_node); warm-up, checks
     # and sample as c=auto's fields above. auto_aggregators: the candidate families to keep (null: all;
-    # train.auto_choice.FAMILIES), the exact ones always kept.
+    # train.auto_choice.FAMILIES), the exact ones always kept. auto_trials: how many fitting candidates (the
+    # model's fastest) a decision times by their real call beside the exact one, auto_trial_calls timed calls
+    # each (auto_trials 0: the model alone decides).
     auto_aggregators: list[str] | None = None
+    auto_trials: int = 3
+    auto_trial_calls: int = 2
     auto_links: LinksConfig = field(default_factory=lambda: LinksConfig())
 
 
@@ -243,7 +247,8 @@ HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int8")
 
 # aggregator=auto (issue 28): chooses among the others from measured noise and measured links
 AUTO_KIND = "auto"
-AUTO_FIELDS = ("auto_aggregators", "auto_links")  # in a run's identity only for aggregator=auto
+# in a run's identity only for aggregator=auto
+AUTO_FIELDS = ("auto_aggregators", "auto_links", "auto_trials", "auto_trial_calls")
 AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, AUTO_KIND)
 
 
@@ -468,6 +473,8 @@ def _validate_auto_aggregator(cfg) -> None:
             _require(
                 family in FAMILIES, f"aggregator.auto_aggregators holds {family!r}: not one of {', '.join(FAMILIES)}"
             )
+    _require(a.auto_trials >= 0, f"aggregator.auto_trials={a.auto_trials} must be >= 0 (0: the cost model decides)")
+    _require(a.auto_trial_calls >= 1, f"aggregator.auto_trial_calls={a.auto_trial_calls} must be >= 1")
     for key, value in a.auto_links.items():  # the schema rejects unknown keys
         _require(value is None or value > 0, f"aggregator.auto_links.{key}={value} must be > 0 (or null: measured)")
 

@@ -285,6 +285,26 @@ FAULTS = [
         quick=True,
     ),
     Fault(
+        name="auto-trials-ignored",
+        file="train/auto_choice.py",
+        original="            self.choice = min(short, key=lambda name: (timed[name], pool[name], name))",
+        replacement="            pass",
+        tests=(
+            "tests/test_auto_aggregator.py::test_the_model_ranks_and_the_timed_calls_decide",
+            "tests/test_auto_aggregator.py::test_every_rank_measures_and_decides_from_the_same_numbers",
+        ),
+        why="the candidates are timed and the timings ignored: the model's fastest is taken even where it is slow",
+        quick=True,
+    ),
+    Fault(
+        name="auto-trial-own-clock",
+        file="train/auto_aggregator.py",
+        original="        bounded(\"aggregator=auto: trial timings all_reduce\",",
+        replacement="        if False: bounded(\"aggregator=auto: trial timings all_reduce\",",
+        tests=("tests/test_auto_aggregator.py::test_every_rank_measures_and_decides_from_the_same_numbers",),
+        why="each rank ranks its own clock's timings: ranks may choose different aggregators",
+    ),
+    Fault(
         name="auto-excluded-forgotten",
         file="train/auto_choice.py",
         original="            self.excluded.append(before)\n",
