@@ -40,6 +40,15 @@ JOB = [
     f"trainer.collective_timeout_s={T_S}",
 ]
 FLAT = ["aggregator=cerar", "c=auto", f"aggregator.auto_warmup_steps={STALL_STEP}", "aggregator.auto_check_every=1"]
+AUTO = [
+    "aggregator=auto",
+    f"aggregator.auto_warmup_steps={STALL_STEP}",
+    "aggregator.auto_check_every=1",
+    "aggregator.auto_aggregators=[ring16]",
+    "aggregator.auto_links.intra_alpha_s=0.001",
+    "aggregator.auto_links.intra_gbit_s=10",
+    "aggregator.auto_links.memory_gbyte_s=10",
+]  # declared: no probe
 HIER = ["aggregator=hier_cerar", "aggregator.local_size=2", "c=4", "aggregator.coded_on_two_nodes=true"]
 
 # phase the stalled rank stops in -> the collective every survivor reports
@@ -49,10 +58,13 @@ CASES = {
     "flat-backward": (2, FLAT, "backward", "non-finite flag all_reduce"),
     "flat-auto_c": (3, FLAT, "auto_c", "exact all_reduce (g_bar)"),  # N = 2 has no inexact code to measure
     "flat-aggregate": (2, FLAT, "aggregate", "aggregate (cerar"),
+    "flat-auto": (2, AUTO, "auto", "exact all_reduce (g_bar)"),  # aggregator=auto's check
     "flat-optimizer": (2, FLAT, "optimizer", "train-loss all_reduce"),
     "flat-eval": (2, FLAT, "eval", "all_gather_object of the validation shares"),
     "flat-checkpoint": (2, FLAT, "checkpoint", "checkpoint all_gather_object"),
-    # overlap: stalled in backward, past forward's one-off DDP bucket rebuild (docs/failures.md: not bounded)
+    # overlap: DDP's one-off bucket rebuild is done after step 1's bounded flag, so a peer stalled in step 2's data
+    # meets CERAR's hook in backward, not the rebuild's host-blocking broadcast in forward (DDP's own place for it)
+    "overlap-data": (2, ["aggregator=cerar", "c=4", "trainer.overlap=true"], "data", "backward with"),
     "overlap-backward": (2, ["aggregator=cerar", "c=4", "trainer.overlap=true"], "backward", "backward with"),
     "hier-backward": (4, HIER, "backward", "non-finite flag all_reduce"),
     "hier-aggregate": (4, HIER, "aggregate", "aggregate (hier_cerar"),
@@ -62,7 +74,7 @@ VICTIM = 1
 
 def _stop_on_entering(phase: str) -> None:
     """SIGSTOP this process as it enters ``phase`` at step STALL_STEP or later: a phase of the step timer
-    (data, forward, backward, auto_c, aggregate, optimizer), the evaluation, or the checkpoint."""
+    (data, forward, backward, auto_c, auto, aggregate, optimizer), the evaluation, or the checkpoint."""
     import contextlib
 
     from train import distributed, loop

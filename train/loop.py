@@ -385,6 +385,20 @@ class Trainer:
         bounded("non-finite flag all_reduce", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
         return flag.item() == 0.0  # the all-reduce has completed: the read waits for nothing remote
 
+    def _rebuild_ddp_buckets(self) -> None:
+        """overlap=true: DDP rebuilds its buckets once, after the first synchronised backward, and it does so with
+        a host-blocking collective: `Reducer::rebuild_buckets` -> `sync_bucket_indices` broadcasts rank 0's
+        bucket order and copies it to the CPU, which no deadline of ours bounds (on NCCL a stalled peer would hold
+        the survivors there until torch's watchdog). Left to DDP it runs in the next step's forward
+        (`DistributedDataParallel._pre_forward`), so a peer stalled in that step's data or forward met it. Here it
+        runs right after the bounded non-finite flag, which every rank has just passed; later steps' forwards find
+        it done (`_rebuild_buckets` returns False once `has_rebuilt_bucket_`). The window left is the host code
+        between the flag and this call. `gradient_as_bucket_view` is off: the gradients are not bucket views, so
+        rebuilding before the optimizer step moves no gradient."""
+        with guarded("DDP bucket rebuild broadcast"):
+            if self.ddp.reducer._rebuild_buckets():
+                self.ddp._has_rebuilt_buckets = True
+
     def _maybe_inject_nonfinite(self, step: int) -> None:
         """trainer.inject_nonfinite_at_step (testing/chaos only): at that step one gradient of one rank is inf."""
         t = self.t
@@ -422,6 +436,7 @@ class Trainer:
         if self.overlap:
             bytes_sent = self.aggregator.bytes_sent_by_hook(self.numel)
             finite = self._grads_finite_everywhere(None)
+            self._rebuild_ddp_buckets()
         else:
             flat = self.grads.flat
             finite = self._grads_finite_everywhere(flat)  # before aggregation

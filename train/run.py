@@ -98,6 +98,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         bucket_cap_mb=ddp_bucket_cap_mb(cfg, model, device, overlap),
+        **no_forward_buffer_sync(),
     )
     if overlap:
         aggregator.register_hook(ddp)
@@ -268,6 +269,19 @@ def gather_param_sha256(model: torch.nn.Module) -> list[str]:
     with guarded("all_gather_object of parameter fingerprints"):
         dist.all_gather_object(shas, parameter_sha256(model), group=group_with_timeout(deadline_s()))  # gloo
     return shas
+
+
+def no_forward_buffer_sync() -> dict:
+    """DDP's argument that stops it broadcasting the module's buffers at the start of every forward that follows a
+    synchronised backward (trainer.overlap=true: every step). GPTNeoX's only buffers are the rotary frequencies,
+    constants computed alike on every rank, and that broadcast is a collective outside the trainer's deadline: on
+    gloo it blocks the host until gloo's own timeout, so a peer stalled in a step's data ended the survivors
+    there with a traceback, not exit 3. torch 2.13 names it `forward_sync_buffers` (which keeps DDP's start-up
+    sync), earlier versions `broadcast_buffers`."""
+    import inspect
+
+    params = inspect.signature(torch.nn.parallel.DistributedDataParallel.__init__).parameters
+    return {"forward_sync_buffers": False} if "forward_sync_buffers" in params else {"broadcast_buffers": False}
 
 
 def ddp_bucket_cap_mb(cfg: DictConfig, model: torch.nn.Module, device, overlap: bool) -> float:

@@ -285,6 +285,22 @@ FAULTS = [
         quick=True,
     ),
     Fault(
+        name="ddp-rebuild-left-to-forward",
+        file="train/loop.py",
+        original="            finite = self._grads_finite_everywhere(None)\n            self._rebuild_ddp_buckets()\n",
+        replacement="            finite = self._grads_finite_everywhere(None)\n",
+        tests=("tests/test_stall_phases.py",),
+        why="overlap: DDP's host-blocking bucket rebuild stays in step 2's forward, where a peer stalled in data holds it",
+    ),
+    Fault(
+        name="ddp-buffers-broadcast-each-forward",
+        file="train/run.py",
+        original="        **no_forward_buffer_sync(),\n",
+        replacement="",
+        tests=("tests/test_stall_phases.py",),
+        why="overlap: every forward broadcasts the rotary buffers, a collective outside the trainer's deadline",
+    ),
+    Fault(
         name="auto-trials-ignored",
         file="train/auto_choice.py",
         original="            self.choice = min(short, key=lambda name: (timed[name], pool[name], name))",
