@@ -62,6 +62,9 @@ CASES = {
     "flat-optimizer": (2, FLAT, "optimizer", "train-loss all_reduce"),
     "flat-eval": (2, FLAT, "eval", "all_gather_object of the validation shares"),
     "flat-checkpoint": (2, FLAT, "checkpoint", "checkpoint all_gather_object"),
+    # rank 0 stops as it reaches the checkpoint barrier while rank 1 writes: the writer waits at most T, not the
+    # write's timeout (checkpoint.write_timeout_s, 30 min), for a rank that should already be there
+    "flat-checkpoint-barrier": (2, FLAT, "checkpoint barrier", "checkpoint barrier", 0),
     # overlap: DDP's one-off bucket rebuild is done after step 1's bounded flag, so a peer stalled in step 2's data
     # meets CERAR's hook in backward, not the rebuild's host-blocking broadcast in forward (DDP's own place for it)
     "overlap-data": (2, ["aggregator=cerar", "c=4", "trainer.overlap=true"], "data", "backward with"),
@@ -69,12 +72,16 @@ CASES = {
     "hier-backward": (4, HIER, "backward", "non-finite flag all_reduce"),
     "hier-aggregate": (4, HIER, "aggregate", "aggregate (hier_cerar"),
 }
-VICTIM = 1
+VICTIM = 1  # the stalled rank, unless a case names another (its fifth field)
+
+
+def victim_of(case: str) -> int:
+    return CASES[case][4] if len(CASES[case]) > 4 else VICTIM
 
 
 def _stop_on_entering(phase: str) -> None:
     """SIGSTOP this process as it enters ``phase`` at step STALL_STEP or later: a phase of the step timer
-    (data, forward, backward, auto_c, auto, aggregate, optimizer), the evaluation, or the checkpoint."""
+    (data, forward, backward, auto_c, auto, aggregate, optimizer), the evaluation, the checkpoint, or its barrier."""
     import contextlib
 
     from train import distributed, loop
@@ -84,6 +91,16 @@ def _stop_on_entering(phase: str) -> None:
             shared_store().set("stalled_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    if phase == "checkpoint barrier":  # after the checkpoint's gather, as it reaches the barrier
+        bounded = loop.bounded
+
+        def stopping_bounded(operation, *args, **kwargs):
+            if operation.startswith(phase):
+                stop()
+            return bounded(operation, *args, **kwargs)
+
+        loop.bounded = stopping_bounded
+        return
     if phase in ("eval", "checkpoint"):
         name = "evaluate" if phase == "eval" else "save_checkpoint"
         method = getattr(loop.Trainer, name)
@@ -106,16 +123,16 @@ def _stop_on_entering(phase: str) -> None:
     loop.PhaseTimer.phase = phase_then_stop
 
 
-def _stalled_training(rank, world_size, phase, overrides, cache, run_dir):
+def _stalled_training(rank, world_size, phase, overrides, cache, run_dir, victim):
     """The trainer in this process, as train/main.py runs it (a collective failure: abort, one line, exit 3);
-    rank VICTIM stops itself on entering ``phase`` at step STALL_STEP."""
+    rank ``victim`` stops itself on entering ``phase`` at step STALL_STEP."""
     from tests.runs import composed
     from train.distributed import exit_after_collective_failure
     from train.main import is_collective_failure
     from train.run import run
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    if rank == VICTIM:
+    if rank == victim:
         _stop_on_entering(phase)
     try:
         run(composed(*JOB, *overrides, f"data.cache_dir={cache}"), Path(run_dir))
@@ -128,13 +145,14 @@ def _stalled_training(rank, world_size, phase, overrides, cache, run_dir):
 
 
 def _launch(case, cache, tmp):
-    world, overrides, phase, _ = CASES[case]
+    world, overrides, phase = CASES[case][:3]
+    victim = victim_of(case)
     store = held_store()
-    survivors = [r for r in range(world) if r != VICTIM]
+    survivors = [r for r in range(world) if r != victim]
     results = run_workers(
         _stalled_training,
         world,
-        args=(phase, overrides, str(cache), str(tmp / case)),
+        args=(phase, overrides, str(cache), str(tmp / case), victim),
         timeout_s=240,
         group_timeout_s=WATCHDOG_S,
         expect=[],
@@ -169,15 +187,16 @@ def stalls(tmp_path_factory, cache_dir):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_watchdog(stalls, case):
-    world, _, phase, operation = CASES[case]
+    world, _, phase, operation = CASES[case][:4]
+    victim = victim_of(case)
     results, stalled, ended, fired, lines = stalls[case]
-    survivors = [r for r in range(world) if r != VICTIM]
-    assert stalled is not None, f"rank {VICTIM} never entered phase {phase!r} at step {STALL_STEP}"
+    survivors = [r for r in range(world) if r != victim]
+    assert stalled is not None, f"rank {victim} never entered phase {phase!r} at step {STALL_STEP}"
     assert not fired, f"the emulated watchdog fired first: {fired}"
     assert [results[r] for r in survivors] == [ProcessExit(3)] * len(survivors), results
     assert ended - stalled < T_S + SLACK_S, ended - stalled
     for r in survivors:
         line = lines[r]
         assert line.startswith(f"error: collective '{operation}") and f"failed on rank {r} " in line, line
-        assert f"rank {VICTIM}" in line.split("failed on rank", 1)[1], line  # the peer
+        assert f"rank {victim}" in line.split("failed on rank", 1)[1], line  # the peer
         assert "(phase: " in line, line

@@ -328,8 +328,15 @@ class Trainer:
             path = ckpt.save_checkpoint(self.run_dir, self.state.step, state, self.cfg.checkpoint.keep)
             log.info("checkpoint %s", path)
         if self.world_size > 1:
-            with guarded(f"checkpoint barrier (rank {self.world_size - 1} writes; checkpoint.write_timeout_s)"):
-                dist.barrier(group=writing)
+            # The others wait for the write (checkpoint.write_timeout_s); the writer, once written, waits for ranks
+            # that should already be there, so at most the trainer's deadline: a peer stalled inside the barrier
+            # must not hold the writer for the write's timeout (30 min by default).
+            writer = self.rank == self.world_size - 1
+            bounded(
+                f"checkpoint barrier (rank {self.world_size - 1} writes; checkpoint.write_timeout_s)",
+                lambda: dist.barrier(group=writing, async_op=True),
+                timeout_s=deadline_s() if writer else self.cfg.checkpoint.write_timeout_s,
+            )
 
     def restore(self, state: dict) -> None:
         if state["world_size"] != self.world_size:
