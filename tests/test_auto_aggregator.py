@@ -306,8 +306,9 @@ def test_auto_runs_choose_resume_with_their_choice_and_fall_back_when_links_are_
     assert late["resumed_from_step"] == 3
     restored = late["auto"]["decisions"][0]  # from the checkpoint: the first launch's decision, not a new one
     step2 = next(r for r in late_records if r["step"] == 2)  # what the first launch logged (its own prices)
-    assert restored["predicted_s"] == step2["auto/predicted_s"] and names[step2["auto/choice"]] == first["choice"]
-    same_data = ("noise", "errors", "standard_errors", "choice", "step")  # same seed and data: the same evidence
+    assert restored["predicted_s"] == step2["auto/predicted_s"] and names[step2["auto/choice"]] == restored["choice"]
+    # same seed and data: the same evidence (the choice itself rests on timed calls, which differ run to run)
+    same_data = ("noise", "errors", "standard_errors", "step")
     assert {k: restored[k] for k in same_data} == {k: first[k] for k in same_data}
     assert [d["step"] for d in late["auto"]["decisions"]] == [d["step"] for d in full["auto"]["decisions"]]
     _, unknown = read_run(tmp_path / "unknown")
