@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import math
 import os
+import statistics
 import time
 
 import torch
@@ -95,12 +96,13 @@ def measure_links(groups, d: int, device: torch.device, timeout) -> dict:
     if layout.local_size > 1:
         for d, t in time_ring(groups.intra_node, timeout=timeout, device=device):
             slots[0, int(math.log2(d))] = t
-    if layout.nodes > 1:
-        rows = time_ring(groups.rail, timeout=timeout, device=device)
+    if layout.nodes > 1:  # the rails share their nodes' NICs: the median keeps the contention the fastest call hides
+        rows = time_ring(groups.rail, timeout=timeout, device=device, statistic=statistics.median)
         for d, t in rows:
             slots[1, int(math.log2(d))] = t
         if groups.local_rank == 0:  # one rail alone: the NIC's own bandwidth (the others wait in the all-reduce)
-            extra[0] = time_ring(groups.rail, [rows[-1][0]], 5, timeout, device, grow=False)[0][1]
+            alone = time_ring(groups.rail, [rows[-1][0]], 5, timeout, device, grow=False, statistic=statistics.median)
+            extra[0] = alone[0][1]
     extra[1] = 1.0 / probe_memory_bandwidth(device)  # seconds per byte: the slowest rank's after the MAX
     both = torch.cat([slots.reshape(-1), extra]).to(device)
     bounded("aggregator=auto: link timings all_reduce",
