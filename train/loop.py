@@ -322,8 +322,9 @@ class Trainer:
     def save_checkpoint(self) -> None:
         set_phase("checkpoint")
         state = self.checkpoint_state()  # collective: every rank takes part
+        wait_s = self.cfg.checkpoint.write_timeout_s  # how long the others wait for the write
         if self.world_size > 1:  # asked by every rank before the write: creating the group is collective
-            writing = group_with_timeout(self.cfg.checkpoint.write_timeout_s)
+            writing = group_with_timeout(wait_s)
         if self.rank == self.world_size - 1:  # the rank that always holds the exact aggregate
             path = ckpt.save_checkpoint(self.run_dir, self.state.step, state, self.cfg.checkpoint.keep)
             log.info("checkpoint %s", path)
@@ -335,7 +336,7 @@ class Trainer:
             bounded(
                 f"checkpoint barrier (rank {self.world_size - 1} writes; checkpoint.write_timeout_s)",
                 lambda: dist.barrier(group=writing, async_op=True),
-                timeout_s=deadline_s() if writer else self.cfg.checkpoint.write_timeout_s,
+                timeout_s=deadline_s() if writer else wait_s,
             )
 
     def restore(self, state: dict) -> None:

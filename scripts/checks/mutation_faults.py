@@ -72,8 +72,8 @@ FAULTS = [
     Fault(
         name="checkpoint-wait-a-year",
         file="train/loop.py",
-        original="            writing = group_with_timeout(self.cfg.checkpoint.write_timeout_s)",
-        replacement="            writing = group_with_timeout(365 * 24 * 3600.0)",
+        original="        wait_s = self.cfg.checkpoint.write_timeout_s  # how long the others wait for the write",
+        replacement="        wait_s = 365 * 24 * 3600.0  # how long the others wait for the write",
         tests=("tests/test_reliability.py::test_a_stalled_checkpoint_writer_stops_the_others_within_write_timeout_s",),
         why="the other ranks wait a year for a stalled checkpoint writer",
     ),
