@@ -183,6 +183,8 @@ def run_all(args) -> int:
 def place_summary(rows: list[dict]) -> dict:
     """One place's comparison (rows of one where/shape/rate): auto's choice and seconds against the fastest
     fixed candidate whose error fits by auto's own measurement, per seed and over the seeds."""
+    from train.auto_choice import fastest_within
+
     by_seed: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_seed.setdefault(r["seed"], {})[r["setting"]] = r
@@ -192,15 +194,13 @@ def place_summary(rows: list[dict]) -> dict:
         if not auto_row or str(auto_row["ok"]) != "True":
             continue
         summary = json.loads((ROOT / auto_row["run_dir"] / "summary.json").read_text())["auto"]
-        decision = summary["decisions"][0]
-        bounds = {n: e + 2 * decision["standard_errors"][n] for n, e in decision["errors"].items()}
-        bounds.update({n: 0.0 for n in summary["candidates"] if n not in bounds})  # the exact ones
+        decision = summary["decisions"][0]  # the only one: the runs check once (auto_check_every=0)
+        bounds = summary["bounds"]  # what the decision compared with its allowance, the exact ones at 0
         fixed = {n: float(r["aggregate_s_median"]) for n, r in runs.items()
                  if n != "auto" and str(r["ok"]) == "True" and r["aggregate_s_median"] not in ("", None)}  # fmt: skip
         fitting = {n: s for n, s in fixed.items() if bounds.get(n, math.inf) <= decision["allowed"]}
         best = min(fitting, key=fitting.get)
-        fit_names = [n for n in summary["predicted_s"] if bounds.get(n, math.inf) <= decision["allowed"]]
-        model_pick = min(fit_names, key=lambda n: summary["predicted_s"][n])  # what auto_trials=0 would take
+        model_pick = fastest_within(summary["predicted_s"], bounds, decision["allowed"])  # auto_trials=0's choice
         auto_s = float(auto_row["aggregate_s_median"])
         seeds.append({
             "seed": seed, "choice": summary["choice"], "auto_s": auto_s, "best": best, "best_s": fitting[best],
