@@ -53,6 +53,12 @@ either way; only the contract around it changes:
     a shell. ``group_timeout_s`` (and a ``new_group``'s ``timeout``) is that watchdog's timeout; gloo's
     own waits under the groups are given longer (``_transport_timeout_s``), so that, as on NCCL, a work
     a stalled peer holds up is ended by the watchdog or by the code's own deadline, never by gloo;
+  - a ``DistributedDataParallel`` built on such a group reaches it through ``NcclContractProcessGroup`` (its
+    C++ reducer calls the group directly, past the functions above): a bucket's all-reduce returns a work whose
+    future is complete at once, as ``ProcessGroupNCCL::collective`` marks it (so ``finalize_backward`` does not
+    wait on the host), while DDP's broadcasts and gathers hold the host until their data is there, as the host
+    reads that follow them in DDP do; on the CPU the reducer copies a bucket before its transfer lands, so such
+    runs show who ends a stall, not the numbers;
   - cerar's calls follow their stream-ordered contract (``cerar.protocol.set_transport_contract``)
     with an ``EmulatedStream`` as the device queue: their device work runs in order on a thread of
     its own, as a CUDA stream runs kernels, so the host only enqueues and is held up only where the
@@ -68,6 +74,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import io
 import itertools
 import multiprocessing as mp
@@ -155,9 +162,10 @@ class NcclContractWork:
     """One work for a whole batch, kept as ``WorkNCCL`` keeps it (module docstring). The batch's
     gloo works are driven to completion off the calling thread, up to the group's timeout."""
 
-    def __init__(self, works, group_name: str, what: str = "batch_isend_irecv"):
+    def __init__(self, works, group_name: str, what: str = "batch_isend_irecv", result=None):
         self.created = time.monotonic()  # the watchdog's clock starts here, as WorkNCCL's workStartTime_
         self.works = list(works)
+        self.result = result  # the tensors the collective writes: its future's value
         self.group_name = group_name
         self.what = what
         self.serial = next(_serial)
@@ -187,6 +195,21 @@ class NcclContractWork:
             _log["polls"] += 1
             _log["polled_batches"].add(self.serial)
         return self.done.is_set()
+
+    def get_future(self):
+        """``WorkNCCL::getFuture``: ``ProcessGroupNCCL::collective`` marks the work's future completed right
+        after it enqueues the kernel (``work->future_->markCompleted(at::IValue(*work->outputs_))``, under a
+        stream guard on NCCL's stream), so the future is done at once; what reads its value is ordered after the
+        kernel by CUDA events, not by the host. On the CPU nothing orders those reads: a DDP hook's callback
+        (``fp16_compress_hook``'s decompress) reads the tensor before the transfer lands, so runs through this
+        future measure who ends a stall, not the numbers."""
+        import torch
+
+        if self.result is None:
+            raise RuntimeError(f"NCCL contract: {self.what} gives no future here")
+        future = torch.futures.Future()
+        future.set_result(self.result)
+        return future
 
     def wait(self, timeout=None) -> bool:
         if timeout is None or timeout == timedelta(0):  # NCCL's kNoTimeout: order, bound nothing
@@ -332,7 +355,8 @@ def _install_collectives(group_timeout_s: float) -> None:
                 raise RuntimeError(f"NCCL contract: group {group.group_name!r} was aborted; it takes no more work")
             asynchronous = bound.arguments.get("async_op", False)
             bound.arguments["async_op"] = True
-            work = NcclContractWork([original(*bound.args, **bound.kwargs)], group.group_name, name)
+            result = [bound.arguments["tensor"]] if name in ("all_reduce", "broadcast") else None
+            work = NcclContractWork([original(*bound.args, **bound.kwargs)], group.group_name, name, result)
             if asynchronous:
                 return work
             work.transferred.wait()  # the host read of the result: unbounded; an abort does not release it
@@ -345,7 +369,98 @@ def _install_collectives(group_timeout_s: float) -> None:
 
     for name in ("all_reduce", "all_gather", "broadcast", "barrier"):
         emulate(name)
+    _install_ddp_process_group()
     threading.Thread(target=_watchdog, name="nccl-contract-watchdog", daemon=True).start()
+
+
+def _install_ddp_process_group() -> None:
+    """DDP's C++ reducer calls its process group's ``allreduce``/``broadcast``/``allgather`` directly, past the
+    Python functions emulated above: a ``DistributedDataParallel`` built on an NCCL-contract group gets
+    ``NcclContractProcessGroup`` in front of it, so that its buckets and its own host-blocking collectives
+    follow NCCL's contract too (module docstring)."""
+    import inspect
+
+    import torch
+    import torch.distributed as dist
+
+    ddp_class = torch.nn.parallel.DistributedDataParallel
+    original_init = ddp_class.__init__
+    signature = inspect.signature(original_init)
+
+    @functools.wraps(original_init)  # keeps DDP's signature: train.run.no_forward_buffer_sync reads it
+    def init(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        group = bound.arguments.get("process_group") or dist.distributed_c10d._get_default_group()
+        if group.group_name not in _gloo_groups:
+            bound.arguments["process_group"] = _nccl_contract_process_group(group)
+        original_init(*bound.args, **bound.kwargs)
+
+    ddp_class.__init__ = init
+
+
+def _nccl_contract_process_group(group):
+    """``group`` as DDP's reducer sees an NCCL group (``ProcessGroupNCCL``), on gloo's transport:
+
+    - ``allreduce`` (a bucket, with no comm hook: ``Reducer::run_allreduce_hook`` -> ``_AllReduceBySumCommHook``)
+      returns a work whose future is already complete (``ProcessGroupNCCL::collective`` marks it completed after
+      enqueueing), so ``Reducer::finalize_backward``'s ``future_work->wait()`` does not hold the host: on a GPU it
+      makes the current stream wait for NCCL's. The transfer runs on, under the watchdog, timed from its post.
+      On the CPU the reducer then copies the bucket into the gradients before the transfer lands: a run through
+      it measures who ends a stall, not the numbers;
+    - ``broadcast`` and ``allgather`` (DDP's start-up checks, ``_broadcast_coalesced``, the bucket rebuild's
+      ``sync_bucket_indices``, the buffers' broadcast) return a work whose ``wait()`` holds the host until the
+      transfer ends, unbounded, as the host read of the result that follows each of them in DDP blocks on a GPU.
+    Every transfer is an ``NcclContractWork`` of ``group``: the watchdog sees it and an abort fails it."""
+    import torch
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import _create_work_from_future
+
+    class NcclContractProcessGroup(dist.ProcessGroup):
+        def __init__(self, inner):
+            super().__init__(inner.rank(), inner.size())
+            self.inner = inner
+
+        def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+            return "nccl (emulated on gloo)"
+
+        def _post(self, what: str, post, result, completed_at_once: bool):
+            name = self.inner.group_name
+            if name in _aborted_groups:
+                raise RuntimeError(f"NCCL contract: group {name!r} was aborted; it takes no more work")
+            work = NcclContractWork([post()], name, what, result)
+            future = torch.futures.Future()
+            if completed_at_once:
+                future.set_result(result)
+            else:
+
+                def settle() -> None:
+                    work.transferred.wait()  # the host read: unbounded; an abort does not release it
+                    if work.error is not None:
+                        future.set_exception(RuntimeError(f"NCCL contract: {what} failed: {work.error}"))
+                    else:
+                        future.set_result(result)
+
+                threading.Thread(target=settle, name="nccl-contract-host-read", daemon=True).start()
+            return _create_work_from_future(future)
+
+        def allreduce(self, tensors, opts=None):
+            post = functools.partial(self.inner.allreduce, tensors, *_given(opts))
+            return self._post("DDP bucket allreduce", post, tensors, completed_at_once=True)
+
+        def broadcast(self, tensors, opts=None):
+            post = functools.partial(self.inner.broadcast, tensors, *_given(opts))
+            return self._post("DDP broadcast", post, tensors, completed_at_once=False)
+
+        def allgather(self, outputs, inputs, opts=None):
+            post = functools.partial(self.inner.allgather, outputs, inputs, *_given(opts))
+            return self._post("DDP allgather", post, outputs, completed_at_once=False)
+
+    return NcclContractProcessGroup(group)
+
+
+def _given(opts) -> tuple:
+    """The options argument as the caller gave it: none, or the one."""
+    return () if opts is None else (opts,)
 
 
 def _install_contract(contract: str, group_timeout_s: float = 60.0) -> None:

@@ -208,8 +208,12 @@ def _ddp_worker(rank, N, steps):
     x = torch.randn(64, 16, generator=torch.Generator().manual_seed(100 + rank))
     y = x[:, :1].sin() + 0.1 * x[:, 1:2]
     runs = {}
+    # DDP's own all-reduce, the reference, on a gloo group: under NCCL's contract (emulated) the reducer would copy
+    # each bucket on the CPU before its transfer lands, where a GPU orders that copy after it (tests/distributed.py)
+    reference_group = dist.new_group(backend="gloo")
     for name in ("default", *HOOKS):
-        model = DDP(_tiny_model(), bucket_cap_mb=BUCKET_CAP_MB)
+        group = reference_group if name == "default" else None
+        model = DDP(_tiny_model(), bucket_cap_mb=BUCKET_CAP_MB, process_group=group)
         captured = None
         if name != "default":
             captured = _Captured(CerarHookState(**HOOKS[name], timeout=30))
