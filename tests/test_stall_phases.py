@@ -62,6 +62,9 @@ CASES = {
     "flat-optimizer": (2, FLAT, "optimizer", "train-loss all_reduce"),
     "flat-eval": (2, FLAT, "eval", "all_gather_object of the validation shares"),
     "flat-checkpoint": (2, FLAT, "checkpoint", "checkpoint all_gather_object"),
+    # the reference replica (rank N-1 = 1) stops before it broadcasts its parameters
+    "flat-drift": (2, [*FLAT, "trainer.drift_every=2"], "drift", "drift broadcast from rank 1"),
+    "flat-resync": (2, [*FLAT, "trainer.resync_every=2"], "resync", "resync broadcast from rank 1"),
     # rank 0 stops as it reaches the checkpoint barrier while rank 1 writes: the writer waits at most T, not the
     # write's timeout (checkpoint.write_timeout_s, 30 min), for a rank that should already be there
     "flat-checkpoint-barrier": (2, FLAT, "checkpoint barrier", "checkpoint barrier", 0),
@@ -86,7 +89,8 @@ def victim_of(case: str) -> int:
 
 def _stop_on_entering(phase: str) -> None:
     """SIGSTOP this process as it enters ``phase`` at step STALL_STEP or later: a phase of the step timer
-    (data, forward, backward, auto_c, auto, aggregate, optimizer), the evaluation, the checkpoint, or its barrier."""
+    (data, forward, backward, auto_c, auto, aggregate, optimizer), the evaluation, the checkpoint or its barrier,
+    the replicas' drift measurement or the resync."""
     import contextlib
 
     from train import distributed, loop
@@ -106,8 +110,14 @@ def _stop_on_entering(phase: str) -> None:
 
         loop.bounded = stopping_bounded
         return
-    if phase in ("eval", "checkpoint"):
-        name = "evaluate" if phase == "eval" else "save_checkpoint"
+    methods = {
+        "eval": "evaluate",
+        "checkpoint": "save_checkpoint",
+        "drift": "replica_drift",
+        "resync": "resync_from_exact_rank",
+    }
+    if phase in methods:
+        name = methods[phase]
         method = getattr(loop.Trainer, name)
 
         def stopping(self, *args, **kwargs):

@@ -293,6 +293,19 @@ FAULTS = [
         why="overlap: DDP's host-blocking bucket rebuild stays in step 2's forward, where a peer stalled in data holds it",
     ),
     Fault(
+        name="resync-unbounded",
+        file="train/loop.py",
+        original=(
+            "        bounded(\n"
+            '            f"resync broadcast from rank {self.reference_rank}",\n'
+            "            lambda: dist.broadcast(theta, src=self.reference_rank, async_op=True),\n"
+            "        )\n"
+        ),
+        replacement="        dist.broadcast(theta, src=self.reference_rank)\n",
+        tests=("tests/test_stall_phases.py",),
+        why="the resync's broadcast read outside the deadline: a stalled reference replica leaves it to the watchdog",
+    ),
+    Fault(
         name="ddp-buffers-broadcast-each-forward",
         file="train/run.py",
         original="        **no_forward_buffer_sync(),\n",
