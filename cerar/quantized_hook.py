@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from cerar.ddp import CerarHookState, transport_group
 from cerar.hierarchical.hook import HierarchicalHookState
-from cerar.hierarchical.layout import NodeLayout, new_tier_groups
 from cerar.hierarchical.quantized import hierarchical_quantized_all_reduce
 from cerar.int8_blocks import DEFAULT_BLOCK, check_block
 from cerar.protocol import AllReduceStats, _as_timedelta
@@ -57,18 +56,8 @@ class HierarchicalQuantizedHookState(HierarchicalHookState):
 
     def __post_init__(self):
         check_block(self.block, "HierarchicalQuantizedHookState")
-        if self.groups is not None:
-            self.layout = self.groups.layout
-        elif self.layout is None:
-            self.layout = NodeLayout.from_env()
-        if self.process_group is not None and dist.get_world_size(self.process_group) != self.layout.world_size:
-            raise ValueError(
-                f"HierarchicalQuantizedHookState: DDP's process group has {dist.get_world_size(self.process_group)} "
-                f"ranks but the layout ({self.layout}) spans {self.layout.world_size}"
-            )
-        _as_timedelta(self.timeout)
-        if self.groups is None and dist.is_initialized():
-            self.groups = new_tier_groups(self.layout, self.timeout)
+        self._take_layout()
+        self._make_groups()
 
     def _reduce(self, tensor: torch.Tensor):
         return hierarchical_quantized_all_reduce(

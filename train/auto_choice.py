@@ -223,7 +223,7 @@ class AutoChoice:
         self.choice = fastest_within(self.seconds, pool, allowed)
         timed: dict[str, float] = {}
         short = self.shortlist(pool, allowed) if time_calls is not None and reason != "still fits" else []
-        if self.trials > 0 and len(short) > 1:
+        if len(short) > 1:  # trials=0: the exact one alone
             times = time_calls(short)
             timed = {name: float(times[name]) for name in short}
             self.choice = min(short, key=lambda name: (timed[name], pool[name], name))

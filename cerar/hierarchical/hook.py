@@ -39,17 +39,25 @@ class HierarchicalHookState(CerarHookState):
 
     def __post_init__(self):
         self.transport_dtype = transport_name(self.transport_dtype)  # a ValueError naming the choices
+        self._take_layout()
+        if not self.exact_ring:
+            self.code_for(1)  # validate the arguments now, not inside backward
+        self._make_groups()
+
+    def _take_layout(self) -> None:
+        """The node layout: the given groups', else the given one, else the launcher's; it must span DDP's group."""
         if self.groups is not None:
             self.layout = self.groups.layout
         elif self.layout is None:
             self.layout = NodeLayout.from_env()
         if self.process_group is not None and dist.get_world_size(self.process_group) != self.layout.world_size:
             raise ValueError(
-                f"HierarchicalHookState: DDP's process group has {dist.get_world_size(self.process_group)} ranks "
+                f"{type(self).__name__}: DDP's process group has {dist.get_world_size(self.process_group)} ranks "
                 f"but the layout ({self.layout}) spans {self.layout.world_size}"
             )
-        if not self.exact_ring:
-            self.code_for(1)  # validate the arguments now, not inside backward
+
+    def _make_groups(self) -> None:
+        """The tier groups, made now (once the timeout is checked) unless given or no process group exists yet."""
         _as_timedelta(self.timeout)
         if self.groups is None and dist.is_initialized():
             self.groups = new_tier_groups(self.layout, self.timeout)
