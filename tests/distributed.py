@@ -47,8 +47,10 @@ either way; only the contract around it changes:
     every ``WATCHDOG_PERIOD_S`` every work of the process against its group's timeout, timed from the
     work's creation (``WorkNCCL::checkTimeout`` compares ``now - workStartTime_`` with the timeout);
     on expiry it records ``nccl-contract/watchdog/<rank>`` in the store (what it timed out on), fails
-    the group's works, waits for its debug dump (``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, torch's
-    default 15 s: ``HeartbeatMonitor``) and ends the process with SIGABRT (the rethrow on the
+    the group's works, signals its debug dump and sleeps four times the dump's wait before it aborts
+    (``Watchdog::runLoop``: ``broadcastDumpSignal()``, then ``sleep_for(heartbeatMonitor_->getDumpTimeout() *
+    4)``; ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, torch's default 15 s, so a minute) and ends the process
+    with SIGABRT (the rethrow on the
     watchdog's thread: ``std::terminate``), exit status -6 as ``multiprocessing`` reports it, 134 from
     a shell. ``group_timeout_s`` (and a ``new_group``'s ``timeout``) is that watchdog's timeout; gloo's
     own waits under the groups are given longer (``_transport_timeout_s``), so that, as on NCCL, a work
@@ -286,7 +288,7 @@ def _transport_timeout_s(group_timeout_s: float) -> float:
 
 def _watchdog() -> None:
     """torch's NCCL watchdog, emulated (module docstring): a work unfinished past its group's timeout, counted
-    from its creation, takes the process down with SIGABRT after the dump wait."""
+    from its creation, takes the process down with SIGABRT after four times the dump wait."""
     import resource
     import signal
 
@@ -308,7 +310,7 @@ def _watchdog() -> None:
                 shared_store().set(f"{WATCHDOG_KEY}{dist.get_rank()}", reason)
             print(f"[emulated NCCL watchdog] {reason}: dumping, then SIGABRT", file=sys.stderr, flush=True)
             _abort_group(name, "the watchdog's timeout")
-            time.sleep(int(os.environ.get(DUMP_WAIT_VARIABLE, DUMP_WAIT_DEFAULT_MS)) / 1e3)
+            time.sleep(4 * int(os.environ.get(DUMP_WAIT_VARIABLE, DUMP_WAIT_DEFAULT_MS)) / 1e3)  # getDumpTimeout() * 4
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
             os.kill(os.getpid(), signal.SIGABRT)
 

@@ -156,3 +156,49 @@ def test_a_hang_or_an_abort_stays_in_its_case_and_is_recorded(tmp_path):
     assert hung.status == "FAIL" and "deadline" in hung.reason and 1.0 <= hung.seconds < 20
     aborted = run_case(Case("test", "abort", "tests.test_gpu_check:aborts", needs=Needs()), tmp_path)
     assert aborted.status == "FAIL" and aborted.exit == -6 and aborted.reason == "exit status -6, expected 0"
+
+
+def writes_half_a_result(out):
+    Path(out).write_text('{"status": "PA')  # as a process killed while writing it leaves it
+    os._exit(0)
+
+
+def judge_raises(value, code, seconds, log, ended_at):  # noqa: ARG001
+    raise KeyError("raised_after_s")
+
+
+def test_an_unreadable_result_or_a_failing_judge_fails_its_case_and_the_run_goes_on(tmp_path):
+    """A result file cut short, or a judge that raises, is that case's FAIL with the reason, not the end of the
+    report."""
+    cut = run_case(Case("test", "cut", "tests.test_gpu_check:writes_half_a_result", needs=Needs()), tmp_path)
+    assert cut.status == "FAIL" and "could not be read" in cut.reason and "JSONDecodeError" in cut.reason
+    judged = run_case(
+        Case("test", "judge", "tests.test_gpu_check:aborts", needs=Needs(), judge="tests.test_gpu_check:judge_raises"),
+        tmp_path,
+    )
+    assert judged.status == "FAIL" and judged.reason.startswith("the judge raised KeyError")
+
+
+@pytest.mark.quick
+def test_the_self_loop_judges_fail_what_the_gpu_could_show_wrong():
+    """The NCCL self-loop's judges, which only a GPU feeds, tell the contract from its failures: a timed wait
+    that returned or raised early, a next batch that did not fail at once (a healthy group queues it behind the
+    held kernel, and its own timed wait blocks), a SIGABRT that torch's watchdog did not announce."""
+    from scripts.checks.gpu import selfloop
+
+    held = {"timeout_s": 1.0, "held_s": selfloop.HELD_S}
+    aborted = {**held, "raised": "DistBackendError: ...", "blocked_s": 1.1, "next_batch": "DistBackendError: aborted"}
+    assert selfloop.judge_wait_timeout({**aborted, "next_batch_s": 0.01}, 0, 30.0, "", 0.0)[0] == "PASS"
+    slow_abort = {**aborted, "blocked_s": selfloop.HELD_S + 0.5, "next_batch_s": 0.01}
+    verdict, reason = selfloop.judge_wait_timeout(slow_abort, -6, 90.0, "", 0.0)
+    assert verdict == "PASS" and "the abort waited for the 20 s kernel" in reason
+    healthy_group = {**aborted, "next_batch": "DistBackendError: Work timed out", "next_batch_s": 5.0}
+    assert selfloop.judge_wait_timeout(healthy_group, 0, 30.0, "", 0.0)[0] == "FAIL"
+    early = {**aborted, "blocked_s": 0.2, "next_batch_s": 0.01}
+    assert selfloop.judge_wait_timeout(early, 0, 9.0, "", 0.0)[0] == "FAIL"
+    returned = {**aborted, "raised": "returned", "next_batch_s": 0.01}
+    assert selfloop.judge_wait_timeout(returned, 0, 30.0, "", 0.0)[0] == "FAIL"
+    said = "[PG ID 0 PG GUID 0 Rank 0] Watchdog caught collective operation timeout: WorkNCCL(SeqNum=2, ...)"
+    assert selfloop.judge_watchdog(None, -6, 25.0, said, 0.0)[0] == "PASS"
+    assert selfloop.judge_watchdog(None, -6, 25.0, "terminate called without an active exception", 0.0)[0] == "FAIL"
+    assert selfloop.judge_watchdog(None, 0, 70.0, said, 0.0)[0] == "FAIL"

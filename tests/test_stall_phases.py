@@ -1,7 +1,7 @@
 """A peer stalled in any phase of a training step, under NCCL's contract with torch's watchdog emulated
 (tests/distributed.py, ``contract="nccl"``): every survivor exits with status 3 and one line naming the
 collective, the phase and the peer, within the trainer's deadline plus SLACK_S, and before the emulated
-watchdog fires (which would end it with SIGABRT, exit status -6, at the group's timeout after its dump wait).
+watchdog fires (which would end it with SIGABRT, exit status -6, at the group's timeout plus 4 x its dump wait).
 
 The stalled rank stops itself (SIGSTOP) as it enters the phase at step STALL_STEP; the groups' own timeout is
 the trainer's NCCL one (`train.distributed.watchdog_timeout_s`). Without the trainer's bounded waits (the
@@ -188,7 +188,7 @@ def stalls(tmp_path_factory, cache_dir):
     times of the stall and of the survivors' exits, the watchdog's records and the survivors' lines."""
     tmp = tmp_path_factory.mktemp("stalls")
     mp = pytest.MonkeyPatch()
-    mp.setenv(DUMP_WAIT_VARIABLE, "1000")  # the emulated watchdog's dump wait: short, so a failing run ends soon
+    mp.setenv(DUMP_WAIT_VARIABLE, "500")  # the emulated watchdog's dump wait (x 4): short, so a failing run ends soon
     mp.setenv("OMP_NUM_THREADS", "1")
     try:
         with ThreadPoolExecutor(max_workers=3) as pool:

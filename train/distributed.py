@@ -10,8 +10,9 @@ bound the trainer has before torch's: a collective's ``wait()`` (``WorkNCCL::wai
 only orders the current stream after the NCCL stream, so without the poll the host would block later,
 in a ``.item()`` or ``torch.cuda.synchronize`` that nothing bounds, until torch's watchdog
 (``ProcessGroupNCCL::Watchdog`` -> ``watchdogHandler`` -> ``WorkNCCL::checkTimeout``, timed from the
-work's creation) fires at the group's timeout, waits for its debug dump
-(``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``) and rethrows on its own thread: ``std::terminate``, SIGABRT,
+work's creation) fires at the group's timeout, signals its debug dump and sleeps 4 x
+``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (``Watchdog::runLoop``; a minute at the 15 s default), then aborts and
+rethrows on its own thread: ``std::terminate``, SIGABRT,
 exit status 134, no message of ours. NCCL groups are therefore created with the watchdog's timeout at
 ``WATCHDOG_FACTOR`` x T (`watchdog_timeout_s`): our deadline, T after the post, comes first by T at least.
 The watchdog stays the backstop, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` on (set to 1, tear down,

@@ -144,12 +144,17 @@ def run_case(case: Case, workdir: Path) -> Result:
         process.join(10)
     code = process.exitcode
     text = log.read_text(errors="replace") if log.exists() else ""
-    value = json.loads(out.read_text()) if out.exists() else None
+    value, unreadable = _read_value(out)
     result = Result(case, FAIL, exit=code, seconds=seconds, value=value, log=text[-4000:])
     if killed:
         result.reason = f"still running at its deadline ({case.deadline_s:g} s): killed"
+    elif unreadable:
+        result.reason = f"its result could not be read ({unreadable}); exit status {code}"
     elif case.judge is not None:
-        result.status, result.reason = _resolve(case.judge)(value, code, seconds, text, ended_at)
+        try:
+            result.status, result.reason = _resolve(case.judge)(value, code, seconds, text, ended_at)
+        except Exception as error:  # a judge's fault is this case's FAIL, not the end of the report
+            result.reason = f"the judge raised {type(error).__name__}: {error}"
     elif code != case.expect_exit:
         result.reason = f"exit status {code}, expected {case.expect_exit}"
     elif value is None:
@@ -157,6 +162,17 @@ def run_case(case: Case, workdir: Path) -> Result:
     else:
         result.status, result.reason = value.get("status", FAIL), value.get("reason", "")
     return result
+
+
+def _read_value(out: Path) -> tuple[dict | None, str]:
+    """The case's JSON value (None when it wrote none) and, when the file cannot be parsed (a process killed
+    while writing it), why."""
+    if not out.exists():
+        return None, ""
+    try:
+        return json.loads(out.read_text()), ""
+    except ValueError as error:
+        return None, f"{type(error).__name__}: {error}"
 
 
 def not_run(case: Case, reason: str) -> Result:

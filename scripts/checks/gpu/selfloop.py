@@ -15,7 +15,9 @@ Read against torch's ProcessGroupNCCL.cpp (``WorkNCCL::wait``, ``WorkNCCL::synch
   values arrive once the kernel is done (the send reads what the stream wrote before it);
 - wait(timeout): blocks the host, polling ``isCompleted()`` until ``checkTimeout`` (the work's age
   past the timeout), then ``abort()`` (the communicator) and ``handleException(TearDown)``, which
-  rethrows on the calling thread: the call raises after about the timeout and the group is aborted;
+  rethrows on the calling thread: the call raises no sooner than the timeout (later if the abort waits
+  for the kernel the work is held behind: a ``torch.cuda._sleep`` kernel cannot be aborted, an NCCL
+  kernel can; the report says which) and the group is aborted: the next batch fails at once;
 - rounds: CERAR's rounds over N logical workers (worker i's message is a self-send into worker
   i+1's receive buffer), through the protocol's own ``_Ring``, ``_Rounds`` and ``CodedRingRank``
   under the stream-ordered contract, held to the spec's protocol in float64
@@ -29,12 +31,13 @@ Read against torch's ProcessGroupNCCL.cpp (``WorkNCCL::wait``, ``WorkNCCL::synch
   then the trainer's exit path ``train.distributed.exit_after_collective_failure``: exit status 3,
   one line; the abort's duration recorded;
 - watchdog: the same round with no deadline of ours: torch's watchdog finds the work past the
-  group's timeout, aborts and tears the process down from its own thread (SIGABRT, 134 in a
-  shell) after waiting ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` for its debug dump.
+  group's timeout, signals its debug dump, sleeps 4 x ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``
+  (``Watchdog::runLoop``: ``sleep_for(heartbeatMonitor_->getDumpTimeout() * 4)``), aborts and tears the
+  process down from its own thread (SIGABRT, 134 in a shell).
 
 What one GPU cannot prove: anything between two GPUs (a peer that dies, NVLink or network
 transfers, two ranks' deadlines racing). Expected time on one H200: about 2.5 minutes (six
-processes of about 10 s start-up each; the watchdog case about 35 s)."""
+processes of about 10 s start-up each; the watchdog case about 20 s)."""
 
 from __future__ import annotations
 
@@ -55,20 +58,22 @@ NEEDS = Needs(cuda=True, ranks=1)
 TIMEOUT_S = 3.0  # the deadline of the deadline case
 SLACK_S = 3.0  # beyond a timeout: the poll's pause, the post and building the message
 GROUP_TIMEOUT_S = 5.0  # the watchdog case's group timeout
-DUMP_WAIT_MS = 10_000  # TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC in the watchdog case (trunk's default: 15 s)
+DUMP_WAIT_MS = 1_000  # TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC in the watchdog case (trunk's default: 15 s), slept 4 x
 SLEEP_S = 2.0  # the kernel the work queues behind
+HELD_S = 10 * SLEEP_S  # wait(timeout)'s: far past its timeout, so a wait that only returns when the work is done shows
+WATCHDOG_WORDS = ("Watchdog caught collective operation timeout", "failure detected by watchdog")
 FOREVER_S = 60.0  # a kernel that outlives every deadline here (and the watchdog's timeout and dump wait)
 PROVES = {
     "one work": "a batch of a self-send and a self-receive on NCCL is one work, and moves the values",
     "wait returns": "Work.wait() without a timeout returns on the host while the work waits behind a long kernel, "
     "and orders the stream (the values arrive after it)",
-    "wait(timeout) aborts": "Work.wait(timeout) blocks the host until the timeout, raises, and leaves the "
-    "group aborted",
+    "wait(timeout) aborts": "Work.wait(timeout) blocks the host at least until the timeout, raises, and leaves "
+    "the group aborted (the next batch fails at once)",
     "rounds": "CERAR's rounds over N logical workers on the self-loop through _Ring/_Rounds/CodedRingRank, held to "
     "the spec's protocol within the rounding bound; the host's polls and lead on the stream as the contract says",
     "deadline": "a round that never completes ends the process through the trainer's exit path: exit 3, one line",
-    "watchdog": "left alone, the same round ends in torch's watchdog: SIGABRT after the group timeout and the "
-    "dump wait",
+    "watchdog": "left alone, the same round ends in torch's watchdog: SIGABRT after the group timeout and 4 x "
+    "the dump wait",
 }
 
 
@@ -97,7 +102,7 @@ def cases(ctx: Context) -> list[Case]:  # noqa: ARG001
             "watchdog",
             "selfloop:watchdog",
             {},
-            GROUP_TIMEOUT_S + DUMP_WAIT_MS / 1000 + 90,
+            GROUP_TIMEOUT_S + 4 * DUMP_WAIT_MS / 1000 + 90,
             NEEDS,
             expect_exit=None,
             judge="selfloop:judge_watchdog",
@@ -197,10 +202,10 @@ def wait_timeout(out: str) -> dict:
     y = torch.zeros_like(x)
     self_batch(x, y)[0].wait()
     torch.cuda.synchronize()
-    sleep(10 * SLEEP_S, rate)
+    sleep(HELD_S, rate)
     works = self_batch(x, y)
     timeout = 1.0
-    seen = {"timeout_s": timeout}
+    seen = {"timeout_s": timeout, "held_s": HELD_S}
     start = time.monotonic()
     try:
         works[0].wait(timedelta(seconds=timeout))
@@ -221,25 +226,38 @@ def wait_timeout(out: str) -> dict:
 
 
 def judge_wait_timeout(value, code, seconds, log, ended_at) -> tuple[str, str]:  # noqa: ARG001
-    """PASS: the timed wait raised after the timeout (within ``SLACK_S``), the next batch failed, and
-    the process ended cleanly or by torch's watchdog (SIGABRT) after the abort."""
+    """PASS: the timed wait raised no sooner than its timeout, and no later than the held kernel's end (the
+    abort may wait for a kernel it cannot stop; said in the reason), the next batch failed at once (an aborted
+    communicator refuses work; a healthy one would have queued it behind the kernel, and a timed wait on it would
+    have blocked its timeout), and the process ended cleanly or by torch's watchdog (SIGABRT) after the abort."""
     value = value or {}
     raised, blocked, following = value.get("raised"), value.get("blocked_s"), value.get("next_batch")
+    timeout, held, next_s = value.get("timeout_s", 0.0), value.get("held_s", 0.0), value.get("next_batch_s")
     ok = (
         raised not in (None, "returned")
         and blocked is not None
-        and value["timeout_s"] * 0.9 <= blocked <= value["timeout_s"] + SLACK_S
+        and timeout * 0.9 <= blocked <= held + SLACK_S
         and following not in (None, "returned")
+        and next_s is not None
+        and next_s < 1.0
         and code in (0, -6)
     )
-    blocked_text = "never returned" if blocked is None else f"{blocked:.2f} s"
+    if blocked is None:
+        blocked_text = "never returned"
+    elif blocked <= timeout + SLACK_S:
+        blocked_text = f"{blocked:.2f} s (raised at the timeout)"
+    else:
+        blocked_text = f"{blocked:.2f} s (the abort waited for the {held:g} s kernel the work was held behind)"
+    next_text = "never" if next_s is None else f"after {next_s:.2f} s"
     return (PASS if ok else FAIL), (
-        f"wait(timeout={value.get('timeout_s')} s) blocked {blocked_text}: {raised}; next batch: {following}; "
+        f"wait(timeout={timeout} s) blocked {blocked_text}: {raised}; next batch ({next_text}): {following}; "
         f"exit status {code}"
     )
 
 
-def selfloop_all_reduce(flats: list[torch.Tensor], code, timeout: float = 60.0, measure: dict | None = None) -> None:
+def selfloop_all_reduce(
+    flats: list[torch.Tensor], code, timeout: float = 60.0, measure: dict | None = None, before_posts=None
+) -> None:
     """CERAR's protocol in place on ``flats`` (N tensors on one GPU, one per logical worker), over
     the one-rank group's self-loop. Round t: worker i's message x_i(t) goes to worker i+1 as a
     self-send into its receive buffer, one ``_Ring.post`` (one batch, one work) per worker and
@@ -248,7 +266,8 @@ def selfloop_all_reduce(flats: list[torch.Tensor], code, timeout: float = 60.0, 
     are issued, ordered and polled by ``cerar.protocol._Rounds`` under the stream-ordered contract,
     as ``all_reduce`` does; worker i plays ``device_matrices(code, i)``. ``measure``: filled with
     the posts, the protocol's polls (``_Rounds._await`` calls) and the host's lead before each post
-    (posted works not yet complete, the new one included)."""
+    (posted works not yet complete, the new one included). ``before_posts``: called once the workers are built
+    (their matrices' copies to the device synchronise the stream), just before the first post."""
     import cerar
     from cerar.matrices import device_matrices
     from cerar.protocol import STREAM_ORDERED, _Ring, _Rounds
@@ -283,6 +302,8 @@ def selfloop_all_reduce(flats: list[torch.Tensor], code, timeout: float = 60.0, 
 
         chunks = len(ranks[0].workers)
         measure["chunks"] = chunks
+        if before_posts is not None:
+            before_posts()
         handles = [post(i, p, 1) for i in range(N) for p in range(chunks)]
         for rank in ranks:
             for worker in rank.workers:
@@ -328,9 +349,8 @@ def rounds(N: int, c: int, d: int, out: str) -> dict:  # noqa: ARG001
     code = cerar.make_code(N, c, "perturbation", eps=0.05)
     G = torch.randn(N, d, generator=torch.Generator().manual_seed(26))
     flats = [G[i].clone().to(device) for i in range(N)]
-    measure: dict = {}
-    sleep(1.0, rate)
-    selfloop_all_reduce(flats, code, measure=measure)
+    measure: dict = {}  # the hold after the workers' matrices reach the device: those copies wait for the stream
+    selfloop_all_reduce(flats, code, measure=measure, before_posts=lambda: sleep(1.0, rate))
     judged = spec_judged(torch.stack([f.cpu() for f in flats]), G, code)
     posts, lead = measure["posts"], max(measure["leads"])
     expected_polls = max(posts // LOOK_BEHIND_POSTS - 1, 0) + 1  # one per window after the first, one at the end
@@ -404,20 +424,23 @@ def judge_deadline(value, code, seconds, log, ended_at) -> tuple[str, str]:  # n
 def watchdog(out: str) -> dict:  # noqa: ARG001
     """The round with no deadline of ours: the host waits (as a host blocked in a device
     synchronize or a ``.item()`` would), torch's watchdog must end the process."""
-    works = _never_completing_round(GROUP_TIMEOUT_S)
+    works = _never_completing_round(GROUP_TIMEOUT_S)  # noqa: F841 (kept alive while the watchdog times it)
     start = time.monotonic()
-    while time.monotonic() - start < FOREVER_S and not works[0].is_completed():
-        time.sleep(0.1)
+    time.sleep(FOREVER_S)  # the host blocked; only the watchdog's SIGABRT ends this sooner
     return {"status": FAIL, "reason": f"still alive after {time.monotonic() - start:.0f} s"}
 
 
 def judge_watchdog(value, code, seconds, log, ended_at) -> tuple[str, str]:  # noqa: ARG001
     """PASS: the process ended by SIGABRT (multiprocessing's -6; 134 in a shell), no sooner than the
-    group's timeout; the seconds are the whole process (start-up, about 10 s, included)."""
-    ok = code == -6 and seconds >= GROUP_TIMEOUT_S
+    group's timeout, and torch's watchdog said why (``WorkNCCL::checkTimeout``'s "Watchdog caught collective
+    operation timeout", or ``Watchdog::runLoop``'s "failure detected by watchdog"), so that another abort does
+    not pass; the seconds are the whole process (start-up, about 10 s, included)."""
+    said = any(words in log for words in WATCHDOG_WORDS)
+    ok = code == -6 and seconds >= GROUP_TIMEOUT_S and said
     return (PASS if ok else FAIL), (
-        f"exit status {code} after {seconds:.1f} s (group timeout {GROUP_TIMEOUT_S:g} s, dump wait "
-        f"{DUMP_WAIT_MS / 1000:g} s, process start-up included)"
+        f"exit status {code} after {seconds:.1f} s (group timeout {GROUP_TIMEOUT_S:g} s, 4 x the dump wait "
+        f"{DUMP_WAIT_MS / 1000:g} s, process start-up included); the watchdog's words "
+        + ("in the log" if said else "NOT in the log")
     )
 
 

@@ -54,10 +54,19 @@ rounding differences grow to about 1e-4 over 200 steps of the tiny model (100 he
 optimizer state, the data position or the RNG moves the loss by more."""
 
 
+LAUNCH_TIMEOUT_S = 150.0  # one training launch's limit (killed with its process group past it)
+
+
 def cases(ctx: Context) -> list[Case]:
     precisions = ("bf16", "fp16") if ctx.device == "cuda" else ("fp32",)
     out = [
-        Case(SECTION, f"resume {p}", "training:resume", {"device": ctx.device, "precision": p, "small": ctx.small}, 500)
+        Case(
+            SECTION,
+            f"resume {p}",
+            "training:resume",
+            {"device": ctx.device, "precision": p, "small": ctx.small},
+            3 * LAUNCH_TIMEOUT_S + 50,  # past its three launches' own limits: none is left running when it ends
+        )
         for p in precisions
     ]
     return out
@@ -107,7 +116,7 @@ def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
     return process.returncode, output
 
 
-def resume(device: str, precision: str, small: bool, out: str, timeout_s: float = 220) -> dict:  # noqa: ARG001
+def resume(device: str, precision: str, small: bool, out: str, timeout_s: float = LAUNCH_TIMEOUT_S) -> dict:  # noqa: ARG001
     steps, every = (24, 4) if small else (100, 20)  # small: enough steps after the first checkpoint to kill mid-run
     overrides = [*_overrides(device, precision, steps), f"checkpoint.every={every}"]
     env = _env()
