@@ -58,6 +58,8 @@ CASES = {
     "flat-backward": (2, FLAT, "backward", "non-finite flag all_reduce"),
     "flat-auto_c": (3, FLAT, "auto_c", "exact all_reduce (g_bar)"),  # N = 2 has no inexact code to measure
     "flat-aggregate": (2, FLAT, "aggregate", "aggregate (cerar"),
+    "nccl-aggregate": (2, ["aggregator=nccl"], "aggregate", "aggregate (nccl)"),  # torch's all-reduce, polled
+    "int8-aggregate": (2, ["aggregator=int8"], "aggregate", "aggregate (int8)"),  # the 8-bit all-reduce's rounds
     "flat-auto": (2, AUTO, "auto", "exact all_reduce (g_bar)"),  # aggregator=auto's check
     "flat-optimizer": (2, FLAT, "optimizer", "train-loss all_reduce"),
     "flat-eval": (2, FLAT, "eval", "all_gather_object of the validation shares"),

@@ -56,8 +56,10 @@ FLAT_SETTINGS += [
 # issue 25: 16-bit messages with float32 arithmetic (cerar.wire): the exact ring, CERAR at c = N+1, N+2, 2N and 4N on
 # N=4 (codes the 16-bit rule refuses are skipped and named), and the 16-bit exact hierarchy on nodes of 2 ranks
 FLAT_SETTINGS += [
-    *[(f"ring_{t}", ["aggregator=ring", f"aggregator.transport={dtype}"]) for t, dtype in (("fp16", "float16"),
-                                                                                         ("bf16", "bfloat16"))],
+    *[
+        (f"ring_{t}", ["aggregator=ring", f"aggregator.transport={dtype}"])
+        for t, dtype in (("fp16", "float16"), ("bf16", "bfloat16"))
+    ],
     *[
         (f"cerar_{t}_c{c}", ["aggregator=cerar", f"aggregator.transport={dtype}", f"c={c}"])
         for t, dtype in (("fp16", "float16"), ("bf16", "bfloat16"))

@@ -30,7 +30,7 @@ FAULTS = [
         name="rail-float16",
         file="cerar/hierarchical/collective.py",
         original="        stats.inter_node = on_rail(mine)\n        rounds = _Rounds(ring, timer, wire)",
-        replacement='        mine.copy_(mine.to(torch.float16))\n        stats.inter_node = on_rail(mine)\n        rounds = _Rounds(ring, timer, wire)',
+        replacement="        mine.copy_(mine.to(torch.float16))\n        stats.inter_node = on_rail(mine)\n        rounds = _Rounds(ring, timer, wire)",
         tests=("tests/test_hierarchical.py::test_two_nodes_of_two_ranks_hold_to_the_spec_on_the_node_sums[gloo]",),
         why="the rail silently rounds the node sums to float16 (2^-11) before its call (the coded rail, and every other)",
     ),
@@ -249,7 +249,7 @@ FAULTS = [
     Fault(
         name="blocking-wait-let-through",
         file="train/distributed.py",
-        original="        if value and value.lower() not in (\"0\", \"false\", \"n\", \"no\"):",
+        original='        if value and value.lower() not in ("0", "false", "n", "no"):',
         replacement="        if False:",
         tests=("tests/test_nccl_contract.py -k blocking_wait",),
         why="TORCH_NCCL_BLOCKING_WAIT=1 (every wait a host round trip, works off the watchdog) is no longer refused",
@@ -261,7 +261,9 @@ FAULTS = [
         file="train/auto_c.py",
         original="    M = -(-P // pieces)  # a piece: a CERAR component, an int8 shard",
         replacement="    M = P // pieces  # a piece: a CERAR component, an int8 shard",
-        tests=("tests/test_auto_aggregator.py::test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient",),
+        tests=(
+            "tests/test_auto_aggregator.py::test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient",
+        ),
         why="the sample cuts pieces at floor(P / pieces): its columns and blocks are not the call's, so its error is another",
     ),
     Fault(
@@ -269,7 +271,9 @@ FAULTS = [
         file="train/auto_c.py",
         original="    P = -(-d // parts)  # a part: a node's shard (as_equal_shards)",
         replacement="    P, parts = d, 1  # a part: a node's shard (as_equal_shards)",
-        tests=("tests/test_auto_aggregator.py::test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient",),
+        tests=(
+            "tests/test_auto_aggregator.py::test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient",
+        ),
         why="the two-tier candidates are sampled as if flat: hier_int8's blocks straddle the node shards",
     ),
     Fault(
@@ -291,6 +295,14 @@ FAULTS = [
         replacement="            finite = self._grads_finite_everywhere(None)\n",
         tests=("tests/test_stall_phases.py",),
         why="overlap: DDP's host-blocking bucket rebuild stays in step 2's forward, where a peer stalled in data holds it",
+    ),
+    Fault(
+        name="nccl-aggregate-unbounded",
+        file="train/aggregation.py",
+        original="            await_work(dist.all_reduce(flat, async_op=True), self.timeout_s)  # the trainer's deadline, on NCCL too\n",
+        replacement="            dist.all_reduce(flat)\n",
+        tests=("tests/test_stall_phases.py",),
+        why="aggregator=nccl's all-reduce waited on outside the deadline: on NCCL a stalled peer leaves it to the watchdog",
     ),
     Fault(
         name="resync-unbounded",
@@ -328,8 +340,8 @@ FAULTS = [
     Fault(
         name="auto-trial-own-clock",
         file="train/auto_aggregator.py",
-        original="        bounded(\"aggregator=auto: trial timings all_reduce\",",
-        replacement="        if False: bounded(\"aggregator=auto: trial timings all_reduce\",",
+        original='        bounded("aggregator=auto: trial timings all_reduce",',
+        replacement='        if False: bounded("aggregator=auto: trial timings all_reduce",',
         tests=("tests/test_auto_aggregator.py::test_every_rank_measures_and_decides_from_the_same_numbers",),
         why="each rank ranks its own clock's timings: ranks may choose different aggregators",
     ),
@@ -338,7 +350,9 @@ FAULTS = [
         file="train/auto_choice.py",
         original="            self.excluded.append(before)\n",
         replacement="",
-        tests=("tests/test_auto_aggregator.py::test_the_fastest_that_fits_is_taken_and_only_more_accurate_ones_replace_it",),
+        tests=(
+            "tests/test_auto_aggregator.py::test_the_fastest_that_fits_is_taken_and_only_more_accurate_ones_replace_it",
+        ),
         why="a choice that exceeded the budget is not excluded: later checks measure it again and may return to it",
         quick=True,
     ),

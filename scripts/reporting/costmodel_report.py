@@ -660,8 +660,11 @@ def cerar16_two_tier_section() -> list[str]:
                 pays += cell["cerar16_ratio_to_half"] < 1
                 L.append(f"| {gbit} GbE | {cell['nodes']} | {cell['cerar16_ratio_to_half']:.2f} |")
         L.append("")
-    L += [f"Over 16-bit messages the code pays in {pays} of these {cells} cells; where 8-bit messages are "
-          "acceptable the 8-bit hierarchy sends half its bytes or less for less error (docs/choosing.md).", ""]
+    L += [
+        f"Over 16-bit messages the code pays in {pays} of these {cells} cells; where 8-bit messages are "
+        "acceptable the 8-bit hierarchy sends half its bytes or less for less error (docs/choosing.md).",
+        "",
+    ]
     return L
 
 

@@ -142,8 +142,12 @@ def cerar16_targets_section(by_run: dict) -> list[str]:
                     and hosts and _f(r.get("c")) == 2 * hosts):  # fmt: skip
                 found.append((where, rate, run_id, r, _ratio(r, hier16)))
     if not found:
-        return [*L, "Not measured yet: `bench_allreduce.py --lab ... --aggregators hier_ring16,hier_cerar "
-                "--cerar-transport float16 --hier-c 8` measures it.", ""]
+        return [
+            *L,
+            "Not measured yet: `bench_allreduce.py --lab ... --aggregators hier_ring16,hier_cerar "
+            "--cerar-transport float16 --hier-c 8` measures it.",
+            "",
+        ]
     L += ["| lab | rate (Mbit/s) | run | construction | / fp16 exact hierarchy | target | error | load before -> after "
           "|",
           "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
