@@ -148,7 +148,7 @@ class ImmediateDeviceQueue:
     """Where a call's device work is issued: at once, by the calling thread. On CUDA the kernels
     go on the current stream, which orders them (the host does not wait for them); on the CPU they
     run there and then. A CPU emulation of a stream substitutes a queue whose ``submit`` runs the
-    work later, in order, on a thread of its own (``tests/distributed.py``)."""
+    work later, in order, on a thread of its own (``tests/nccl_emulation.py``)."""
 
     def submit(self, fn, *args):
         return _Ran(fn(*args))

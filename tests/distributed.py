@@ -15,87 +15,33 @@ tests can race for a port) and keeps until they have ended; ``shared_store()`` i
 worker (for the test's own synchronisation), and a test may pass its own (``store=``) to read what
 the workers wrote after they ended.
 
-``contract`` chooses what the transport promises the code under test. The transport is gloo's
-either way; only the contract around it changes:
-
-- ``"gloo"``: gloo's own: one work per op, and ``Work.wait(timeout)`` blocks the host up to the timeout;
-- ``"nccl"``: NCCL's, as torch implements it (``torch/distributed/distributed_c10d.py``,
-  ``torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp``):
-
-  - ``batch_isend_irecv`` runs the batch in a coalescing manager and returns ONE work for the whole
-    batch (``NcclContractWork``), whose transfers run off the calling thread (NCCL's stream), bounded
-    only by the group's timeout (NCCL's watchdog);
-  - ``wait()`` without a timeout (``WorkNCCL::wait`` -> ``synchronize()``) orders what follows after
-    the transfer and bounds nothing: on the CPU, where there is no stream, ordering means blocking
-    the calling thread until the data is there; a batch that failed raises;
-  - ``wait(timeout)`` ("in case of blockingWait or a timeout value is specified by the user, we
-    block the CPU thread until the work is completed or timed out") blocks up to the timeout; on
-    expiry, or on a failed batch, it leaves the group aborted, as ``WorkNCCL::wait`` aborts the
-    communicators before it throws: later batches on the group fail;
-  - ``is_completed()`` tells whether the batch is done (or failed);
-  - the first batch on each group must involve every rank of the group (NCCL's first-call rule,
-    held here to every group's first batch whatever came before): a rank whose peers do not all
-    join within ``FIRST_BATCH_TIMEOUT_S`` raises;
-  - ``_abort_process_group`` leaves the groups it aborts aborted, and records their names in the
-    store under ``nccl-contract/aborted/<rank>``, which outlives the process;
-  - collectives (``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``) on any group not created
-    with ``backend="gloo"`` are NCCL's too: with ``async_op=True`` they return an ``NcclContractWork``
-    at once; without, they return once the result is there, unbounded, as the host read that follows
-    them on a GPU (``.item()``, ``.tolist()``, ``torch.cuda.synchronize``) blocks until the NCCL
-    kernel has run, whatever the time;
-  - torch's watchdog (``ProcessGroupNCCL::Watchdog::run`` -> ``watchdogHandler``): a thread checks
-    every ``WATCHDOG_PERIOD_S`` every work of the process against its group's timeout, timed from the
-    work's creation (``WorkNCCL::checkTimeout`` compares ``now - workStartTime_`` with the timeout);
-    on expiry it records ``nccl-contract/watchdog/<rank>`` in the store (what it timed out on), fails
-    the group's works, signals its debug dump and sleeps four times the dump's wait before it aborts
-    (``Watchdog::runLoop``: ``broadcastDumpSignal()``, then ``sleep_for(heartbeatMonitor_->getDumpTimeout() *
-    4)``; ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, torch's default 15 s, so a minute) and ends the process
-    with SIGABRT (the rethrow on the
-    watchdog's thread: ``std::terminate``), exit status -6 as ``multiprocessing`` reports it, 134 from
-    a shell. ``group_timeout_s`` (and a ``new_group``'s ``timeout``) is that watchdog's timeout; gloo's
-    own waits under the groups are given longer (``_transport_timeout_s``), so that, as on NCCL, a work
-    a stalled peer holds up is ended by the watchdog or by the code's own deadline, never by gloo;
-  - a ``DistributedDataParallel`` built on such a group reaches it through ``NcclContractProcessGroup`` (its
-    C++ reducer calls the group directly, past the functions above): a bucket's all-reduce returns a work whose
-    future is complete at once, as ``ProcessGroupNCCL::collective`` marks it (so ``finalize_backward`` does not
-    wait on the host), while DDP's broadcasts and gathers hold the host until their data is there, as the host
-    reads that follow them in DDP do; on the CPU the reducer copies a bucket before its transfer lands, so such
-    runs show who ends a stall, not the numbers;
-  - cerar's calls follow their stream-ordered contract (``cerar.protocol.set_transport_contract``)
-    with an ``EmulatedStream`` as the device queue: their device work runs in order on a thread of
-    its own, as a CUDA stream runs kernels, so the host only enqueues and is held up only where the
-    code polls a work's completion, as on a GPU.
-
-In both contracts ``transport_log()`` records, per process, what was handed to ``batch_isend_irecv``
-(bytes of the tensors given to isend and to irecv, batches, the groups used) and, under ``"nccl"``,
-how the code waited: ``wait()`` and ``wait(timeout)`` calls, ``is_completed()`` calls and the distinct
-batches they were made on, for tests that compare a count with a measurement.
+``contract`` chooses what the transport promises the code under test, ``"gloo"`` (gloo's own) or ``"nccl"``
+(NCCL's, as torch implements it, emulated on gloo with its watchdog): ``tests/nccl_emulation.py``, which also
+keeps ``transport_log()``, what each process handed to the transport and how it waited.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import functools
 import io
-import itertools
 import multiprocessing as mp
 import os
 import queue
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
+from tests.nccl_emulation import CONTRACTS, install, transport_timeout_s
+
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(  # torch._dynamo: what building a DistributedDataParallel imports (seconds)
-    ["torch", "torch.distributed", "torch._dynamo", "cerar", "tests.distributed", "transformers"]
+    ["torch", "torch.distributed", "torch._dynamo", "cerar", "tests.distributed", "tests.nccl_emulation"]
+    + ["transformers"]
     + ["train.main", "train.run"]
 )
 
@@ -111,427 +57,12 @@ class ProcessExit:
     code: int | None
 
 
-CONTRACTS = ("gloo", "nccl")
-FIRST_BATCH_TIMEOUT_S = 30.0
-ABORTED_KEY = "nccl-contract/aborted/"
-WATCHDOG_KEY = "nccl-contract/watchdog/"
-WATCHDOG_PERIOD_S = 0.1  # torch's watchdog sleeps kWatchdogThreadSleepMillis (100 ms) between checks
-DUMP_WAIT_VARIABLE = "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC"
-DUMP_WAIT_DEFAULT_MS = 15_000
-
-_log = {
-    "bytes_isend": 0,
-    "bytes_irecv": 0,
-    "batches": 0,
-    "groups": set(),
-    "waits": 0,
-    "waits_with_timeout": 0,
-    "polls": 0,
-    "polled_batches": set(),
-    "aborted": [],
-}
 _store = {"store": None}
-_aborted_groups: set[str] = set()
-_live_works: dict[str, weakref.WeakSet] = {}
-_group_timeouts: dict[str, float] = {}  # the emulated NCCL groups' own timeouts (the watchdog's), seconds
-_gloo_groups: set[str] = set()  # groups created with backend="gloo": gloo's contract, not NCCL's
-_serial = itertools.count()
-
-
-def transport_log() -> dict:
-    """What this process handed to ``batch_isend_irecv`` so far, and how it waited (module docstring)."""
-    return {
-        **_log,
-        "groups": set(_log["groups"]),
-        "polled_batches": set(_log["polled_batches"]),
-        "aborted": list(_log["aborted"]),
-    }
 
 
 def shared_store():
     """The TCPStore every worker of this ``run_workers`` call joined (the parent holds it)."""
     return _store["store"]
-
-
-def _abort_group(name: str, reason: str) -> None:
-    """NCCL's abort as its works see it: every batch still in flight on the group fails, later ones refuse."""
-    _aborted_groups.add(name)
-    for work in list(_live_works.get(name, ())):
-        work.fail(RuntimeError(f"NCCL contract: the communicator of group {name!r} was aborted ({reason})"))
-
-
-class NcclContractWork:
-    """One work for a whole batch, kept as ``WorkNCCL`` keeps it (module docstring). The batch's
-    gloo works are driven to completion off the calling thread, up to the group's timeout."""
-
-    def __init__(self, works, group_name: str, what: str = "batch_isend_irecv", result=None):
-        self.created = time.monotonic()  # the watchdog's clock starts here, as WorkNCCL's workStartTime_
-        self.works = list(works)
-        self.result = result  # the tensors the collective writes: its future's value
-        self.group_name = group_name
-        self.what = what
-        self.serial = next(_serial)
-        self.error: BaseException | None = None
-        self.done = threading.Event()  # completed, failed, or failed by an abort
-        self.transferred = threading.Event()  # the transfer itself ended (what a host read of the result waits for)
-        _live_works.setdefault(group_name, weakref.WeakSet()).add(self)
-        threading.Thread(target=self._run, name="nccl-contract-transfer", daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            for work in self.works:
-                work.wait()
-        except BaseException as error:  # reported by wait(), as NCCL reports a failed work
-            self.fail(error)
-        finally:
-            self.done.set()
-            self.transferred.set()
-
-    def fail(self, error: BaseException) -> None:
-        if not self.done.is_set():
-            self.error = error
-            self.done.set()
-
-    def is_completed(self) -> bool:
-        if self.what == "batch_isend_irecv":  # the log counts point-to-point batches only
-            _log["polls"] += 1
-            _log["polled_batches"].add(self.serial)
-        return self.done.is_set()
-
-    def get_future(self):
-        """``WorkNCCL::getFuture``: ``ProcessGroupNCCL::collective`` marks the work's future completed right
-        after it enqueues the kernel (``work->future_->markCompleted(at::IValue(*work->outputs_))``, under a
-        stream guard on NCCL's stream), so the future is done at once; what reads its value is ordered after the
-        kernel by CUDA events, not by the host. On the CPU nothing orders those reads: a DDP hook's callback
-        (``fp16_compress_hook``'s decompress) reads the tensor before the transfer lands, so runs through this
-        future measure who ends a stall, not the numbers."""
-        import torch
-
-        if self.result is None:
-            raise RuntimeError(f"NCCL contract: {self.what} gives no future here")
-        future = torch.futures.Future()
-        future.set_result(self.result)
-        return future
-
-    def wait(self, timeout=None) -> bool:
-        if timeout is None or timeout == timedelta(0):  # NCCL's kNoTimeout: order, bound nothing
-            _log["waits"] += self.what == "batch_isend_irecv"
-            self.done.wait()
-        else:
-            _log["waits_with_timeout"] += 1  # any work's: NCCL's contract never wants one
-            if not self.done.wait(timeout.total_seconds()):
-                _abort_group(self.group_name, f"a wait({timeout}) expired")
-                raise RuntimeError(
-                    f"NCCL contract: Work timed out in blocking wait after {timeout}; the communicator is aborted"
-                )
-        if self.error is not None:
-            _abort_group(self.group_name, "a failed work was waited for")
-            raise RuntimeError(f"NCCL contract: the batch failed: {self.error}") from self.error
-        return True
-
-
-class EmulatedStream:
-    """A CUDA stream's order, on the CPU: the device queue of cerar's stream-ordered contract.
-    ``submit`` returns at once with a future; one thread runs the work in order (torch's
-    ``no_grad`` there, as cerar's calls run their arithmetic under it). After the first failure the
-    rest fail with it, as work queued on a stream behind a fault never runs."""
-
-    def __init__(self):
-        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
-        self.failure: BaseException | None = None
-        self.backlog = 0  # submitted, not yet run
-        self.max_backlog = 0
-        self._lock = threading.Lock()
-        threading.Thread(target=self._run, name="nccl-contract-stream", daemon=True).start()
-
-    def submit(self, fn, *args) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        with self._lock:
-            self.backlog += 1
-            self.max_backlog = max(self.max_backlog, self.backlog)
-        self._tasks.put((future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        import torch
-
-        with torch.no_grad():
-            while True:
-                future, fn, args = self._tasks.get()
-                try:
-                    if self.failure is not None:
-                        future.set_exception(self.failure)
-                        continue
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as error:
-                        self.failure = error
-                        future.set_exception(error)
-                finally:
-                    with self._lock:
-                        self.backlog -= 1
-
-    def drain(self, deadline: float) -> None:
-        """Return once everything submitted so far has run (raising the stream's failure, if any)."""
-        marker = self.submit(lambda: None)
-        try:
-            marker.result(timeout=max(0.0, deadline - time.monotonic()))
-        except concurrent.futures.TimeoutError:
-            raise TimeoutError("the emulated stream did not run its queued work by the deadline") from None
-
-
-def _transport_timeout_s(group_timeout_s: float) -> float:
-    """gloo's own timeout under NCCL's contract: past the emulated watchdog's (``group_timeout_s``) and its dump
-    wait, so that, as on NCCL, only the watchdog ends a work that a stalled peer holds up."""
-    return 2 * group_timeout_s + 30
-
-
-def _watchdog() -> None:
-    """torch's NCCL watchdog, emulated (module docstring): a work unfinished past its group's timeout, counted
-    from its creation, takes the process down with SIGABRT after four times the dump wait."""
-    import resource
-    import signal
-
-    while True:
-        time.sleep(WATCHDOG_PERIOD_S)
-        now = time.monotonic()
-        for name, works in list(_live_works.items()):
-            timeout_s = _group_timeouts.get(name)
-            if timeout_s is None:
-                continue
-            late = [w for w in list(works) if not w.done.is_set() and now - w.created > timeout_s]
-            if not late:
-                continue
-            work = late[0]
-            reason = f"{work.what} on group {name!r} ran {now - work.created:.1f}s > the group's timeout {timeout_s:g}s"
-            with contextlib.suppress(Exception):
-                import torch.distributed as dist
-
-                shared_store().set(f"{WATCHDOG_KEY}{dist.get_rank()}", reason)
-            print(f"[emulated NCCL watchdog] {reason}: dumping, then SIGABRT", file=sys.stderr, flush=True)
-            _abort_group(name, "the watchdog's timeout")
-            time.sleep(4 * int(os.environ.get(DUMP_WAIT_VARIABLE, DUMP_WAIT_DEFAULT_MS)) / 1e3)  # getDumpTimeout() * 4
-            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
-            os.kill(os.getpid(), signal.SIGABRT)
-
-
-def _install_collectives(group_timeout_s: float) -> None:
-    """NCCL's collectives, their host reads and its watchdog, on gloo (module docstring)."""
-    import inspect
-
-    import torch.distributed as dist
-
-    c10d = dist.distributed_c10d
-    _group_timeouts[c10d._get_default_group().group_name] = float(group_timeout_s)
-    original_new_group = c10d.new_group
-
-    def new_group(*args, **kwargs):
-        bound = inspect.signature(original_new_group).bind(*args, **kwargs)
-        gloo = bound.arguments.get("backend") in ("gloo", dist.Backend.GLOO)
-        timeout = bound.arguments.get("timeout")
-        timeout_s = 600.0 if timeout is None else timeout.total_seconds()  # torch's default for NCCL groups
-        if not gloo:  # the watchdog's timeout; the transport's own waits longer (_transport_timeout_s)
-            bound.arguments["timeout"] = timedelta(seconds=_transport_timeout_s(timeout_s))
-        group = original_new_group(*bound.args, **bound.kwargs)
-        if group is None or group == c10d.GroupMember.NON_GROUP_MEMBER:
-            return group
-        if gloo:
-            _gloo_groups.add(group.group_name)
-        else:
-            _group_timeouts[group.group_name] = timeout_s
-        return group
-
-    dist.new_group = c10d.new_group = new_group
-
-    def emulate(name: str) -> None:
-        original = getattr(c10d, name)
-        signature = inspect.signature(original)
-
-        def collective(*args, **kwargs):
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            group = bound.arguments.get("group") or c10d._get_default_group()
-            if group.group_name in _gloo_groups:
-                return original(*args, **kwargs)
-            if group.group_name in _aborted_groups:
-                raise RuntimeError(f"NCCL contract: group {group.group_name!r} was aborted; it takes no more work")
-            asynchronous = bound.arguments.get("async_op", False)
-            bound.arguments["async_op"] = True
-            result = [bound.arguments["tensor"]] if name in ("all_reduce", "broadcast") else None
-            work = NcclContractWork([original(*bound.args, **bound.kwargs)], group.group_name, name, result)
-            if asynchronous:
-                return work
-            work.transferred.wait()  # the host read of the result: unbounded; an abort does not release it
-            if work.error is not None:
-                raise RuntimeError(f"NCCL contract: {name} failed: {work.error}") from work.error
-            return None
-
-        setattr(c10d, name, collective)
-        setattr(dist, name, collective)
-
-    for name in ("all_reduce", "all_gather", "broadcast", "barrier"):
-        emulate(name)
-    _install_ddp_process_group()
-    threading.Thread(target=_watchdog, name="nccl-contract-watchdog", daemon=True).start()
-
-
-def _install_ddp_process_group() -> None:
-    """DDP's C++ reducer calls its process group's ``allreduce``/``broadcast``/``allgather`` directly, past the
-    Python functions emulated above: a ``DistributedDataParallel`` built on an NCCL-contract group gets
-    ``NcclContractProcessGroup`` in front of it, so that its buckets and its own host-blocking collectives
-    follow NCCL's contract too (module docstring)."""
-    import inspect
-
-    import torch
-    import torch.distributed as dist
-
-    ddp_class = torch.nn.parallel.DistributedDataParallel
-    original_init = ddp_class.__init__
-    signature = inspect.signature(original_init)
-
-    @functools.wraps(original_init)  # keeps DDP's signature: train.run.no_forward_buffer_sync reads it
-    def init(*args, **kwargs):
-        bound = signature.bind(*args, **kwargs)
-        group = bound.arguments.get("process_group") or dist.distributed_c10d._get_default_group()
-        if group.group_name not in _gloo_groups:
-            bound.arguments["process_group"] = _nccl_contract_process_group(group)
-        original_init(*bound.args, **bound.kwargs)
-
-    ddp_class.__init__ = init
-
-
-def _nccl_contract_process_group(group):
-    """``group`` as DDP's reducer sees an NCCL group (``ProcessGroupNCCL``), on gloo's transport:
-
-    - ``allreduce`` (a bucket, with no comm hook: ``Reducer::run_allreduce_hook`` -> ``_AllReduceBySumCommHook``)
-      returns a work whose future is already complete (``ProcessGroupNCCL::collective`` marks it completed after
-      enqueueing), so ``Reducer::finalize_backward``'s ``future_work->wait()`` does not hold the host: on a GPU it
-      makes the current stream wait for NCCL's. The transfer runs on, under the watchdog, timed from its post.
-      On the CPU the reducer then copies the bucket into the gradients before the transfer lands: a run through
-      it measures who ends a stall, not the numbers;
-    - ``broadcast`` and ``allgather`` (DDP's start-up checks, ``_broadcast_coalesced``, the bucket rebuild's
-      ``sync_bucket_indices``, the buffers' broadcast) return a work whose ``wait()`` holds the host until the
-      transfer ends, unbounded, as the host read of the result that follows each of them in DDP blocks on a GPU.
-    Every transfer is an ``NcclContractWork`` of ``group``: the watchdog sees it and an abort fails it."""
-    import torch
-    import torch.distributed as dist
-    from torch._C._distributed_c10d import _create_work_from_future
-
-    class NcclContractProcessGroup(dist.ProcessGroup):
-        def __init__(self, inner):
-            super().__init__(inner.rank(), inner.size())
-            self.inner = inner
-
-        def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-            return "nccl (emulated on gloo)"
-
-        def _post(self, what: str, post, result, completed_at_once: bool):
-            name = self.inner.group_name
-            if name in _aborted_groups:
-                raise RuntimeError(f"NCCL contract: group {name!r} was aborted; it takes no more work")
-            work = NcclContractWork([post()], name, what, result)
-            future = torch.futures.Future()
-            if completed_at_once:
-                future.set_result(result)
-            else:
-
-                def settle() -> None:
-                    work.transferred.wait()  # the host read: unbounded; an abort does not release it
-                    if work.error is not None:
-                        future.set_exception(RuntimeError(f"NCCL contract: {what} failed: {work.error}"))
-                    else:
-                        future.set_result(result)
-
-                threading.Thread(target=settle, name="nccl-contract-host-read", daemon=True).start()
-            return _create_work_from_future(future)
-
-        def allreduce(self, tensors, opts=None):
-            post = functools.partial(self.inner.allreduce, tensors, *_given(opts))
-            return self._post("DDP bucket allreduce", post, tensors, completed_at_once=True)
-
-        def broadcast(self, tensors, opts=None):
-            post = functools.partial(self.inner.broadcast, tensors, *_given(opts))
-            return self._post("DDP broadcast", post, tensors, completed_at_once=False)
-
-        def allgather(self, outputs, inputs, opts=None):
-            post = functools.partial(self.inner.allgather, outputs, inputs, *_given(opts))
-            return self._post("DDP allgather", post, outputs, completed_at_once=False)
-
-    return NcclContractProcessGroup(group)
-
-
-def _given(opts) -> tuple:
-    """The options argument as the caller gave it: none, or the one."""
-    return () if opts is None else (opts,)
-
-
-def _install_contract(contract: str, group_timeout_s: float = 60.0) -> None:
-    """Wrap ``dist.batch_isend_irecv`` for this process: log what is handed to it and, under
-    ``"nccl"``, return one NcclContractWork for the batch after the first-batch check; under
-    ``"nccl"`` also emulate NCCL's abort and give cerar its stream-ordered contract."""
-    import torch.distributed as dist
-
-    original = dist.batch_isend_irecv
-    first_batch_seen: set[str] = set()
-
-    def check_first_batch(group) -> None:
-        name = group.group_name
-        if name in first_batch_seen:
-            return
-        first_batch_seen.add(name)
-        store = dist.distributed_c10d._get_default_store()
-        me, members = dist.get_rank(), dist.get_process_group_ranks(group)
-        store.set(f"nccl-contract/first-batch/{name}/{me}", "joined")
-        keys = [f"nccl-contract/first-batch/{name}/{r}" for r in members]
-        try:
-            store.wait(keys, timedelta(seconds=FIRST_BATCH_TIMEOUT_S))
-        except Exception as error:
-            absent = [r for r, key in zip(members, keys, strict=True) if not store.check([key])]
-            raise RuntimeError(
-                f"NCCL contract: the first batch_isend_irecv on group {name!r} must involve all of its ranks "
-                f"{members}; ranks {absent} never joined ({error})"
-            ) from error
-
-    def batch_isend_irecv(p2p_op_list):
-        group = p2p_op_list[0].group or dist.distributed_c10d._get_default_group()
-        for op in p2p_op_list:
-            key = "bytes_isend" if op.op is dist.isend else "bytes_irecv"
-            _log[key] += op.tensor.numel() * op.tensor.element_size()
-        _log["batches"] += 1
-        _log["groups"].add(group.group_name)
-        if contract == "nccl":
-            if group.group_name in _aborted_groups:
-                raise RuntimeError(f"NCCL contract: group {group.group_name!r} was aborted; it takes no more work")
-            check_first_batch(group)
-            return [NcclContractWork(original(p2p_op_list), group.group_name)]
-        return original(p2p_op_list)
-
-    dist.batch_isend_irecv = batch_isend_irecv
-    if contract != "nccl":
-        return
-
-    original_abort = dist.distributed_c10d._abort_process_group
-
-    def abort_process_group(group=None):
-        world = dist.distributed_c10d._world
-        names = sorted(world.pg_names.values()) if group is None else [group.group_name]
-        for name in names:
-            _abort_group(name, "_abort_process_group")
-        _log["aborted"] += names
-        with contextlib.suppress(Exception):  # observable after the process has ended
-            shared_store().set(f"{ABORTED_KEY}{dist.get_rank()}", ",".join(names))
-        return original_abort(group)
-
-    dist.distributed_c10d._abort_process_group = abort_process_group
-    _install_collectives(group_timeout_s)
-
-    from cerar import protocol
-
-    if hasattr(protocol, "set_transport_contract"):  # (absent before issue 17: the old NCCL path ran as it was)
-        protocol.set_transport_contract(
-            "gloo",
-            protocol.TransportContract("stream-ordered (NCCL, emulated on gloo)", True, device_queue=EmulatedStream()),
-        )
 
 
 def _take_environment(environ: dict) -> None:
@@ -565,9 +96,9 @@ def _entry(fn, rank, world_size, port, args, results, group_timeout_s, contract,
             store=dist.PrefixStore("run_workers/", _store["store"]),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=_transport_timeout_s(group_timeout_s) if contract == "nccl" else group_timeout_s),
+            timeout=timedelta(seconds=transport_timeout_s(group_timeout_s) if contract == "nccl" else group_timeout_s),
         )
-        _install_contract(contract, group_timeout_s)
+        install(contract, group_timeout_s, _store["store"])
         value = fn(rank, world_size, *args)
         buffer = io.BytesIO()  # plain bytes: tensors must not travel as shared memory of a dying process
         torch.save(value, buffer)

@@ -37,7 +37,8 @@ from cerar.hierarchical import (
 )
 from cerar.precision import admissible_kappa, check_admissible
 from cerar.wire import Wire
-from tests.distributed import run_workers, transport_log
+from tests.distributed import run_workers
+from tests.nccl_emulation import transport_log
 from tests.spec_reference import spec_all_reduce, spec_matrices
 from tests.test_hierarchical import node_sums_of_shards, spec_hierarchical
 

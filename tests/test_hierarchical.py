@@ -1,6 +1,6 @@
 """Hierarchical CERAR between real processes (gloo), held to the specification on the node sums.
 
-Every multi-process test runs under both point-to-point contracts (``tests.distributed``: gloo's
+Every multi-process test runs under both point-to-point contracts (``tests.nccl_emulation``: gloo's
 own, and NCCL's emulated on gloo). Layouts are declared (``NodeLayout(nodes, local_size)``), and
 once taken from torchrun's variables set in the workers. What the tests compare with is written
 here or in ``tests/spec_reference.py``, not taken from ``cerar.hierarchical``:
@@ -43,7 +43,8 @@ from cerar.hierarchical import (
     tier_groups,
 )
 from cerar.hierarchical.layout import placement
-from tests.distributed import CONTRACTS, run_workers, transport_log
+from tests.distributed import run_workers
+from tests.nccl_emulation import CONTRACTS, transport_log
 from tests.spec_reference import spec_all_reduce
 from tests.test_spec_reference import spec_code_matrices
 

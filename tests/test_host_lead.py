@@ -1,6 +1,6 @@
 """The README's "keeps the host at most 16 rounds ahead of the GPU", measured under NCCL's contract.
 
-Under the stream-ordered contract (NCCL; emulated on gloo by ``tests.distributed``, whose
+Under the stream-ordered contract (NCCL; emulated on gloo by ``tests.nccl_emulation``, whose
 ``EmulatedStream`` is the device queue) cerar's host enqueues rounds without waiting for them, and
 bounds how far it runs ahead by polling one round every ``LOOK_BEHIND_POSTS`` (8) posts: at every
 8th post it waits until the round posted 8 posts before has completed, so at most 2 x 8 = 16 posted

@@ -1,6 +1,6 @@
 """NCCL's point-to-point contract, emulated on gloo; CERAR held to it; the trainer's NCCL failure path.
 
-The emulation (``tests.distributed``, ``contract="nccl"``) is what lets the protocol and hook tests
+The emulation (``tests.nccl_emulation``, ``contract="nccl"``) is what lets the protocol and hook tests
 catch NCCL-only defects on a CPU machine, so it is held here to the contract it claims to keep (as
 torch's ``ProcessGroupNCCL.cpp`` implements it): one work for a batch; ``wait()`` without a timeout
 orders what follows after the transfer and bounds nothing; ``wait(timeout)`` blocks and, on expiry,
@@ -24,14 +24,8 @@ import cerar
 from cerar.precision import rounding_bound
 from cerar.protocol import LOOK_BEHIND_POSTS
 from cerar.rounds import pipeline_chunks
-from tests.distributed import (
-    ABORTED_KEY,
-    ProcessExit,
-    WorkerError,
-    run_workers,
-    shared_store,
-    transport_log,
-)
+from tests.distributed import ProcessExit, WorkerError, run_workers, shared_store
+from tests.nccl_emulation import ABORTED_KEY, transport_log
 from tests.spec_reference import spec_all_reduce
 from tests.test_spec_reference import spec_code_matrices
 from train.config import ConfigError
@@ -140,9 +134,9 @@ def _timed_wait_worker_gloo(rank, N, wait_s):
 
 
 def _first_batch_without_rank_2_worker(rank, N):
-    import tests.distributed
+    import tests.nccl_emulation
 
-    tests.distributed.FIRST_BATCH_TIMEOUT_S = 3.0
+    tests.nccl_emulation.FIRST_BATCH_TIMEOUT_S = 3.0
     store = shared_store()
     if rank == 2:  # never takes part in the group's first batch; stays until the others are through
         store.wait(["done/0", "done/1"], timedelta(seconds=60))

@@ -21,7 +21,8 @@ from cerar.precision import (
     matmul_precision_settings,
     reduced_precision_allowed,
 )
-from tests.distributed import CONTRACTS, run_workers
+from tests.distributed import run_workers
+from tests.nccl_emulation import CONTRACTS
 
 FULL = ("highest", "ieee")  # what torch reports once set_float32_matmul_precision("highest") ran
 

@@ -1,7 +1,7 @@
 """CERAR and the exact ring between real processes (gloo), against the single-process oracle.
 
 Every test that runs the protocol, the ring or the hook runs under both point-to-point contracts
-(``tests.distributed``): gloo's own, and NCCL's emulated on gloo (one work per batch whose wait
+(``tests.nccl_emulation``): gloo's own, and NCCL's emulated on gloo (one work per batch whose wait
 bounds nothing on the host), so code that holds only on gloo fails here on a CPU machine."""
 
 import os
@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 import cerar
 from cerar.precision import rounding_bound, sum_rounding_bound
-from tests.distributed import CONTRACTS, WorkerError, run_workers, transport_log
+from tests.distributed import WorkerError, run_workers
+from tests.nccl_emulation import CONTRACTS, transport_log
 
 
 @pytest.fixture(params=CONTRACTS)
@@ -209,7 +210,7 @@ def _ddp_worker(rank, N, steps):
     y = x[:, :1].sin() + 0.1 * x[:, 1:2]
     runs = {}
     # DDP's own all-reduce, the reference, on a gloo group: under NCCL's contract (emulated) the reducer would copy
-    # each bucket on the CPU before its transfer lands, where a GPU orders that copy after it (tests/distributed.py)
+    # each bucket on the CPU before its transfer lands, where a GPU orders that copy after it (tests/nccl_emulation.py)
     reference_group = dist.new_group(backend="gloo")
     for name in ("default", *HOOKS):
         group = reference_group if name == "default" else None

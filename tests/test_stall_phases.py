@@ -1,5 +1,5 @@
 """A peer stalled in any phase of a training step, under NCCL's contract with torch's watchdog emulated
-(tests/distributed.py, ``contract="nccl"``): every survivor exits with status 3 and one line naming the
+(tests/nccl_emulation.py, ``contract="nccl"``): every survivor exits with status 3 and one line naming the
 collective, the phase and the peer, within the trainer's deadline plus SLACK_S, and before the emulated
 watchdog fires (which would end it with SIGABRT, exit status -6, at the group's timeout plus 4 x its dump wait).
 
@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import DUMP_WAIT_VARIABLE, WATCHDOG_KEY, ProcessExit, held_store, run_workers, shared_store
+from tests.distributed import ProcessExit, held_store, run_workers, shared_store
+from tests.nccl_emulation import DUMP_WAIT_VARIABLE, WATCHDOG_KEY
 
 T_S = 3.0  # trainer.collective_timeout_s: the trainer's deadline
 WATCHDOG_S = 2 * T_S  # the NCCL groups' own timeout: train.distributed.watchdog_timeout_s(T_S)
