@@ -6,7 +6,7 @@ import json
 import pytest
 
 from scripts.reporting.aggregators_report import render, study_rows
-from scripts.reporting.fidelity_report import load_runs
+from scripts.reporting.fidelity.runs import load_runs
 
 pytestmark = pytest.mark.quick
 

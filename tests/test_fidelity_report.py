@@ -16,6 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.reporting import fidelity_report  # noqa: E402
+from scripts.reporting.fidelity import batch_scaling as fidelity_batch  # noqa: E402
+from scripts.reporting.fidelity import figures as fidelity_figures  # noqa: E402
+from scripts.reporting.fidelity import report as fidelity_text  # noqa: E402
+from scripts.reporting.fidelity import runs as fidelity_runs  # noqa: E402
 
 
 def write_run(folder: Path, val: dict[int, float], error: float, noise: float, drift: float, steps: int = 1000) -> None:
@@ -88,7 +92,7 @@ def test_report_states_gap_spread_separation_and_where_error_meets_noise(runs, t
     assert fidelity_report.main(argv) == 0
     # Findings written by hand above the marker survive a rebuild; the generated part is replaced.
     findings = "# Findings\nCERAR c=16 parts from nccl at step 600.\n"
-    report.write_text(f"{findings}{fidelity_report.GENERATED_MARKER}\nstale\n")
+    report.write_text(f"{findings}{fidelity_runs.GENERATED_MARKER}\nstale\n")
     assert fidelity_report.main(argv) == 0
     rebuilt = report.read_text()
     assert rebuilt.startswith(findings) and "stale" not in rebuilt
@@ -112,7 +116,7 @@ def test_the_runs_on_the_grown_corpus_get_their_own_table(runs, tmp_path):
     assert float(rows["cerar_c16"]["gap_to_nccl_pct"]) == pytest.approx(1.0)
     section = report.read_text().split("### The same runs on the grown corpus")[1].split("## Drift")[0]
     assert "| cerar_c16 | 1 | 1000 | 5.0500 | one seed | +1.00 % | +1.00 % |" in section
-    paths = fidelity_report.figures(fidelity_report.load_runs(runs), tmp_path, grown=fidelity_report.load_runs(grown))
+    paths = fidelity_figures.figures(fidelity_runs.load_runs(runs), tmp_path, grown=fidelity_runs.load_runs(grown))
     assert "fidelity_corpus_v2_val_loss_vs_step.png" in [p.name for p in paths]
 
 
@@ -121,7 +125,7 @@ def test_figures_are_drawn_from_the_run_folders(runs, tmp_path):
     out.mkdir()
     plane = tmp_path / "plane.csv"
     plane.write_text(PLANE)
-    paths = fidelity_report.figures(fidelity_report.load_runs(runs), out, plane)
+    paths = fidelity_figures.figures(fidelity_runs.load_runs(runs), out, plane)
     assert sorted(p.name for p in paths) == [
         "aggregator_plane.png",
         "fidelity_drift_vs_step.png",
@@ -176,13 +180,13 @@ def test_batch_scaling_section_states_gap_against_band_and_the_noise_unit(runs, 
     projection = "from 256 x 64 (r = 1) to Pythia's 1024 x 2048: r = 0.5, logged noise 0.447; "
     projection += "cerar_auto: error 0.005, error/noise 0.0112; cerar_c16: error 0.04, error/noise 0.0894 (one small"
     assert projection in section
-    rows = fidelity_report.batch_scaling_rows(fidelity_report.load_batch_scaling(root))
-    assert fidelity_report.batch_scaling_figure(rows, tmp_path / "gap.png").stat().st_size > 10_000
+    rows = fidelity_batch.batch_scaling_rows(fidelity_batch.load_batch_scaling(root))
+    assert fidelity_figures.batch_scaling_figure(rows, tmp_path / "gap.png").stat().st_size > 10_000
     # A run whose summary says another shape than its folder stops the report, naming it.
     liar = root / "batch16x64" / "cerar_c16_s1" / "summary.json"
     liar.write_text(json.dumps({**json.loads(liar.read_text()), "global_batch_size": 32}))
     with pytest.raises(ValueError, match="cerar_c16_s1: its summary says 32 sequences x 64 tokens, its folder 16 x 64"):
-        fidelity_report.load_batch_scaling(root)
+        fidelity_batch.load_batch_scaling(root)
 
 
 def ratio_noise(r: float) -> float:
@@ -294,11 +298,11 @@ def test_batch_scaling_answers_where_c16_leaves_the_band_in_which_unit_and_at_py
     assert "b = 0.00 is nearer 0 than 0.5" in drift and "the per-token projection did not hold" in drift
     assert "Pythia's noise is nu = 0.447 (r = 0.5), 25.3x the per-token figure" in drift
     assert "| cerar_c16 | 0.05 | 0.005 | 0.2 | 0.8 | 0.25 | 0.447 | 6,144 |" in drift
-    paths = fidelity_report.figures(
-        fidelity_report.load_runs(runs),
+    paths = fidelity_figures.figures(
+        fidelity_runs.load_runs(runs),
         tmp_path,
         grown={},
-        batch_rows=fidelity_report.batch_scaling_rows(fidelity_report.load_batch_scaling(study)),
+        batch_rows=fidelity_batch.batch_scaling_rows(fidelity_batch.load_batch_scaling(study)),
     )
     assert (tmp_path / "fidelity_noise_vs_error.png") in paths
 
@@ -309,12 +313,12 @@ def test_noise_that_falls_with_tokens_keeps_the_per_token_projection(tmp_path):
     root = tmp_path / "bs"
     for (sequences, seq_len), r in {(16, 64): 4.0, (64, 64): 2.0, (16, 256): 2.0}.items():
         write_shape(root, sequences, seq_len, ratio_noise(r), {"nccl_s1": 4.0, "nccl_s2": 4.02})
-    rows = fidelity_report.batch_scaling_rows(fidelity_report.load_batch_scaling(root))
-    unit = fidelity_report.noise_unit(rows)
+    rows = fidelity_batch.batch_scaling_rows(fidelity_batch.load_batch_scaling(root))
+    unit = fidelity_batch.noise_unit(rows)
     assert unit["sequences_exponent"] == pytest.approx(0.5) and unit["seq_len_exponent"] == pytest.approx(0.5)
     assert unit["r_pythia"] == pytest.approx(2 / math.sqrt(512))
     study = [{"setting": "nccl", "noise_median": ratio_noise(4.0)}]
-    (text,) = fidelity_report.pythia_projection(study, 16, 64, rows)
+    (text,) = fidelity_text.pythia_projection(study, 16, 64, rows)
     assert "b = 0.50 is nearer 0.5 than 0: tokens are the unit, and the per-token projection held" in text
     assert "16 x 256: 0.485 per token, 0.894 measured; 64 x 64: 0.485 per token, 0.894 measured." in text
 
@@ -334,5 +338,5 @@ def shape_row(setting: str, sequences: int, seq_len: int, inside: bool) -> dict:
 )
 def test_the_unit_of_the_threshold_is_the_one_that_separates_shapes_out_from_shapes_in(outside, inside, units):
     rows = [shape_row("c16", s, t, False) for s, t in outside] + [shape_row("c16", s, t, True) for s, t in inside]
-    assert fidelity_report.band_exit(rows, "c16")["units"] == units
-    assert fidelity_report.band_exit(rows, "c8") is None
+    assert fidelity_batch.band_exit(rows, "c16")["units"] == units
+    assert fidelity_batch.band_exit(rows, "c8") is None

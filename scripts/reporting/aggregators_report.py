@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from scripts.reporting.fidelity_report import final, last_step, load_runs, median_of, paired_gap  # noqa: E402
+from scripts.reporting.fidelity.runs import final, last_step, load_runs, median_of, paired_gap  # noqa: E402
 
 RUNS_DIR = ROOT / "reports" / "runs" / "aggregators-1500"
 HORIZON = 1500

@@ -19,7 +19,7 @@ Figures (into ``reports/figures/``)
   the all-reduce CSV (``bench_allreduce.make_figures``);
 * ``error_vs_kappa.png``: worst-worker error against kappa (``cerar.design.plot_error_vs_kappa``);
 * ``fidelity_{val_loss,drift,error}_vs_step.png``, ``fidelity_noise_vs_error.png``: the long-horizon
-  runs under ``reports/runs/fidelity/`` (``scripts/fidelity_report.figures``), and
+  runs under ``reports/runs/fidelity/`` (``scripts/reporting/fidelity/figures.py``), and
   ``fidelity_corpus_v2_val_loss_vs_step.png`` from those on the grown corpus (``reports/runs/fidelity-corpus-v2/``),
   and ``batch_scaling_gap.png`` from the batch-scaling runs (``reports/runs/batch-scaling-150/``) once they exist;
 * ``saving_vs_N.png``: 1 - t_cerar / t_ref against N at c = 4N: measured (lab rows of the CSV, against
@@ -351,17 +351,17 @@ def main(argv=None) -> int:
     else:
         missing.append(str(args.design_csv))
     if "fidelity" in groups:
-        from scripts.reporting import fidelity_report
+        from scripts.reporting.fidelity import batch_scaling, figures, runs
 
-        fidelity_runs = fidelity_report.load_runs(args.fidelity_dir)
-        batch_rows = fidelity_report.batch_scaling_rows(fidelity_report.load_batch_scaling(args.batch_scaling_dir))
+        fidelity_runs = runs.load_runs(args.fidelity_dir)
+        batch_rows = batch_scaling.batch_scaling_rows(batch_scaling.load_batch_scaling(args.batch_scaling_dir))
         if fidelity_runs:
-            grown_runs = fidelity_report.load_runs(args.fidelity_grown_corpus_dir)
-            written += fidelity_report.figures(fidelity_runs, args.out, grown=grown_runs, batch_rows=batch_rows)
+            grown_runs = runs.load_runs(args.fidelity_grown_corpus_dir)
+            written += figures.figures(fidelity_runs, args.out, grown=grown_runs, batch_rows=batch_rows)
         else:
             missing.append(f"fidelity runs ({args.fidelity_dir})")
         if batch_rows:  # issue 19's study, once its runs exist
-            written.append(fidelity_report.batch_scaling_figure(batch_rows, args.out / "batch_scaling_gap.png"))
+            written.append(figures.batch_scaling_figure(batch_rows, args.out / "batch_scaling_gap.png"))
     if "costmodel" in groups:
         from scripts.reporting.costmodel_report import two_tier_figure
 
