@@ -21,16 +21,10 @@ Public API:
 
 from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, Code, make_code
 from cerar.precision import PrecisionError, full_fp32_products
-from cerar.protocol import (
-    DEFAULT_TIMEOUT,
-    PROTOCOL_VERSION,
-    AllReduceStats,
-    CollectiveError,
-    all_reduce,
-    ring_all_reduce,
-)
+from cerar.protocol import PROTOCOL_VERSION, AllReduceStats, all_reduce, ring_all_reduce
 from cerar.quantized import quantized_all_reduce
 from cerar.simulate import simulate
+from cerar.transport import DEFAULT_TIMEOUT, CollectiveError
 from cerar.wire import TRANSPORTS, default_kappa_max
 from cerar.workspace import release_workspaces
 

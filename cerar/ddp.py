@@ -27,7 +27,7 @@ How it runs, so that communication overlaps the rest of backward:
   the future carries the bucket's device and its result is set on the hook's stream, so DDP's
   reads of the result wait for that stream (torch's CUDA-aware futures), not for the host;
 - the per-phase timers are off (on CUDA their read-out would synchronise once per bucket); the
-  rounds' deadlines are kept on the hook's thread (``cerar.protocol``), never on backward's. On
+  rounds' deadlines are kept on the hook's thread (``cerar.transport``), never on backward's. On
   NCCL that thread enqueues a bucket's rounds on the hook's stream without waiting for them (the
   streams order round t+1 after round t) and polls one round's completion per look-behind window
   and the last one; a stalled peer raises ``CollectiveError`` there, which DDP surfaces from
@@ -45,7 +45,8 @@ import torch
 import torch.distributed as dist
 
 from cerar.codes import Code, make_code
-from cerar.protocol import AllReduceStats, _as_timedelta, all_reduce, ring_all_reduce
+from cerar.protocol import AllReduceStats, all_reduce, ring_all_reduce
+from cerar.transport import _as_timedelta
 from cerar.wire import default_kappa_max, transport_name
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0

@@ -29,7 +29,7 @@ independent errors (their root mean square falls as 1/sqrt(N) relative to one co
 second is one rounding of the result. ``tests/test_quantized.py`` holds the result to this bound
 against a float64 oracle.
 
-The rounds run on cerar's ring plumbing (``cerar.protocol``: ``batch_isend_irecv`` batches, the
+The rounds run on cerar's ring plumbing (``cerar.transport``: ``batch_isend_irecv`` batches, the
 transport contracts of gloo and NCCL, per-round deadlines); only the peers of the all-to-all steps
 differ from the ring's (``_PeerRing``). Before the first round the ranks check, over an all-gather,
 that they agree on N, d, B, the format, the op and this module's protocol version: a rank that differs
@@ -59,18 +59,11 @@ import time
 import torch
 import torch.distributed as dist
 
+from cerar.checks import _check_op, check_agreement
 from cerar.int8_blocks import DEFAULT_BLOCK, FORMAT, check_block, dequantize, message_bytes, new_message, quantize_into
-from cerar.protocol import (
-    AllReduceStats,
-    CollectiveError,
-    _bytes,
-    _check_op,
-    _Ring,
-    _Rounds,
-    as_equal_shards,
-    check_agreement,
-)
+from cerar.protocol import AllReduceStats, as_equal_shards
 from cerar.rounds import PhaseTimer
+from cerar.transport import CollectiveError, _bytes, _Ring, _Rounds
 
 QUANTIZED_PROTOCOL_VERSION = 1
 """Bumped whenever the rounds, the shard assignment or the format change: ranks of different versions refuse to mix."""

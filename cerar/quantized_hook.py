@@ -24,8 +24,9 @@ from cerar.ddp import CerarHookState, transport_group
 from cerar.hierarchical.hook import HierarchicalHookState
 from cerar.hierarchical.quantized import hierarchical_quantized_all_reduce
 from cerar.int8_blocks import DEFAULT_BLOCK, check_block
-from cerar.protocol import AllReduceStats, _as_timedelta
+from cerar.protocol import AllReduceStats
 from cerar.quantized import quantized_all_reduce
+from cerar.transport import _as_timedelta
 
 
 @dataclass

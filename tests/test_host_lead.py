@@ -18,17 +18,17 @@ import threading
 import torch
 
 import cerar
-from cerar.protocol import LOOK_BEHIND_POSTS
 from cerar.rounds import pipeline_chunks
+from cerar.transport import LOOK_BEHIND_POSTS
 from tests.distributed import run_workers
 
 HOST_LEAD_ROUNDS = 16  # the README's figure
 
 
 def _host_lead_worker(rank, N, c, d):
-    from cerar import protocol
+    from cerar import transport
 
-    queue = protocol.transport_contract().device_queue  # the emulated CUDA stream
+    queue = transport.transport_contract().device_queue  # the emulated CUDA stream
     lock, count = threading.Lock(), {"ahead": 0, "most_ahead": 0, "posts": 0, "tasks": 0}
     submit = queue.submit
 

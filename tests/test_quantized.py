@@ -207,8 +207,8 @@ SIZES = (3, 1, 389, 4099)  # d < N, d = 1, neither a multiple of N nor of B
 
 
 def _flat_worker(rank, N, B, stall_timeout):
-    from cerar.protocol import CollectiveError
     from cerar.quantized import quantized_all_reduce, quantized_bytes_sent
+    from cerar.transport import CollectiveError
 
     results = {}
     for d in SIZES:

@@ -37,24 +37,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cerar.checks import _check_op, _check_tensor, check_agreement, check_coded_call, check_transport
 from cerar.codes import Code
 from cerar.hierarchical.inter_node import RAIL_METHODS, rail_method, reduce_on_rail
 from cerar.hierarchical.intra_node import all_gather, reduce_scatter
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups, tier_groups
-from cerar.protocol import (
-    PROTOCOL_VERSION,
-    AllReduceStats,
-    _as_timedelta,
-    _check_op,
-    _check_tensor,
-    _Ring,
-    _Rounds,
-    as_equal_shards,
-    check_agreement,
-    check_coded_call,
-    check_transport,
-)
+from cerar.protocol import PROTOCOL_VERSION, AllReduceStats, as_equal_shards
 from cerar.rounds import DEFAULT_STORAGE, PhaseTimer
+from cerar.transport import _as_timedelta, _Ring, _Rounds
 from cerar.wire import transport_name, wire_for
 
 

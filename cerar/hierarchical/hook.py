@@ -21,7 +21,7 @@ from cerar.codes import Code, make_code
 from cerar.ddp import CerarHookState
 from cerar.hierarchical.collective import HierarchicalStats, hierarchical_all_reduce, hierarchical_ring_all_reduce
 from cerar.hierarchical.layout import NodeLayout, TierGroups, new_tier_groups
-from cerar.protocol import _as_timedelta
+from cerar.transport import _as_timedelta
 from cerar.wire import transport_name
 
 

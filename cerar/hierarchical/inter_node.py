@@ -20,7 +20,8 @@ import warnings
 import torch
 
 from cerar.codes import Code
-from cerar.protocol import AllReduceStats, CollectiveError, all_reduce, ring_all_reduce
+from cerar.protocol import AllReduceStats, all_reduce, ring_all_reduce
+from cerar.transport import CollectiveError
 
 RAIL_METHODS = ("cerar", "exact ring", "none")
 

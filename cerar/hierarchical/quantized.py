@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import torch
 
+from cerar.checks import check_agreement
 from cerar.hierarchical.collective import HierarchicalStats, _groups, run_tiers
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups
 from cerar.int8_blocks import DEFAULT_BLOCK, FORMAT
-from cerar.protocol import AllReduceStats, CollectiveError, _as_timedelta, _Ring, check_agreement
+from cerar.protocol import AllReduceStats
 from cerar.quantized import QUANTIZED_PROTOCOL_VERSION, check_quantized_call, quantized_all_reduce
+from cerar.transport import CollectiveError, _as_timedelta, _Ring
 
 RAIL_METHOD = "int8 quantized"
 

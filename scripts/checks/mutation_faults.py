@@ -87,7 +87,7 @@ FAULTS = [
     ),
     Fault(
         name="look-behind-poll-dropped",
-        file="cerar/protocol.py",
+        file="cerar/transport.py",
         original="            if self.posts % self.contract.look_behind == 0 and len(self.posted) > self.contract.look_behind:",
         replacement="            if False:",
         tests=("tests/test_host_lead.py",),
@@ -142,7 +142,7 @@ FAULTS = [
     ),
     Fault(
         name="stale-agreement-cache",
-        file="cerar/protocol.py",
+        file="cerar/checks.py",
         original="    key = _agreement_key(ring, tuple(fields.items()))",
         replacement="    key = _agreement_key(ring, ())",
         tests=("tests/test_protocol.py::test_bad_input_gets_a_clear_error_on_every_rank[gloo]",),

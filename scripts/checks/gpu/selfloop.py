@@ -263,15 +263,15 @@ def selfloop_all_reduce(
     self-send into its receive buffer, one ``_Ring.post`` (one batch, one work) per worker and
     chunk; every round's posts arrive (the stream waits for them) before any worker's receive of
     that round is issued, so no buffer is written while another worker still reads it. The rounds
-    are issued, ordered and polled by ``cerar.protocol._Rounds`` under the stream-ordered contract,
+    are issued, ordered and polled by ``cerar.transport._Rounds`` under the stream-ordered contract,
     as ``all_reduce`` does; worker i plays ``device_matrices(code, i)``. ``measure``: filled with
     the posts, the protocol's polls (``_Rounds._await`` calls) and the host's lead before each post
     (posted works not yet complete, the new one included). ``before_posts``: called once the workers are built
     (their matrices' copies to the device synchronise the stream), just before the first post."""
     import cerar
     from cerar.matrices import device_matrices
-    from cerar.protocol import STREAM_ORDERED, _Ring, _Rounds
     from cerar.rounds import CodedRingRank, PhaseTimer
+    from cerar.transport import STREAM_ORDERED, _Ring, _Rounds
 
     N, d, device = code.N, flats[0].numel(), flats[0].device
     c, m, L = code.c, code.m_for(d), code.L
@@ -342,7 +342,7 @@ def rounds(N: int, c: int, d: int, out: str) -> dict:  # noqa: ARG001
     """``selfloop_all_reduce`` with the GPU held behind a one-second kernel while the host posts, so
     that the host's lead reaches the contract's bound (2 x ``LOOK_BEHIND_POSTS``)."""
     import cerar
-    from cerar.protocol import LOOK_BEHIND_POSTS
+    from cerar.transport import LOOK_BEHIND_POSTS
 
     device = one_rank_group()
     rate = cycles_per_second()
@@ -392,7 +392,7 @@ def _never_completing_round(timeout_s: float):
 def deadline(out: str) -> dict:
     """The round bounded by the protocol's deadline (``_Ring.await_works`` under the stream-ordered
     contract); its CollectiveError goes through the trainer's exit path, which exits 3."""
-    from cerar.protocol import _Ring
+    from cerar.transport import _Ring
     from train.distributed import exit_after_collective_failure
 
     works = _never_completing_round(60.0)
