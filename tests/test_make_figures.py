@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench import compare_training  # noqa: E402
-from scripts.bench.bench_allreduce import CSV_COLUMNS, EXTRA_COLUMNS  # noqa: E402
+from scripts.bench.allreduce.options import CSV_COLUMNS, EXTRA_COLUMNS  # noqa: E402
 from scripts.reporting import make_figures  # noqa: E402
 
 # The figure groups these tests feed through arguments; the others (fidelity, cost model, hierarchical) read the

@@ -16,7 +16,7 @@ Figures (into ``reports/figures/``)
   seed); wall time = cumulative ``time/step`` (evaluations excluded);
 * ``phase_bars.png``: mean forward/backward/aggregate/optimizer seconds per step per aggregator;
 * ``time_vs_size_<where>[_<rate>].png``, ``saving_vs_c.png``, ``achieved_vs_byte_bound.png``: from
-  the all-reduce CSV (``bench_allreduce.make_figures``);
+  the all-reduce CSV (``scripts/bench/allreduce/figures.py``);
 * ``error_vs_kappa.png``: worst-worker error against kappa (``cerar.design.plot_error_vs_kappa``);
 * ``fidelity_{val_loss,drift,error}_vs_step.png``, ``fidelity_noise_vs_error.png``: the long-horizon
   runs under ``reports/runs/fidelity/`` (``scripts/reporting/fidelity/figures.py``), and
@@ -338,9 +338,9 @@ def main(argv=None) -> int:
     if "allreduce" not in groups:
         pass
     elif args.allreduce_csv.exists():
-        from scripts.bench import bench_allreduce
+        from scripts.bench.allreduce.figures import make_figures as allreduce_figures
 
-        written += bench_allreduce.make_figures(args.allreduce_csv, args.out)
+        written += allreduce_figures(args.allreduce_csv, args.out)
         written += saving_vs_n(args.allreduce_csv, args.out)
     else:
         missing.append(str(args.allreduce_csv))
