@@ -26,7 +26,7 @@ Figures (into ``reports/figures/``)
   the ring and against the backend all_reduce) and modelled (``cerar.costmodel`` fitted to the same
   setting's rows), with the byte-count bound;
 * ``two_tier_choice.png``: which aggregator on clusters of 8-GPU nodes, from the two-tier cost model alone
-  (``scripts/costmodel_report.two_tier_figure``);
+  (``scripts/reporting/costmodel/two_tier.py``);
 * ``aggregators_gap_vs_bytes.png``: the 1,500-step aggregators study under ``reports/runs/aggregators-1500/``
   (``scripts/reporting/aggregators_report.figure``);
 * ``two_tier_lab_<where>_<rate>.png`` from ``reports/data/hierarchical_lab.csv``
@@ -363,7 +363,7 @@ def main(argv=None) -> int:
         if batch_rows:  # issue 19's study, once its runs exist
             written.append(figures.batch_scaling_figure(batch_rows, args.out / "batch_scaling_gap.png"))
     if "costmodel" in groups:
-        from scripts.reporting.costmodel_report import two_tier_figure
+        from scripts.reporting.costmodel.two_tier import two_tier_figure
 
         written.append(two_tier_figure(args.out / "two_tier_choice.png"))
     if "hierarchical" in groups:
