@@ -4,14 +4,8 @@ the DDP buckets the trainer really reduces (one chunk each, or two)."""
 from __future__ import annotations
 
 import dataclasses
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from cerar.costmodel import (  # noqa: E402  (the repository root is on sys.path)
+from cerar.costmodel import (
     DDP_FIRST_BUCKET_BYTES,
     HBM_BANDWIDTH,
     PASSES_BEFORE_324C4C8,

@@ -3,15 +3,10 @@ aggregator to use where (and its figure), the 8-bit hierarchy and hierarchical C
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from cerar.costmodel import (  # noqa: E402  (the repository root is on sys.path)
+from cerar.costmodel import (
     ETHERNET_GBIT,
     GPUS_PER_NODE,
     HBM_BANDWIDTH,

@@ -8,13 +8,11 @@ import csv
 import json
 import re
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]
-sys.path.insert(0, str(ROOT))
+from scripts.bench.compare_training import read_metrics
 
-from scripts.bench.compare_training import read_metrics  # noqa: E402  (the repository root is on sys.path)
+ROOT = Path(__file__).resolve().parents[3]
 
 RUNS_DIR = ROOT / "reports" / "runs" / "fidelity"
 # The same study rerun on the grown embedded corpus (v2; scripts/studies/run_fidelity.sh G-J)
