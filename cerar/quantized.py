@@ -63,7 +63,7 @@ from cerar.checks import _check_op, check_agreement
 from cerar.int8_blocks import DEFAULT_BLOCK, FORMAT, check_block, dequantize, message_bytes, new_message, quantize_into
 from cerar.protocol import AllReduceStats, as_equal_shards
 from cerar.rounds import PhaseTimer
-from cerar.transport import CollectiveError, _bytes, _Ring, _Rounds
+from cerar.transport import _bytes, _Ring, _Rounds
 
 QUANTIZED_PROTOCOL_VERSION = 1
 """Bumped whenever the rounds, the shard assignment or the format change: ranks of different versions refuse to mix."""
@@ -83,17 +83,7 @@ class _PeerRing(_Ring):
 
     def post(self, send, recv) -> list:
         (send_tensor, to_rank), (recv_tensor, from_rank) = send, recv
-        ops = [
-            dist.P2POp(dist.isend, send_tensor, to_rank, self.group),
-            dist.P2POp(dist.irecv, recv_tensor, from_rank, self.group),
-        ]
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except Exception as error:
-            raise CollectiveError(f"{self.operation}: could not post messages: {error}") from error
-        self.bytes_sent += _bytes(send_tensor)
-        self.bytes_received += _bytes(recv_tensor)
-        return works
+        return self.post_between(send_tensor, to_rank, recv_tensor, from_rank)
 
     def complete(self, works: list, what: str) -> None:
         deadline = time.monotonic() + self.timeout.total_seconds()

@@ -229,9 +229,14 @@ class _Ring:
         """Start sending to the next rank and receiving from the previous one. Returns what
         ``batch_isend_irecv`` returns: one work per op (gloo), or one for the whole batch (NCCL,
         which coalesces the batch)."""
+        return self.post_between(send, self.next_rank, recv, self.prev_rank)
+
+    def post_between(self, send: torch.Tensor, to_rank: int, recv: torch.Tensor, from_rank: int) -> list:
+        """``post`` with the peers given (global ranks): one batch of a send to ``to_rank`` and a receive from
+        ``from_rank``, counted in the ring's bytes; a failure to post raises CollectiveError."""
         ops = [
-            dist.P2POp(dist.isend, send, self.next_rank, self.group),
-            dist.P2POp(dist.irecv, recv, self.prev_rank, self.group),
+            dist.P2POp(dist.isend, send, to_rank, self.group),
+            dist.P2POp(dist.irecv, recv, from_rank, self.group),
         ]
         try:
             works = dist.batch_isend_irecv(ops)

@@ -112,6 +112,12 @@ def transport_log() -> dict:
     }
 
 
+def _refuse_if_aborted(name: str) -> None:
+    """An aborted NCCL communicator takes no more work: new work on the group raises at once."""
+    if name in _aborted_groups:
+        raise RuntimeError(f"NCCL contract: group {name!r} was aborted; it takes no more work")
+
+
 def _abort_group(name: str, reason: str) -> None:
     """NCCL's abort as its works see it: every batch still in flight on the group fails, later ones refuse."""
     _aborted_groups.add(name)
@@ -312,8 +318,7 @@ def _install_collectives(group_timeout_s: float) -> None:
             group = bound.arguments.get("group") or c10d._get_default_group()
             if group.group_name in _gloo_groups:
                 return original(*args, **kwargs)
-            if group.group_name in _aborted_groups:
-                raise RuntimeError(f"NCCL contract: group {group.group_name!r} was aborted; it takes no more work")
+            _refuse_if_aborted(group.group_name)
             asynchronous = bound.arguments.get("async_op", False)
             bound.arguments["async_op"] = True
             result = [bound.arguments["tensor"]] if name in ("all_reduce", "broadcast") else None
@@ -386,22 +391,20 @@ def _nccl_contract_process_group(group):
 
         def _post(self, what: str, post, result, completed_at_once: bool):
             name = self.inner.group_name
-            if name in _aborted_groups:
-                raise RuntimeError(f"NCCL contract: group {name!r} was aborted; it takes no more work")
+            _refuse_if_aborted(name)
             work = NcclContractWork([post()], name, what, result)
+            if completed_at_once:  # as WorkNCCL's future (NcclContractWork.get_future)
+                return _create_work_from_future(work.get_future())
             future = torch.futures.Future()
-            if completed_at_once:
-                future.set_result(result)
-            else:
 
-                def settle() -> None:
-                    work.transferred.wait()  # the host read: unbounded; an abort does not release it
-                    if work.error is not None:
-                        future.set_exception(RuntimeError(f"NCCL contract: {what} failed: {work.error}"))
-                    else:
-                        future.set_result(result)
+            def settle() -> None:
+                work.transferred.wait()  # the host read: unbounded; an abort does not release it
+                if work.error is not None:
+                    future.set_exception(RuntimeError(f"NCCL contract: {what} failed: {work.error}"))
+                else:
+                    future.set_result(result)
 
-                threading.Thread(target=settle, name="nccl-contract-host-read", daemon=True).start()
+            threading.Thread(target=settle, name="nccl-contract-host-read", daemon=True).start()
             return _create_work_from_future(future)
 
         def allreduce(self, tensors, opts=None):
@@ -461,8 +464,7 @@ def install(contract: str, group_timeout_s: float, store) -> None:
         _log["batches"] += 1
         _log["groups"].add(group.group_name)
         if contract == "nccl":
-            if group.group_name in _aborted_groups:
-                raise RuntimeError(f"NCCL contract: group {group.group_name!r} was aborted; it takes no more work")
+            _refuse_if_aborted(group.group_name)
             check_first_batch(group)
             return [NcclContractWork(original(p2p_op_list), group.group_name)]
         return original(p2p_op_list)
