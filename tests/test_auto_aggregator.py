@@ -233,11 +233,18 @@ def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient
 # ------------------------------------------------------------------ every rank alike
 
 
-def _decide_worker(rank, world_size, rho):
-    """A real AutoAggregator: links measured, one check on gradients mu + noise of known size."""
-    from train.auto_aggregator import AutoAggregator
+DECLARED = ("aggregator.auto_links.intra_alpha_s=1e-4", "aggregator.auto_links.intra_gbit_s=1.0",
+            "aggregator.auto_links.memory_gbyte_s=5.0")  # fmt: skip
+"""Links given to the decision: what it decides must not rest on a probe that the machine's load can defeat."""
 
-    cfg = auto_config("aggregator.auto_warmup_steps=1", "aggregator.auto_aggregators=[ring16,int8,cerar]")
+
+def _decide_worker(rank, world_size, rho):
+    """A real AutoAggregator on declared links: one check on gradients mu + noise of known size; then the link
+    probe run on the same groups (its all-reduced timings, whatever the machine's load makes of them), and a
+    check on a run left unpriced."""
+    from train.auto_aggregator import AutoAggregator, measure_links
+
+    cfg = auto_config("aggregator.auto_warmup_steps=1", "aggregator.auto_aggregators=[ring16,int8,cerar]", *DECLARED)
     auto = AutoAggregator(cfg, world_size)
     d = 40_000
     auto.prepare(d, torch.device("cpu"))
@@ -246,8 +253,17 @@ def _decide_worker(rank, world_size, rho):
     sigma = rho * np.linalg.norm(mu) / math.sqrt(d / world_size)
     flat = torch.from_numpy((mu + sigma * z).astype(np.float32))
     record = auto.check(flat, 1, seed=3)
-    return {"links": auto.links["timings"], "seconds": auto.choice.seconds, "decision": auto.choice.decisions[-1],
-            "record": record, "expected_noise": rho / math.sqrt(1 + rho**2)}  # fmt: skip
+    timings = measure_links(auto.groups, d, torch.device("cpu"), auto.timeout)
+    unpriced = AutoAggregator(auto_config("aggregator.auto_links.intra_alpha_s=0.001"), world_size)
+    unpriced.prepare(d, torch.device("cpu"))  # a tier half declared: refused, the run stays exact
+    try:
+        unpriced.check(flat, 1, seed=3)
+        refusal = None
+    except RuntimeError as err:
+        refusal = str(err)
+    return {"links": timings, "seconds": auto.choice.seconds, "decision": auto.choice.decisions[-1],
+            "record": record, "expected_noise": rho / math.sqrt(1 + rho**2),
+            "unpriced": (unpriced.due(1), refusal)}  # fmt: skip
 
 
 @pytest.mark.timeout(300)
@@ -256,6 +272,8 @@ def test_every_rank_measures_and_decides_from_the_same_numbers():
     first = results[0]
     for r in results[1:]:  # each rank timed its own calls; the all-reduced timings and all that follows agree
         assert r["links"] == first["links"] and r["seconds"] == first["seconds"] and r["decision"] == first["decision"]
+    assert first["links"]["intra"] and all(t > 0 for _, t in first["links"]["intra"])
+    assert first["links"]["memory_bandwidth"] > 0
     decision = first["decision"]
     assert decision["noise"] == pytest.approx(first["expected_noise"], rel=0.05)
     bounds = {n: e + 2 * decision["standard_errors"][n] for n, e in decision["errors"].items()}
@@ -268,6 +286,10 @@ def test_every_rank_measures_and_decides_from_the_same_numbers():
     assert chosen == min(decision["timed_s"], key=decision["timed_s"].get)
     assert all(t > 0 for t in decision["timed_s"].values())
     assert decision["errors"]["cerar-c16"] > decision["errors"]["cerar-c5"] > 0  # measured, not assumed
+    # unpriced, a run is never due, and a check called anyway refuses in one line naming why
+    due, refusal = first["unpriced"]
+    assert not due and refusal is not None and "unpriced" in refusal and "misses inter" not in refusal
+    assert "\n" not in refusal and "intra_gbit_s" in refusal, refusal
 
 
 # ------------------------------------------------------------------ real training runs

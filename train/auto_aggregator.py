@@ -288,6 +288,11 @@ class AutoAggregator(Aggregator):
         each candidate's measured error, the decision. Returns the record to log."""
         from train.loop import exact_mean, gradient_noise
 
+        if not self.choice.priced:  # as `due` says: an unpriced run stays exact and is never checked
+            raise RuntimeError(
+                f"aggregator=auto: step {step}: check called on an unpriced run "
+                f"({self.fallback or 'prepare() has not priced the candidates'}); it aggregates exactly ({EXACT})"
+            )
         names = self.choice.to_measure()
         noise = gradient_noise(flat, exact_mean(flat))
         numbers = torch.zeros(len(names) + 1, 2, dtype=torch.float64)
