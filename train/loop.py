@@ -608,6 +608,9 @@ class Trainer:
                     evaluation = self.evaluate()
                     self.state.last_val_loss = evaluation["val_loss"]
                     out.update(evaluation)
+                # seconds since this launch's loop began, evaluation included: the wall clock a curve of val_loss
+                # is drawn against (scripts/studies/time_to_loss.py: the time to reach a loss)
+                out["time/wall"] = time.perf_counter() - start_wall
                 if not math.isfinite(train_loss):
                     log.warning("step %d: train loss is %s", step, train_loss)
                 self.logger.log(out)
