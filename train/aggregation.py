@@ -53,8 +53,47 @@ class Aggregator:
         """The collective timeout as the cerar calls and hooks take it."""
         return timedelta(seconds=self.timeout_s)
 
-    def aggregate(self, flat: torch.Tensor) -> int:
-        """Average `flat` across ranks in place; return the bytes this rank sent."""
+    tensor_sizes: list[int] | None = None
+    """The parameter tensors' sizes in flat-gradient order (`use_tensors`); None: the gradient is one tensor."""
+
+    def use_tensors(self, sizes) -> None:
+        """Tell the aggregator the parameter tensors' sizes, in flat-gradient order (they sum to d; the trainer calls
+        it once, before the first step). Aggregators that scale per tensor (`tensor_scales`) scale each of these
+        segments by its own factor; the others ignore it. Not told, an aggregator treats the gradient as one tensor."""
+        from cerar.equilibrate import check_sizes
+
+        self.tensor_sizes = check_sizes(sizes, sum(int(s) for s in sizes), f"aggregator={self.name}: use_tensors")
+
+    def tensor_scales(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The per-tensor power-of-two scales (one per tensor of `use_tensors`) this aggregator would use for `flat`:
+        a collective (every rank calls; the scales are agreed across ranks). None: it does not scale."""
+        return None
+
+    def segments(self, flat: torch.Tensor) -> list[int]:
+        """The tensor sizes that tile `flat` (one segment when not told); a ValueError naming the mismatch."""
+        if self.tensor_sizes is None:
+            return [flat.numel()]
+        if sum(self.tensor_sizes) != flat.numel():
+            raise ValueError(
+                f"aggregator={self.name}: the {len(self.tensor_sizes)} tensors of use_tensors hold "
+                f"{sum(self.tensor_sizes)} values but the gradient holds {flat.numel()}"
+            )
+        return self.tensor_sizes
+
+    def check_scales(self, flat: torch.Tensor, scales: torch.Tensor | None) -> None:
+        """`scales`, when given, must hold one value per position of `flat`; a ValueError naming the mismatch."""
+        if scales is not None and (not isinstance(scales, torch.Tensor) or scales.numel() != flat.numel()):
+            got = scales.numel() if isinstance(scales, torch.Tensor) else type(scales).__name__
+            raise ValueError(
+                f"aggregator={self.name}: scales must be a tensor of one scale per value of the gradient "
+                f"({flat.numel()}), got {got}"
+            )
+
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        """Average `flat` across ranks in place; return the bytes this rank sent. `scales` (one per value of `flat`:
+        the scale of each value's tensor, as `tensor_scales` gives them per tensor) replaces the scales the
+        aggregator would agree on for `flat` itself, so that a sample of the gradient gets the arithmetic the
+        whole gradient gets at those positions; aggregators that do not scale ignore it."""
         raise NotImplementedError
 
     def register_hook(self, ddp: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -81,7 +120,8 @@ class AllReduceAggregator(Aggregator):
 
     name = "nccl"
 
-    def aggregate(self, flat: torch.Tensor) -> int:
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
         if self.world_size > 1:
             await_work(dist.all_reduce(flat, async_op=True), self.timeout_s)  # the trainer's deadline, on NCCL too
             flat.div_(self.world_size)
@@ -96,7 +136,8 @@ class LowPrecisionAllReduce(Aggregator):
         self.dtype = dtype
         self.name = "fp16" if dtype == torch.float16 else "bf16"
 
-    def aggregate(self, flat: torch.Tensor) -> int:
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
         if self.world_size > 1:
             low = flat.div(self.world_size).to(self.dtype)
             await_work(dist.all_reduce(low, async_op=True), self.timeout_s)
@@ -147,7 +188,8 @@ class PowerSGDAggregator(Aggregator):
                 compressed += int(shape.numel())
         return ring_allreduce_bytes(compressed, 4, self.world_size)
 
-    def aggregate(self, flat: torch.Tensor) -> int:
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
         raise RuntimeError("powersgd runs as a DDP communication hook only (trainer.overlap=true)")
 
 
@@ -234,7 +276,8 @@ class CerarAggregator(HookStatsBytes, Aggregator):
         the replicas stay identical until c=auto chooses an approximate code."""
         self.code, self.c, self.exact_ring = code, code.c, code.is_exact
 
-    def aggregate(self, flat: torch.Tensor) -> int:
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
         if self.exact_ring:
@@ -346,7 +389,8 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
         elif not exact_ring and n == 1:
             log.warning("%s on one node (%s): aggregation is exact, nothing is coded", self.name, self.layout)
 
-    def aggregate(self, flat: torch.Tensor) -> int:
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
         if self.code is None:
@@ -456,7 +500,8 @@ class QuantizedAggregator(HookStatsBytes, Aggregator):
 
             self.transport = transport_group(None, self.timeout)
 
-    def aggregate(self, flat: torch.Tensor) -> int:
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
         stats = self.quantized.quantized_all_reduce(
@@ -494,7 +539,8 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
             log.info("%s: %s (local size from %s); between the nodes: %s, block %d", self.name, layout, where,
                      self.method, block)  # fmt: skip
 
-    def aggregate(self, flat: torch.Tensor) -> int:
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
         stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
