@@ -14,6 +14,13 @@ residuals, as ``costmodel.fit`` fits the lab's rows. So a tier measured this way
 features it was measured with, and a prediction for another aggregator on it extrapolates only in the
 bytes and rounds it sends.
 
+Under load (issue 34: the probe gave up at 50 % RMS beside other jobs on a shared 2-core machine, leaving
+aggregator=auto exact): contention only ever adds time, so a size whose calls all met a loaded moment sits
+above the link's line. ``misfits`` names the sizes above the line by more than ``MISS``, which the caller
+times again and keeps the faster of (``train.auto_aggregator.measure_links`` does, collectively), and
+``robust_fit`` leaves out at most one such slow size when at least ``MIN_SIZES_KEPT`` remain. Timings with no
+bytes term, or that miss any line, are still refused.
+
 What it does not see: a link's contention by other jobs, and (for a tier's bandwidth) the sharing of a NIC
 by several rails unless the caller times the rails alone and together (``NicSharing``); the timings are of
 this process's calls, so a caller that wants every rank to decide alike agrees them first (e.g. an
@@ -41,6 +48,11 @@ BYTES_DOMINATE = (8.0, 0.05)
 that the bandwidth term stands above the rounds' (and the scheduler's) noise: on loopback 1 MiB is latency."""
 MAX_FIT_RMSE = 0.5
 """A fit whose relative residuals exceed this is not a measurement of a link (``fit_tier`` refuses it)."""
+MISS = 0.25
+"""A size whose time is above the fitted line by more than this met contention: ``measure_links`` times it again
+(keeping the faster), and ``robust_fit`` may leave one such size out when the fit misses by more than this."""
+MIN_SIZES_KEPT = 3
+"""A fit that leaves a size out keeps at least this many (two would fit any alpha and beta exactly)."""
 
 
 class LinkProbeError(RuntimeError):
@@ -123,27 +135,75 @@ def ring_features(d, n: int) -> np.ndarray:
     return np.array([x[0], x[1], x[4]], dtype=float)
 
 
+def _solve(timings: list[tuple[int, float]], n: int, memory_bandwidth: float) -> tuple[float, float, np.ndarray]:
+    """(alpha, beta, predicted seconds) of the least-squares fit on relative residuals (alpha, beta >= 0)."""
+    X = np.array([ring_features(d, n) for d, _ in timings])
+    measured = np.array([t for _, t in timings])
+    y = measured - X[:, 2] / memory_bandwidth
+    A = X[:, :2] / measured[:, None]  # relative residuals: small and large calls weigh alike
+    scale = np.abs(A).max(axis=0)
+    scale[scale == 0] = 1.0
+    alpha, beta = costmodel._nonneg_lstsq(A / scale, y / measured) / scale
+    return float(alpha), float(beta), X[:, 0] * alpha + X[:, 1] * beta + X[:, 2] / memory_bandwidth
+
+
+def _rms(predicted: np.ndarray, timings: list[tuple[int, float]]) -> float:
+    measured = np.array([t for _, t in timings])
+    return float(np.sqrt(np.mean(((predicted - measured) / measured) ** 2)))
+
+
+def robust_fit(
+    timings: list[tuple[int, float]], n: int, memory_bandwidth: float
+) -> tuple[float, float, float, list[tuple[int, float]]]:
+    """(alpha, beta, relative RMS over the sizes kept, the sizes left out) of ``fit_tier``'s rule: the fit on
+    every size, or, when that misses by more than ``MISS`` (RMS) and ``MIN_SIZES_KEPT`` sizes would remain, the
+    best fit with one size left out, provided that size took longer than the fit predicts for it by more than
+    ``MISS``. Why: contention (a busy CPU, a neighbour's traffic) only ever adds time, so one size that all its
+    calls met at a loaded moment sits above the link's line and drags the fit off it; a size that is faster
+    than the line is no such accident, and is never left out. No check of the result (``fit_tier`` checks)."""
+    alpha, beta, predicted = _solve(timings, n, memory_bandwidth)
+    rms = _rms(predicted, timings)
+    if rms <= MISS or len(timings) - 1 < MIN_SIZES_KEPT:
+        return alpha, beta, rms, []
+    best = None
+    for i in range(len(timings)):
+        kept = timings[:i] + timings[i + 1 :]
+        a, b, p = _solve(kept, n, memory_bandwidth)
+        own = float(ring_features(timings[i][0], n) @ [a, b, 1 / memory_bandwidth])
+        if not (b > 0 and timings[i][1] > (1 + MISS) * own):  # only a slow size is contention's, on a link's line
+            continue
+        r = _rms(p, kept)
+        if best is None or r < best[2]:
+            best = (a, b, r, [timings[i]])
+    return best if best is not None and best[2] < rms else (alpha, beta, rms, [])
+
+
+def misfits(timings: list[tuple[int, float]], n: int, memory_bandwidth: float) -> list[int]:
+    """The sizes (d) worth timing again: those above ``robust_fit``'s line by more than ``MISS``, or every size
+    when the timings give no bytes term. Every member that holds the same (agreed) timings names the same sizes,
+    so a caller can re-time them collectively (``train.auto_aggregator.measure_links``)."""
+    if len(timings) < 2:
+        return [d for d, _ in timings]
+    alpha, beta, _, _ = robust_fit(timings, n, memory_bandwidth)
+    if not beta > 0:
+        return [d for d, _ in timings]
+    return [d for d, t in timings if t > (1 + MISS) * float(ring_features(d, n) @ [alpha, beta, 1 / memory_bandwidth])]
+
+
 def fit_tier(
     timings: list[tuple[int, float]], n: int, memory_bandwidth: float, name: str = ""
 ) -> tuple[costmodel.Tier, float]:
     """(Tier, relative RMS residual) fitted to ``time_ring``'s timings on n ranks: seconds = alpha rounds +
-    bytes / bandwidth + moved / memory_bandwidth. Raises LinkProbeError when the timings do not describe a link
-    (fewer than 2 sizes, a non-positive time, no bandwidth term, or residuals above ``MAX_FIT_RMSE``)."""
+    bytes / bandwidth + moved / memory_bandwidth, by ``robust_fit`` (one slow size may be left out; the Tier's
+    note names it, and the RMS is over the sizes kept). Raises LinkProbeError when the timings do not describe a
+    link (fewer than 2 sizes, a non-positive time, no bandwidth term, or residuals above ``MAX_FIT_RMSE``)."""
     if n < 2:
         raise LinkProbeError(f"fit_tier: a tier of {n} rank has no links to measure")
     if len(timings) < 2 or any(not (t > 0 and math.isfinite(t)) for _, t in timings):
         raise LinkProbeError(f"fit_tier: need at least 2 positive timings, got {timings!r}")
     if not memory_bandwidth > 0:
         raise LinkProbeError(f"fit_tier: memory_bandwidth must be > 0, got {memory_bandwidth!r}")
-    X = np.array([ring_features(d, n) for d, _ in timings])
-    y = np.array([t for _, t in timings]) - X[:, 2] / memory_bandwidth
-    measured = np.array([t for _, t in timings])
-    A = X[:, :2] / measured[:, None]  # relative residuals: small and large calls weigh alike
-    scale = np.abs(A).max(axis=0)
-    scale[scale == 0] = 1.0
-    alpha, beta = costmodel._nonneg_lstsq(A / scale, y / measured) / scale
-    predicted = X[:, 0] * alpha + X[:, 1] * beta + X[:, 2] / memory_bandwidth
-    rel_rmse = float(np.sqrt(np.mean(((predicted - measured) / measured) ** 2)))
+    alpha, beta, rel_rmse, left_out = robust_fit(list(timings), n, memory_bandwidth)
     if not beta > 0:
         raise LinkProbeError(f"fit_tier: the timings {timings!r} grow with no bytes term (bandwidth unmeasurable)")
     if not rel_rmse <= MAX_FIT_RMSE:
@@ -151,7 +211,10 @@ def fit_tier(
             f"fit_tier ({name or f'{n} ranks'}): alpha + bytes / bandwidth misses the timings by {rel_rmse:.0%} "
             f"(RMS; at most {MAX_FIT_RMSE:.0%}): " + ", ".join(f"{d} values {1e3 * t:.3g} ms" for d, t in timings)
         )
-    return costmodel.Tier(float(alpha), float(1 / beta), name, f"measured: {len(timings)} sizes"), rel_rmse
+    note = f"measured: {len(timings)} sizes"
+    if left_out:
+        note += ", left out (slow): " + ", ".join(f"{d} values {1e3 * t:.3g} ms" for d, t in left_out)
+    return costmodel.Tier(alpha, 1 / beta, name, note), rel_rmse
 
 
 @dataclass(frozen=True)
