@@ -1,0 +1,341 @@
+"""The time-to-loss study's runs: one launch of ``train/main.py`` per run (in the network lab or on loopback), the
+numbers of a finished run folder, and the CSV rows, appended as runs finish and skipped when already there.
+
+Why one launch per run (not ``train/sweep.py``): the load average is recorded before and after each run, and each
+row's load is its own. The code that trains is a snapshot of one commit (``code_snapshot``: ``git archive`` of
+cerar, train and configs), so the ``commit`` column names exactly what ran, whatever else the checkout holds.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from scripts.studies.ttl.settings import AGGREGATORS, COLUMNS, ROOT, Setting
+
+
+def loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages, as ``os.getloadavg`` gives them."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# --------------------------------------------------------------------------------------------- the code
+
+
+def head_commit(checkout: Path = ROOT) -> str:
+    return subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # fmt: skip
+
+
+def code_snapshot(commit: str, cache: Path) -> Path:
+    """A folder holding cerar/, train/ and configs/ of ``commit`` (``git archive``), made once and reused: the runs
+    train this code, not the checkout's working tree (which other engineers may be editing)."""
+    folder = cache / commit
+    if (folder / "train" / "main.py").is_file():
+        return folder
+    tmp = cache / f".{commit}.{os.getpid()}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit, "cerar", "train", "configs"],
+                             capture_output=True, check=True).stdout  # fmt: skip
+    subprocess.run(["tar", "-x", "-C", str(tmp)], input=archive, check=True)
+    os.replace(tmp, folder)
+    return folder
+
+
+# --------------------------------------------------------------------------------------------- one run
+
+
+def overrides(setting: Setting, name: str, seed: int, steps: int, eval_every: int, micro_batch: int,
+              run_dir: Path, extra: list[str]) -> list[str]:  # fmt: skip
+    """train/main.py's overrides for one run: the aggregator's, then what every run of the study shares."""
+    return [
+        *AGGREGATORS[name], f"model={setting.model}", f"seed={seed}", f"trainer.max_steps={steps}",
+        f"trainer.eval_every={eval_every}", "trainer.log_every=1", f"trainer.micro_batch_size={micro_batch}",
+        "trainer.drift_every=0", "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.at_end=false",
+        "resume=false", "wandb.mode=disabled", f"hydra.run.dir={run_dir}", *extra,
+    ]  # fmt: skip
+
+
+def launch(setting: Setting, argv: list[str], code: Path, log_dir: Path, timeout: float, mtu: int, port: int):
+    """Run ``train/main.py argv`` of the snapshot ``code`` on the setting's ranks; returns (ok, how it ended, the
+    command shown). The lab is always torn down (netlab), a loopback launch is killed at ``timeout``."""
+    env = {"OMP_NUM_THREADS": "1", "WANDB_SILENT": "true", "TOKENIZERS_PARALLELISM": "false"}
+    main = str(code / "train" / "main.py")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if setting.links == "loopback":
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={setting.ranks}", main, *argv]
+        with open(log_dir / "launch.log", "w") as log:
+            try:
+                proc = subprocess.run(cmd, cwd=code, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT,
+                                      timeout=timeout, start_new_session=True)  # fmt: skip
+                ok, how = proc.returncode == 0, f"rc={proc.returncode}"
+            except subprocess.TimeoutExpired:
+                ok, how = False, f"TIMEOUT after {timeout:.0f} s"
+        return ok, how, shlex.join(["torchrun", *cmd[1:]])
+    from scripts.lab import netlab
+
+    with netlab.NetLab(hosts=setting.hosts, rate_mbit=setting.rate_mbit, master_port=port, mtu=mtu,
+                       ranks_per_host=setting.ranks_per_host) as lab:  # fmt: skip
+        res = lab.run([sys.executable, main, *argv], timeout=timeout, out_dir=log_dir, env=env)
+    shape = f"{setting.hosts} hosts x {setting.ranks_per_host} ranks"
+    return (
+        res.ok,
+        res.describe(),
+        f"netlab({shape}, {setting.rate_mbit:g} Mbit/s, mtu {mtu}): " + shlex.join(["python", *[main, *argv]]),
+    )
+
+
+# --------------------------------------------------------------------------------------------- a run's numbers
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # a torn last line of a killed run
+    return out
+
+
+def curve(metrics: list[dict]) -> list[tuple[float, float]]:
+    """(wall seconds, validation loss) of every evaluation, in order (``time/wall``: the loop's clock, evaluations
+    included)."""
+    return [(float(r["time/wall"]), float(r["val_loss"])) for r in metrics if "val_loss" in r and "time/wall" in r]
+
+
+def time_to_target(points: list[tuple[float, float]], target: float | None) -> float | None:
+    """Wall seconds to the first evaluation at or below ``target`` (None: never reached, or no target)."""
+    if target is None:
+        return None
+    return next((t for t, loss in points if loss <= target), None)
+
+
+def chosen(name: str, summary: dict) -> str:
+    """What aggregator=auto or c=auto chose and at which step ('fp16 at step 100'; moves joined by ' -> '), or
+    'fallback: nccl (...)' where auto's probe left it exact; empty for fixed aggregators."""
+    auto = summary.get("auto")
+    if auto is not None:
+        if auto.get("fallback"):
+            return f"fallback: nccl ({auto['fallback'].split('(', 1)[-1].split(';')[0][:120].rstrip(')')})"
+        moves, last = [], None
+        for d in auto.get("decisions") or []:
+            if d.get("choice") != last:
+                moves.append(f"{d['choice']} at step {d['step']}")
+                last = d.get("choice")
+        return " -> ".join(moves) or "nccl (no decision yet)"
+    decisions = (summary.get("auto_c") or {}).get("decisions")
+    if decisions is not None:
+        moves, last = [], None
+        for d in decisions:
+            if d.get("c") != last:
+                moves.append(f"c={d['c']} at step {d['step']}")
+                last = d.get("c")
+        return " -> ".join(moves) or "exact ring (no decision yet)"
+    return ""
+
+
+def run_numbers(run_dir: Path) -> dict | None:
+    """The CSV's numbers of one finished run folder (None while it has no summary.json): steps, wall_s (the loop,
+    evaluations included), steps_s (the training steps alone: the sum of time/step), aggregate_share (mean over
+    steps 2.. of time/aggregate / time/step; step 1 pays one-time costs), bytes_per_step (median of bytes_sent over
+    steps 2..), final_val_loss, the evaluation curve and what auto chose."""
+    path = run_dir / "summary.json"
+    if not path.exists():
+        return None
+    summary = json.loads(path.read_text())
+    metrics = read_metrics(run_dir)
+    steady = [r for r in metrics if r.get("step", 0) > 1 and r.get("time/step")]
+    return {
+        "steps": summary.get("final_step"),
+        "wall_s": summary.get("wall_seconds"),
+        "steps_s": sum(float(r.get("time/step", 0.0)) for r in metrics),
+        "aggregate_share": statistics.mean(float(r.get("time/aggregate", 0.0)) / float(r["time/step"]) for r in steady)
+        if steady
+        else None,  # fmt: skip
+        "bytes_per_step": statistics.median(r.get("bytes_sent", 0) for r in steady) if steady else None,
+        "final_val_loss": summary.get("final_val_loss"),
+        "curve": curve(metrics),
+        "summary": summary,
+    }
+
+
+# --------------------------------------------------------------------------------------------- the CSV
+
+
+def read_rows(csv_path: Path) -> list[dict]:
+    """The CSV's rows; a file whose header is not the study's columns is refused, naming the difference."""
+    if not csv_path.exists() or csv_path.stat().st_size == 0:
+        return []
+    with open(csv_path, newline="") as f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames != COLUMNS:
+            raise ValueError(f"{csv_path}: columns {reader.fieldnames} are not the study's {COLUMNS}")
+        return list(reader)
+
+
+def done_keys(rows: list[dict]) -> set[tuple]:
+    """(links, rate, hosts, ranks_per_host, model, aggregator, seed) of every row: the runs to skip."""
+    return {(r["links"], r["rate_mbit"], r["hosts"], r["ranks_per_host"], r["model"], r["aggregator"], r["seed"])
+            for r in rows}  # fmt: skip
+
+
+def append(csv_path: Path, rows: list[dict]) -> None:
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    new = not csv_path.exists() or csv_path.stat().st_size == 0
+    with open(csv_path, "a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="raise")
+        if new:
+            w.writeheader()
+        w.writerows(rows)
+
+
+def _num(x, digits: int = 6):
+    """A CSV cell: empty for None, else rounded (an int at 0 digits)."""
+    if x is None:
+        return ""
+    return int(round(float(x))) if digits == 0 else round(float(x), digits)
+
+
+def make_row(setting: Setting, name: str, seed: int, numbers: dict, launch_record: dict, target: float | None) -> dict:
+    """One CSV row: the run's numbers, its time to ``target`` (nccl's final validation loss at the same seed) and
+    the load and commit its launch recorded."""
+    links, rate, hosts, per_host, model = setting.row_key()
+    return {
+        "links": links, "rate_mbit": rate, "hosts": hosts, "ranks_per_host": per_host, "model": model,
+        "aggregator": name, "chosen": chosen(name, numbers["summary"]), "seed": seed, "steps": numbers["steps"],
+        "wall_s": _num(numbers["wall_s"], 3), "steps_s": _num(numbers["steps_s"], 3),
+        "aggregate_share": _num(numbers["aggregate_share"], 4), "bytes_per_step": _num(numbers["bytes_per_step"], 0),
+        "final_val_loss": _num(numbers["final_val_loss"], 6),
+        "time_to_target_s": _num(time_to_target(numbers["curve"], target), 3),
+        "load_before": launch_record.get("load_before", ""), "load_after": launch_record.get("load_after", ""),
+        "commit": launch_record.get("commit", ""),
+    }  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------------- the study
+
+
+def rotated(names: list[str], k: int) -> list[str]:
+    """``names`` rotated left by k: seed k's order, so each aggregator runs early under some seeds, late under
+    others, and a slow drift of the load hits them alike."""
+    k %= len(names)
+    return names[k:] + names[:k]
+
+
+def run_study(args, settings: list[Setting]) -> int:
+    """Every (setting, seed, aggregator) not yet in the CSV, aggregators interleaved and rotated by seed; rows are
+    appended as soon as nccl's run of the same seed has finished (the target), the rest at the seed's end."""
+    if any(s.links != "loopback" for s in settings):
+        from scripts.lab import netlab
+
+        problem = netlab.requirements_problem()
+        if problem:
+            print(f"time_to_loss: {problem}", file=sys.stderr)
+            return 2
+    commit = args.commit or head_commit()
+    code = args.code_dir or code_snapshot(commit, args.code_cache)
+    failures, k = 0, 0
+    for setting in settings:
+        names = [n for n in setting.aggregators if args.aggregators is None or n in args.aggregators]
+        if "nccl" not in names:
+            raise ValueError(f"{setting.key}: nccl must run (every ratio and target is against it)")
+        folder = args.runs / setting.key
+        for seed in args.seeds:
+            order = rotated(names, seed - 1)  # by the seed itself: a later command for more seeds keeps the rule
+            for name in order:
+                done = done_keys(read_rows(args.csv))
+                key = (*setting.row_key(), name, str(seed))
+                run_dir = folder / f"{name}_s{seed}"
+                if key in done or (run_dir / "summary.json").exists():
+                    continue  # in the CSV, or finished and waiting for nccl's target
+                k += 1
+                argv = overrides(setting, name, seed, args.steps_for(setting), args.eval_for(setting),
+                                 args.micro_batch, run_dir, args.extra)  # fmt: skip
+                record = {"commit": commit, "load_before": loadavg(), "started": _now()}
+                t0 = time.monotonic()
+                ok, how, shown = launch(setting, argv, code, folder / "logs" / f"{name}_s{seed}", args.timeout,
+                                        args.mtu, 29500 + (os.getpid() + k) % 400)  # fmt: skip
+                record.update(load_after=loadavg(), seconds=round(time.monotonic() - t0, 1), ended=how, ok=ok,
+                              command=shown.replace(str(code) + "/", ""))  # fmt: skip
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "launch.json").write_text(json.dumps(record, indent=1) + "\n")
+                failures += not ok
+                print(f"time_to_loss: {setting.key} {name} seed {seed}: {how} in {record['seconds']} s, load "
+                      f"{record['load_before']} -> {record['load_after']}", flush=True)  # fmt: skip
+                flush_rows(args.csv, setting, folder, seed, names, final=False)
+            flush_rows(args.csv, setting, folder, seed, names, final=True)
+    return 1 if failures else 0
+
+
+def flush_rows(csv_path: Path, setting: Setting, folder: Path, seed: int, names: list[str], final: bool) -> int:
+    """Append the rows of this seed's finished runs that the CSV lacks, once nccl's run of the seed has finished
+    (its final validation loss is every row's target) or, with ``final``, whatever has finished. Returns how many."""
+    nccl = run_numbers(folder / f"nccl_s{seed}")
+    if nccl is None and not final:
+        return 0
+    target = nccl["final_val_loss"] if nccl else None
+    done = done_keys(read_rows(csv_path))
+    rows = []
+    for name in names:
+        run_dir = folder / f"{name}_s{seed}"
+        numbers = run_numbers(run_dir)
+        if numbers is None or (*setting.row_key(), name, str(seed)) in done:
+            continue
+        record = json.loads((run_dir / "launch.json").read_text()) if (run_dir / "launch.json").exists() else {}
+        rows.append(make_row(setting, name, seed, numbers, record, target))
+    append(csv_path, rows)
+    return len(rows)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# --------------------------------------------------------------------------------------------- the lab's rate
+
+
+def calibrate(args, rates: list[float], model: str, steps: int) -> list[dict]:
+    """nccl's aggregation share of a step in the flat lab at each rate (short runs of ``steps`` steps, seed 1), one
+    row per rate to ``RATES_CSV``: the evidence the study's rate is chosen from (``PAPER_SHARE``)."""
+    from scripts.studies.ttl.settings import RATE_COLUMNS, RATES_CSV, setting_of
+
+    commit = args.commit or head_commit()
+    code = args.code_dir or code_snapshot(commit, args.code_cache)
+    rows = []
+    for k, rate in enumerate(rates):
+        setting = setting_of("lab", model, rate)
+        run_dir = args.runs / "rates" / f"{setting.key}"
+        argv = overrides(setting, "nccl", 1, steps, steps, args.micro_batch, run_dir, args.extra)
+        before = loadavg()
+        ok, how, _ = launch(setting, argv, code, run_dir / "logs", args.timeout, args.mtu, 29450 + k)
+        after = loadavg()
+        numbers = run_numbers(run_dir) if ok else None
+        if numbers is None:
+            print(f"time_to_loss: calibration at {rate:g} Mbit/s failed: {how}", file=sys.stderr)
+            continue
+        steady = [r for r in read_metrics(run_dir) if r.get("step", 0) > 1]
+        row = {"rate_mbit": f"{rate:g}", "model": model, "hosts": setting.hosts, "seed": 1, "steps": numbers["steps"],
+               "aggregate_share": _num(numbers["aggregate_share"], 4),
+               "step_s": _num(statistics.mean(float(r["time/step"]) for r in steady), 4),
+               "aggregate_s": _num(statistics.mean(float(r.get("time/aggregate", 0.0)) for r in steady), 4),
+               "load_before": before, "load_after": after, "commit": commit}  # fmt: skip
+        rows.append(row)
+        from scripts.bench.csv_rows import append_rows
+
+        append_rows(RATES_CSV, [row], RATE_COLUMNS)
+        print(f"time_to_loss: {rate:g} Mbit/s, {model}: nccl's aggregation {row['aggregate_share']} of a step "
+              f"({row['aggregate_s']} of {row['step_s']} s), load {before} -> {after}", flush=True)  # fmt: skip
+    return rows
