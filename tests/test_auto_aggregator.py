@@ -44,14 +44,19 @@ def test_the_fastest_that_fits_is_taken_and_only_more_accurate_ones_replace_it()
     auto = AutoChoice(fake_candidates("fast", "mid", "slow"), seconds, budget=0.1, warmup_steps=3, check_every=2)
     assert not auto.due(2) and auto.due(3) and not auto.due(4) and auto.due(5)
     assert auto.to_measure() == ["fast", "mid", "slow"]
-    # noise 0.1: allowed 0.01; bounds are error + 2 standard errors: fast 0.02 (no), mid 0.008 (yes), slow 0.001
-    first = auto.decide(3, 0.1, {"fast": (0.01, 0.005), "mid": (0.006, 0.001), "slow": (0.001, 0.0)})
+    nan = auto.decide(3, 0.1, {"fast": (math.nan, 0.0), "mid": (0.06, 0.01), "slow": (0.01, 0.0)})
+    assert nan["choice"] == "nccl" and nan["reason"].startswith("evidence not finite") and not auto.excluded
+    assert auto.due(4) and auto.to_measure() == ["fast", "mid", "slow"]  # refused, not "exceeds": checked again
+    # each candidate's worst tensor's error against that tensor's noise, + 2 standard errors, against budget 0.1:
+    # fast 0.2 (no), mid 0.08 (yes), slow 0.01
+    first = auto.decide(4, 0.1, {"fast": (0.1, 0.05), "mid": (0.06, 0.01), "slow": (0.01, 0.0)})
     assert (first["choice"], first["reason"]) == ("mid", "first choice")
     assert auto.to_measure() == ["mid", "slow"]  # fast was less accurate: it never comes back
-    assert auto.decide(5, 0.1, {"mid": (0.008, 0.0), "slow": (0.001, 0.0)})["choice"] == "mid"
-    moved = auto.decide(7, 0.05, {"mid": (0.008, 0.0), "slow": (0.001, 0.0)})  # allowed 0.005: mid no longer fits
+    assert not auto.due(6) and auto.due(7)  # back on the schedule from warm-up
+    assert auto.decide(5, 0.1, {"mid": (0.08, 0.0), "slow": (0.01, 0.0)})["choice"] == "mid"
+    moved = auto.decide(7, 0.05, {"mid": (0.16, 0.0), "slow": (0.02, 0.0)})  # mid's tensor no longer fits
     assert (moved["choice"], moved["reason"], auto.excluded) == ("slow", "mid exceeds the budget", ["mid"])
-    last = auto.decide(9, 0.001, {"slow": (0.001, 0.0)})  # allowed 1e-4: only the exact one is left
+    last = auto.decide(9, 0.001, {"slow": (1.0, 0.0)})  # only the exact one is left
     assert last["choice"] == "nccl" and auto.to_measure() == [] and not auto.due(11)
     again = AutoChoice(fake_candidates("fast", "mid", "slow"), seconds)
     again.load_state_dict(auto.state_dict())
@@ -70,7 +75,7 @@ def test_the_model_ranks_and_the_timed_calls_decide():
     from train.auto_choice import AutoChoice
 
     seconds = {"nccl": 1.0, "a": 0.2, "b": 0.3, "c": 0.4, "d": 0.5, "loose": 0.1}
-    bounds = {"a": (0.001, 0.0), "b": (0.002, 0.0), "c": (0.003, 0.0), "d": (0.004, 0.0), "loose": (0.5, 0.0)}
+    bounds = {"a": (0.01, 0.0), "b": (0.02, 0.0), "c": (0.03, 0.0), "d": (0.04, 0.0), "loose": (5.0, 0.0)}
     asked = []
 
     def time_calls(names):  # what the real calls took: a is slow in fact, c the fastest
@@ -78,17 +83,17 @@ def test_the_model_ranks_and_the_timed_calls_decide():
         return {"nccl": 0.9, "a": 1.5, "b": 0.8, "c": 0.6, "d": 0.1}
 
     auto = AutoChoice(fake_candidates(*bounds), seconds, budget=0.1, warmup_steps=1, check_every=1, trials=2)
-    first = auto.decide(1, 0.1, bounds, time_calls)  # allowed 0.01: loose never fits; d fits but ranks 4th
+    first = auto.decide(1, 0.1, bounds, time_calls)  # budget 0.1: loose never fits; d fits but ranks 4th
     assert asked == [["a", "b", "nccl"]] and first["choice"] == "b"
     assert first["timed_s"] == {"nccl": 0.9, "a": 1.5, "b": 0.8}
-    assert auto.decide(2, 0.1, {"b": (0.002, 0.0), "a": (0.001, 0.0)}, time_calls)["reason"] == "still fits"
+    assert auto.decide(2, 0.1, {"b": (0.02, 0.0), "a": (0.01, 0.0)}, time_calls)["reason"] == "still fits"
     assert len(asked) == 1  # a kept choice is not timed
-    moved = auto.decide(3, 0.015, {"b": (0.002, 0.0), "a": (0.001, 0.0)}, time_calls)  # allowed 0.0015
+    moved = auto.decide(3, 0.015, {"b": (0.14, 0.0), "a": (0.07, 0.0)}, time_calls)  # b's tensor no longer fits
     assert asked[-1] == ["a", "nccl"] and moved["choice"] == "nccl"  # timed: nccl 0.9 s beats a's 1.5 s
     alone = AutoChoice(fake_candidates(*bounds), seconds, budget=0.1, warmup_steps=1, trials=0)
     assert alone.decide(1, 0.1, bounds, time_calls)["choice"] == "a" and len(asked) == 2  # trials=0: the model
     assert AutoChoice(fake_candidates(*bounds), seconds, budget=0.1, trials=3).shortlist(
-        {"nccl": 0.0, **{n: e for n, (e, _) in bounds.items()}}, 0.01
+        {"nccl": 0.0, **{n: e for n, (e, _) in bounds.items()}}, 0.1
     ) == ["a", "b", "c", "nccl"]
 
 
@@ -167,6 +172,8 @@ def _sample_worker(rank, world_size, d):
     from train.auto_aggregator import build_candidate, measure_candidate
     from train.auto_c import sample_indices
     from train.auto_choice import candidates
+    from train.loop import exact_mean
+    from train.tensor_errors import TensorLayout, tensor_noise
 
     cfg = auto_config(
         "aggregator.local_size=2",
@@ -179,6 +186,7 @@ def _sample_worker(rank, world_size, d):
     group = transport_group(None, 60)
     g = torch.from_numpy(np.random.default_rng(rank).standard_normal(d).astype(np.float32))
     g[: d // 3] *= 1e-3  # decades apart, as a model's layers are
+    sigma = tensor_noise(g, exact_mean(g), TensorLayout.single(d))
     out = {}
     for name in ("fp16", "int8", "cerar-c8", "cerar16-c8", "hier_int8"):
         cand = pool[name]
@@ -191,7 +199,7 @@ def _sample_worker(rank, world_size, d):
         x = torch.where(indices < d, g[indices.clamp(max=d - 1)], 0.0)
         agg.aggregate(x)
         kept = indices < d
-        everything = measure_candidate(agg, cand, g, 0, torch.Generator())
+        everything = measure_candidate(agg, cand, g, TensorLayout.single(d), sigma, torch.Generator(), 0)
         out[name] = {
             "sampled": x[kept].numpy(),
             "whole_there": whole[indices[kept]].numpy(),
@@ -209,6 +217,7 @@ def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient
     G = np.stack([np.random.default_rng(r).standard_normal(d).astype(np.float32) for r in range(N)])
     G[:, : d // 3] *= 1e-3
     mean = G.astype(np.float64).mean(0)
+    sigma = math.sqrt(((G.astype(np.float64) - mean) ** 2).sum() / (N * (N - 1)))  # the mean's noise, by definition
     worst = {}
     for rank, got in enumerate(results):
         for name, r in got.items():
@@ -223,8 +232,9 @@ def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient
             assert difference <= rounding, (rank, name, difference)
             whole_error = np.linalg.norm(r["whole"] - mean) / np.linalg.norm(mean)
             worst[name] = max(worst.get(name, 0.0), whole_error)
-            error, se = r["error_all_units"]
-            assert se == 0.0 and error == pytest.approx(whole_error, rel=1e-4, abs=1e-7), (rank, name)
+            error, se, tensor = r["error_all_units"]  # against the noise: ||g_hat - g_bar|| / sigma
+            assert se == 0.0 and tensor == 0, (rank, name)
+            assert error == pytest.approx(np.linalg.norm(r["whole"] - mean) / sigma, rel=1e-4, abs=1e-7), (rank, name)
     # every candidate errs far above its rounding on its worst rank (CERAR's reference rank is exact): a sample
     # that mixed up its units would show
     assert all(error > 30 * 4 * KAPPA_MAX * 2.0**-24 for error in worst.values()), worst

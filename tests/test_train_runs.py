@@ -136,6 +136,14 @@ def exact_sum_order_bound(record: dict, N: int) -> float:
 # ------------------------------------------------------------------------ one launch per world size
 
 
+def tiny_parameter_names() -> set[str]:
+    """The parameter tensors of the runs' model (model=tiny), by their names in the module."""
+    from tests.runs import composed
+    from train.model import build_model
+
+    return {name for name, p in build_model(composed("model=tiny").model).named_parameters() if p.requires_grad}
+
+
 def code_for(N: int, label: str):
     """The code the run used, built as train/ builds it (the aggregator's yaml: eps and kappa_max unset)."""
     import cerar
@@ -172,6 +180,14 @@ def test_every_aggregator_trains(sweep, N, label):
         return
     assert records[-1]["time/aggregate"] > 0
     errors = [r["agg/rel_error_max"] for r in records]
+    names = tiny_parameter_names()
+    for r in records:  # per tensor (train/tensor_errors.py): every tensor has its figure, and the worst tensor's
+        # error/noise is never below the whole gradient's (a sum of ratios' numerators over denominators)
+        tensors = {k.removeprefix("tensor/"): v for k, v in r.items() if k.startswith("tensor/")}
+        assert set(tensors) == names and r["agg/worst_tensor"] in names
+        assert r["agg/tensor_error_to_noise_max"] == max(tensors.values())
+        whole = r["agg/rel_error_max"] / r["noise/rel_std_mean"]
+        assert r["agg/tensor_error_to_noise_max"] >= whole * (1 - 1e-6), (r, whole)
     if label == "nccl" or (exact and N == 2):  # the same sum (two values add the same either way) as the reference
         assert max(errors) == 0.0, errors
     elif exact:

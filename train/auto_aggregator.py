@@ -204,22 +204,31 @@ def cluster_from_declared(layout, links: dict):
 # --------------------------------------------------------------------------------------------- the errors
 
 
-def measure_candidate(aggregator: Aggregator, cand: Candidate, flat: torch.Tensor, values: int, generator) -> list:
-    """[error, standard error] of this rank's aggregate under `cand` on a sample of `flat` (every rank calls, with
-    the same generator state): the candidate's real call on the sample against the exact mean of the sample."""
-    from train.auto_c import gather_columns, ratio_estimate, sample_indices
+def measure_candidate(
+    aggregator: Aggregator, cand: Candidate, flat: torch.Tensor, layout, noise: torch.Tensor, generator,
+    per_tensor: int,
+) -> list:  # fmt: skip
+    """[rho, standard error, tensor] of this rank's aggregate under `cand` (every rank calls, with the same
+    generator state): the candidate's real call on a `TensorSample` of `flat` (its units, drawn for every tensor
+    of `layout`) against the exact mean of the sample, each tensor's error estimated and set against its noise
+    (`noise`: sigma_t), the worst tensor's (train/tensor_errors.py). An aggregator that scales per tensor is
+    given the scales it would use on the whole gradient, so that the sample gets the same arithmetic."""
+    from train.tensor_errors import TensorSample, unit_sizes, worst_tensor
 
-    indices, count, total = sample_indices(flat.numel(), cand.parts, cand.pieces, cand.unit, values, generator)
-    x = gather_columns(flat, indices).float()
+    z = unit_sizes(flat, cand.parts, cand.pieces, cand.unit)
+    sample = TensorSample.draw(z, layout, cand.parts, cand.pieces, cand.unit, generator, per_tensor)
+    x = sample.values(flat).float()
     exact = x.double()
     bounded(f"aggregator=auto: exact sample all_reduce ({cand.name})", lambda: dist.all_reduce(exact, async_op=True))
     exact /= dist.get_world_size()
+    scales = aggregator.tensor_scales(flat)
     with guarded(f"aggregator=auto: measuring {cand.name}"):
-        aggregator.aggregate(x)
-    shape = (cand.parts, cand.pieces, count, cand.unit)
-    a = (x.double() - exact).square().view(shape).sum((0, 1, 3))
-    b = exact.square().view(shape).sum((0, 1, 3))
-    return list(ratio_estimate(a, b, total))
+        if scales is None:
+            aggregator.aggregate(x)
+        else:
+            aggregator.aggregate(x, scales=sample.scales(scales.to(x)))
+    estimate, variance = sample.estimate((x.double() - exact).square())
+    return list(worst_tensor(estimate, variance, noise))
 
 
 # --------------------------------------------------------------------------------------------- the aggregator
@@ -307,16 +316,20 @@ class AutoAggregator(Aggregator):
         return (
             f"aggregator=auto on {self.layout}: links {tiers}; {self.links.get('nics_per_node', 1)} NIC(s) per node; "
             f"{len(ranked)} candidates, fastest predicted {fastest}; exact ({EXACT}) until step "
-            f"{self.choice.warmup_steps}, then the fastest whose error <= {self.choice.budget:g} x noise"
+            f"{self.choice.warmup_steps}, then the fastest whose error <= {self.choice.budget:g} x the noise, "
+            "tensor by tensor"
         )
 
     def due(self, step: int) -> bool:
         return self.world_size > 1 and self.choice.due(step)
 
-    def check(self, flat: torch.Tensor, step: int, seed: int) -> dict:
-        """One check on this step's per-rank gradients `flat` (every rank calls, before aggregating): the noise,
-        each candidate's measured error, the decision. Returns the record to log."""
+    def check(self, flat: torch.Tensor, step: int, seed: int, layout=None) -> dict:
+        """One check on this step's per-rank gradients `flat` (every rank calls, before aggregating): each
+        parameter tensor's noise (`layout`, train/tensor_errors.py; one tensor when None), each candidate's
+        worst tensor's error against its noise, the decision. Returns the record to log."""
+        from train.auto_c import SIGMAS
         from train.loop import exact_mean, gradient_noise
+        from train.tensor_errors import TensorLayout, per_tensor_units, tensor_noise
 
         if not self.choice.priced:  # as `due` says: an unpriced run stays exact and is never checked
             raise RuntimeError(
@@ -324,21 +337,29 @@ class AutoAggregator(Aggregator):
                 f"({self.fallback or 'prepare() has not priced the candidates'}); it aggregates exactly ({EXACT})"
             )
         names = self.choice.to_measure()
-        noise = gradient_noise(flat, exact_mean(flat))
-        numbers = torch.zeros(len(names) + 1, 2, dtype=torch.float64)
+        layout = layout or TensorLayout.single(flat.numel())
+        exact = exact_mean(flat)
+        noise = gradient_noise(flat, exact)
+        sigma = tensor_noise(flat, exact, layout)
+        numbers = torch.zeros(len(names) + 1, 3, dtype=torch.float64)
         generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)
         for k, name in enumerate(names):
-            numbers[k] = torch.tensor(measure_candidate(
-                self.aggregators[name], self.choice.candidates[name], flat, self.sample_values, generator))  # fmt: skip
+            cand = self.choice.candidates[name]
+            units = per_tensor_units(self.sample_values, len(layout.sizes), cand.parts * cand.pieces * cand.unit)
+            numbers[k] = torch.tensor(measure_candidate(self.aggregators[name], cand, flat, layout, sigma, generator,
+                                                        units))  # fmt: skip
         if dist.get_rank() == 0:
-            numbers[-1, 0] = noise  # every rank decides from rank 0's noise, bit for bit
+            numbers[-1, 0] = noise  # every rank records rank 0's noise, bit for bit
         numbers = numbers.to(flat.device)
         gathered = [torch.empty_like(numbers) for _ in range(self.world_size)]
         bounded("aggregator=auto: errors all_gather", lambda: dist.all_gather(gathered, numbers, async_op=True))
-        every = torch.stack(gathered).cpu()  # [rank, candidate, (error, standard error)]
-        worst = every[:, :-1, 0].nan_to_num(math.inf).argmax(0)
-        measured = {name: tuple(every[worst[k], k].tolist()) for k, name in enumerate(names)}
-        record = self.choice.decide(step, float(every[0, -1, 0]), measured, lambda short: self.time_calls(short, flat))
+        every = torch.stack(gathered).cpu()  # [rank, candidate, (rho, standard error, tensor)]
+        bounds = (every[:, :-1, 0] + SIGMAS * every[:, :-1, 1]).nan_to_num(math.inf)  # nan: the worst, refused
+        worst = bounds.argmax(0)
+        measured = {name: tuple(every[worst[k], k, :2].tolist()) for k, name in enumerate(names)}
+        tensors = {name: layout.names[int(every[worst[k], k, 2])] for k, name in enumerate(names)}
+        record = self.choice.decide(step, float(every[0, -1, 0]), measured,
+                                    lambda short: self.time_calls(short, flat), tensors)  # fmt: skip
         if dist.get_rank() == 0:
             log.info("%s", self.choice.describe(record))
         out = {"auto/noise": record["noise"], "auto/allowed_error": record["allowed"]}
@@ -371,9 +392,18 @@ class AutoAggregator(Aggregator):
                 lambda: dist.all_reduce(seconds, dist.ReduceOp.MAX, async_op=True))  # fmt: skip
         return dict(zip(names, seconds.cpu().tolist(), strict=True))
 
-    def aggregate(self, flat: torch.Tensor) -> int:
+    def use_tensors(self, sizes) -> None:
+        """Every candidate is told the parameter tensors (those that scale per tensor scale each apart)."""
+        super().use_tensors(sizes)
+        for aggregator in self.aggregators.values():
+            aggregator.use_tensors(sizes)
+
+    def tensor_scales(self, flat: torch.Tensor) -> torch.Tensor | None:
+        return self.current.tensor_scales(flat)
+
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
         start = time.perf_counter()
-        sent = self.current.aggregate(flat)
+        sent = self.current.aggregate(flat, scales)
         tally = self.measured.setdefault(self.choice.choice, [0, 0.0])
         tally[0] += 1
         tally[1] += time.perf_counter() - start

@@ -22,13 +22,16 @@ more bytes that fits replaces it. c only ever moves down, so the run cannot osci
 decisions are a pure function of the numbers given to `decide`; the trainer hands every rank the same numbers
 (all-reduced), so every rank switches at the same step.
 
-How an error is measured (`column_sample`, `worst_rank_error`): code c splits the gradient into a c x m matrix
-and the protocol mixes only within a column (element t of every component), so a code's error on a subset of
-columns is exactly its error on those columns. The trainer gathers every rank's values of a seeded random subset
-of columns (the same on every rank) and runs `cerar.simulate` on them: exact when the subset holds every column,
-otherwise a ratio estimate of ||S_hat_i - S||^2 / ||S||^2 over columns whose standard error (delta method, with
-the finite-population correction) is returned with it. Decisions use the estimate plus two standard errors, so
-a sample that is too small errs towards more bytes, never towards more error.
+How an error is measured (train/tensor_errors.py): per parameter tensor, as Adam sees it. Code c splits the
+gradient into a c x m matrix and the protocol mixes only within a column (element t of every component), so a
+code's error on a subset of columns is exactly its error on those columns. The trainer draws a seeded sample of
+columns (the same on every rank, `TensorSample`: every tensor gets columns of its own, the heavy columns with
+probability near 1), gathers every rank's values there and runs `cerar.simulate` on them; each tensor's squared
+error is estimated from the sample (Horvitz-Thompson, with its standard error) and set against that tensor's own
+SGD noise sigma_t, measured exactly on the whole gradient. A code's number is its worst rank's worst tensor's
+ratio rho = error / noise; decisions use rho plus two standard errors, and a code fits when that is at most the
+budget. Where the whole-gradient figure is what one tensor would be, rho is ||error|| / ||noise||, the
+figure the budget was set on above; with many tensors max_t rho_t is never below it.
 """
 
 from __future__ import annotations
@@ -103,37 +106,34 @@ def candidate_codes(N: int, construction: str, eps, kappa_max, candidates=None) 
     return codes
 
 
-def column_sample(code, d: int, values: int, step: int, seed: int) -> tuple[torch.Tensor, int]:
-    """(coordinate indices, columns sampled) of the columns of code's c x m matrix that a measurement reads.
-
-    About `values` values per rank (0: every column); the same indices on every rank for the same step and
-    seed. Indices are component-major (component k's sampled values are contiguous), the layout
-    `cerar.simulate` splits into c components of the sampled columns; indices >= d are padding (zero)."""
-    generator = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + code.c) % 2**63)
-    indices, columns, _ = sample_indices(d, 1, code.c, 1, values, generator)
-    return indices, columns
-
-
 def sample_indices(
     d: int, parts: int, pieces: int, unit: int, values: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, int, int]:
-    """(indices, units sampled, units in all) of a sample of about `values` values (0: all) of a d-value gradient
-    that keeps a call's arithmetic: `parts` equal shards, each cut into `pieces`, whose values are mixed or
-    scaled together in `unit`s (train/auto_choice.py `Candidate`; CERAR's columns: 1 part, c pieces, unit 1). The
-    same units at the same offsets in every part and piece, laid out part-major, then piece-major, so that the
-    call on the sample splits it into parts, pieces and units exactly where its call on the gradient would.
-    Indices >= d are padding (zero): beyond the gradient, or beyond a piece's end. The same on every rank for
-    the same generator."""
-    P = -(-d // parts)  # a part: a node's shard (as_equal_shards)
+    """(indices, units sampled, units in all) of a uniform sample of about `values` values (0: all) of a d-value
+    gradient that keeps a call's arithmetic (`unit_indices`): the same on every rank for the same generator."""
+    P = -(-d // parts)  # a part: a node's shard
     M = -(-P // pieces)  # a piece: a CERAR component, an int8 shard
     slots = -(-M // unit)
     count = slots if values <= 0 else min(slots, max(1, -(-values // (parts * pieces * unit))))
     picked = torch.arange(slots) if count == slots else torch.randperm(slots, generator=generator)[:count].sort().values
-    offsets = (picked.unsqueeze(1) * unit + torch.arange(unit)).view(1, 1, count, unit)
+    return unit_indices(d, parts, pieces, unit, picked), count, slots
+
+
+def unit_indices(d: int, parts: int, pieces: int, unit: int, picked: torch.Tensor) -> torch.Tensor:
+    """The flat positions of the units `picked` (sorted slot numbers) of a d-value gradient, laid out as a call
+    sees them: `parts` equal shards, each cut into `pieces`, whose values are mixed or scaled together in
+    `unit`s (train/auto_choice.py `Candidate`; CERAR's columns: 1 part, c pieces, unit 1). The same units at the
+    same offsets in every part and piece, laid out part-major, then piece-major, so that the call on the sample
+    splits it into parts, pieces and units exactly where its call on the gradient would. Positions >= d are
+    padding (zero): beyond the gradient, or beyond a piece's end."""
+    P = -(-d // parts)  # a part: a node's shard (as_equal_shards)
+    M = -(-P // pieces)
+    count = picked.numel()
+    offsets = (picked.view(1, 1, count, 1) * unit + torch.arange(unit)).view(1, 1, count, unit)
     within = torch.arange(pieces).view(1, pieces, 1, 1) * M + offsets
     indices = torch.arange(parts).view(parts, 1, 1, 1) * P + within
     padding = (offsets >= M) | (within >= P) | (indices >= d)
-    return torch.where(padding, torch.full_like(indices, d), indices).reshape(-1), count, slots
+    return torch.where(padding, torch.full_like(indices, d), indices).reshape(-1)
 
 
 def gather_columns(flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -143,38 +143,10 @@ def gather_columns(flat: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     return values.masked_fill_(indices >= flat.numel(), 0)
 
 
-def worst_rank_error(G: torch.Tensor, code, total_columns: int) -> tuple[float, float]:
-    """(error, standard error) of `code`'s worst rank on per-rank gradients G [N, c x s] laid out by
-    `column_sample`: max_i ||S_hat_i - S|| / ||S||, S the exact sum in float64, S_hat from `cerar.simulate` in
-    G's dtype. The standard error is that of the estimate of the same ratio over all `total_columns` columns
-    (0 when G holds them all)."""
-    import cerar
-
-    S_hat = cerar.simulate(G, code).double()
-    S = G.double().sum(0)
-    squared_errors = (S_hat - S).square().sum(1)
-    worst = int(squared_errors.argmax())
-    columns = G.shape[1] // code.c
-    a = (S_hat[worst] - S).view(code.c, columns).square().sum(0)  # per column: the worst rank's squared error
-    b = S.view(code.c, columns).square().sum(0)  # per column: the exact sum's squared norm
-    return ratio_estimate(a, b, total_columns)
-
-
-def ratio_estimate(a: torch.Tensor, b: torch.Tensor, total_units: int) -> tuple[float, float]:
-    """(sqrt(sum a / sum b), its standard error) from a sample of units (columns, blocks, values) of which
-    `total_units` exist: a per sampled unit the squared error, b the exact sum's squared norm. The standard error
-    is the delta method's for a ratio estimate, with the finite-population correction (0 when the sample holds
-    every unit); nan, 0 when the exact sum is zero."""
-    norm_squared = float(b.sum())
-    if not norm_squared > 0:
-        return math.nan, 0.0
-    ratio = float(a.sum()) / norm_squared
-    error = math.sqrt(ratio)
-    units = a.numel()
-    if units >= total_units or units < 2 or ratio == 0.0:
-        return error, 0.0
-    variance = float((a - ratio * b).var()) / (units * float(b.mean()) ** 2) * (1 - units / total_units)
-    return error, math.sqrt(max(variance, 0.0)) / (2 * error)
+def worst_tensors(record: dict) -> str:
+    """'; worst tensor: c=8 name, ...' of a c=auto decision record (the console's last clause)."""
+    pairs = [f"c={c} {tensor}" for c, tensor in record.get("worst_tensors", {}).items()]
+    return "; worst tensor: " + ", ".join(pairs) if pairs else ""
 
 
 @dataclass
@@ -192,6 +164,7 @@ class AutoC:
     check_every: int = 100
     c: int = 0
     decisions: list[dict] = field(default_factory=list)
+    retry_at: int | None = None  # a check whose evidence was not finite: the step that checks again
 
     def __post_init__(self) -> None:
         if self.N not in self.codes or not self.codes[self.N].is_exact:
@@ -208,24 +181,43 @@ class AutoC:
         """Whether `step` measures: the end of warm-up, then every check_every steps, while c can still move."""
         if step < self.warmup_steps or not self.to_measure():
             return False
+        if step == self.retry_at:
+            return True
         since = step - self.warmup_steps
         return since == 0 if self.check_every == 0 else since % self.check_every == 0
 
     def to_measure(self) -> list[int]:
         """The inexact candidates a check measures: all of them at the first check; afterwards the code in use
         and those with more bytes (c only moves down). Exact codes need no measurement."""
-        floor = self.bytes_by_c[self.c] if self.decisions else 0
+        floor = self.bytes_by_c[self.c] if any("not finite" not in d["reason"] for d in self.decisions) else 0
         return sorted(c for c, code in self.codes.items() if not code.is_exact and self.bytes_by_c[c] >= floor)
 
-    def decide(self, step: int, noise: float, measured: dict[int, tuple[float, float]]) -> dict:
-        """Take a check's numbers (noise, and per c: error and its standard error); return the decision record
-        (and switch `c` when it says so). The first check picks among all codes; later ones keep the code in use
-        while it fits, else pick among the codes with more bytes."""
+    def decide(
+        self, step: int, noise: float, measured: dict[int, tuple[float, float]], worst_tensors: dict | None = None
+    ) -> dict:
+        """Take a check's numbers (per c: its worst tensor's error against that tensor's noise, rho, and its
+        standard error; train/tensor_errors.py) and return the decision record, switching `c` when it says so:
+        a code fits when rho + SIGMAS se <= budget. `noise` (the whole gradient's relative noise) and
+        `worst_tensors` (c -> the tensor that set rho) are recorded, not decided on. The first check picks among
+        all codes; later ones keep the code in use while it fits, else pick among the codes with more bytes.
+        Evidence that is not finite (a nan from a tensor whose exact mean and noise are zero, a nan gradient) is
+        refused, not read as "exceeds": c stays and the next step checks again (`due`)."""
+        before = self.c
+        allowed = self.budget
+        evidence = [v for pair in measured.values() for v in pair]
+        if not all(math.isfinite(v) for v in evidence):  # nan (or inf standard error): refused, checked again
+            self.retry_at = step + 1
+            record = {"step": step, "noise": noise, "allowed": allowed, "c_before": before, "c": before,
+                      "errors": {c: measured[c][0] for c in sorted(measured)},
+                      "standard_errors": {c: measured[c][1] for c in sorted(measured)},
+                      "worst_tensors": dict(sorted((worst_tensors or {}).items())),
+                      "reason": f"evidence not finite: keeps c={before}, checks again at step {step + 1}"}  # fmt: skip
+            self.decisions.append(record)
+            return record
+        self.retry_at = None
         bound = {c: error + SIGMAS * se for c, (error, se) in measured.items()}
         bound.update({c: 0.0 for c, code in self.codes.items() if code.is_exact})
-        allowed = self.budget * noise
-        before = self.c
-        if not self.decisions:
+        if not self.decisions or all("not finite" in d["reason"] for d in self.decisions):
             reason = "first choice"
             pool = bound
         elif bound.get(before, math.inf) <= allowed:
@@ -234,13 +226,14 @@ class AutoC:
         else:
             reason = f"c={before} exceeds the budget"
             pool = {c: e for c, e in bound.items() if self.bytes_by_c[c] > self.bytes_by_c[before]}
-        self.c = choose_c(noise, pool, self.bytes_by_c, self.budget) if pool else before
+        self.c = choose_c(1.0, pool, self.bytes_by_c, self.budget) if pool else before  # ratios: noise is 1
         record = {
             "step": step,
             "noise": noise,
             "allowed": allowed,
             "errors": {c: measured[c][0] for c in sorted(measured)},
             "standard_errors": {c: measured[c][1] for c in sorted(measured)},
+            "worst_tensors": dict(sorted((worst_tensors or {}).items())),
             "c_before": before,
             "c": self.c,
             "reason": reason,
@@ -272,8 +265,9 @@ class AutoC:
         )
         return (
             f"step {record['step']}: c=auto {record['reason']}: {move} ({saving:.3f} of the ring's bytes); noise "
-            f"{record['noise']:.3g}, budget {self.budget:g} x noise = {record['allowed']:.3g}; worst-rank errors "
-            f"{errors or 'none measured'} (+-: standard error of the column sample)"
+            f"{record['noise']:.3g}; per tensor, error <= {self.budget:g} x that tensor's noise; worst rank's worst "
+            f"tensor's error/noise {errors or 'none measured'} (+-: standard error of the column sample)"
+            + worst_tensors(record)
         )
 
 

@@ -15,7 +15,8 @@ sample of its error must keep (train/auto_measure.py).
 The schedule (`AutoChoice`), as c=auto's: until `warmup_steps` the run aggregates exactly (`nccl`); at that
 step every candidate is measured (error and its standard error, on the step's own gradients) and priced
 (predicted seconds per step, `seconds`); of those whose error bound (estimate + 2 standard errors) is at most
-`budget` x the gradient noise, the `trials` the model predicts fastest and the exact one are timed by their real
+`budget` x the noise of every parameter tensor, each tensor's error against its own noise
+(train/tensor_errors.py), the `trials` the model predicts fastest and the exact one are timed by their real
 call on the step's gradient (`time_calls`), and the fastest timed is taken: the model ranks, a measurement
 decides, so a cost the model does not price (gloo's 16-bit arithmetic on a CPU, a link the probe misread) cannot
 make the run slower than the exact all-reduce. Every `check_every` steps after, the choice is measured again
@@ -134,6 +135,13 @@ def fastest_within(seconds: dict[str, float], bound: dict[str, float], allowed: 
     return min(bound, key=lambda name: (error(name), seconds[name], name))
 
 
+def worst_tensors(record: dict) -> str:
+    """'; worst tensor: name rho, ...' of a decision record's measured candidates (the console's last clause)."""
+    named = record.get("worst_tensors", {}).items()
+    pairs = [f"{name} {tensor} {record['errors'][name]:.3g}" for name, tensor in named]
+    return "; worst tensor (error/noise): " + ", ".join(pairs) if pairs else ""
+
+
 @dataclass
 class AutoChoice:
     """The aggregator=auto schedule and its decisions (module docstring). `seconds` holds each candidate's
@@ -152,6 +160,7 @@ class AutoChoice:
     decisions: list[dict] = field(default_factory=list)
     bounds: dict[str, float] = field(default_factory=dict)  # each candidate's last measured error bound
     trials: int = 3
+    retry_at: int | None = None  # a check whose evidence was not finite: the step that checks again
 
     def __post_init__(self) -> None:
         if EXACT not in self.candidates:
@@ -166,11 +175,18 @@ class AutoChoice:
     def priced(self) -> bool:
         return bool(self.seconds)
 
+    @property
+    def chosen(self) -> bool:
+        """Whether a check has decided yet (a refused one, on evidence that was not finite, has not)."""
+        return any("not finite" not in d["reason"] for d in self.decisions)
+
     def due(self, step: int) -> bool:
         """Whether `step` checks: the end of warm-up, then every check_every steps, while something can move
         (never while unpriced)."""
         if not self.priced or step < self.warmup_steps or not self.to_measure():
             return False
+        if step == self.retry_at:
+            return True
         since = step - self.warmup_steps
         return since == 0 if self.check_every == 0 else since % self.check_every == 0
 
@@ -179,7 +195,7 @@ class AutoChoice:
         inexact) and those not excluded whose last bound was below the choice's (only a more accurate one may
         replace it)."""
         inexact = [name for name, cand in self.candidates.items() if not cand.exact and name not in self.excluded]
-        if not self.decisions:
+        if not self.chosen:
             return sorted(inexact)
         if self.candidates[self.choice].exact:
             return []
@@ -201,17 +217,34 @@ class AutoChoice:
         noise: float,
         measured: dict[str, tuple[float, float]],
         time_calls: Callable[[list[str]], dict[str, float]] | None = None,
+        worst_tensors: dict[str, str] | None = None,
     ) -> dict:
-        """Take a check's numbers (the noise; per candidate, error and standard error); return the decision
-        record, switching `choice` when it says so. When the choice may move and `time_calls` is given, it is
-        called with `shortlist` and returns each one's measured seconds per call (the same on every rank); the
-        fastest measured is taken."""
+        """Take a check's numbers (per candidate: its worst tensor's error against that tensor's noise, rho, and
+        its standard error; train/tensor_errors.py) and return the decision record, switching `choice` when it
+        says so: a candidate fits when rho + SIGMAS se <= budget. `noise` (the whole gradient's relative noise)
+        and `worst_tensors` (the tensor that set each rho) are recorded, not decided on. When the choice may
+        move and `time_calls` is given, it is called with `shortlist` and returns each one's measured seconds
+        per call (the same on every rank); the fastest measured is taken. Evidence that is not finite (nan) is
+        refused, never read as "exceeds": the choice stays, nothing is excluded, and the next step checks
+        again (`due`)."""
+        before = self.choice
+        allowed = self.budget
+        tensors = dict(sorted((worst_tensors or {}).items()))
+        if not all(math.isfinite(v) for pair in measured.values() for v in pair):
+            self.retry_at = step + 1
+            record = {"step": step, "noise": noise, "allowed": allowed,
+                      "errors": {name: measured[name][0] for name in sorted(measured)},
+                      "standard_errors": {name: measured[name][1] for name in sorted(measured)},
+                      "worst_tensors": tensors, "before": before, "choice": before,
+                      "predicted_s": self.seconds[before], "timed_s": {},
+                      "reason": f"evidence not finite: keeps {before}, checks again at step {step + 1}"}  # fmt: skip
+            self.decisions.append(record)
+            return record
+        self.retry_at = None
         bound = {name: error + SIGMAS * se for name, (error, se) in measured.items()}
         bound.update({name: 0.0 for name, cand in self.candidates.items() if cand.exact})
         self.bounds.update(bound)
-        allowed = self.budget * noise if math.isfinite(noise) else -math.inf
-        before = self.choice
-        if not self.decisions:
+        if not self.chosen:
             reason, pool = "first choice", bound
         elif bound.get(before, math.inf) <= allowed:
             reason, pool = "still fits", {before: bound[before]}
@@ -233,6 +266,7 @@ class AutoChoice:
             "allowed": allowed,
             "errors": {name: measured[name][0] for name in sorted(measured)},
             "standard_errors": {name: measured[name][1] for name in sorted(measured)},
+            "worst_tensors": tensors,
             "before": before,
             "choice": self.choice,
             "predicted_s": self.seconds[self.choice],
@@ -275,7 +309,7 @@ class AutoChoice:
         return (
             f"step {record['step']}: aggregator=auto {record['reason']}: {move}, predicted "
             f"{1e3 * record['predicted_s']:.3g} ms per step (exact {EXACT}: {1e3 * self.seconds[EXACT]:.3g} ms); "
-            f"noise {record['noise']:.3g}, budget {self.budget:g} x noise = {record['allowed']:.3g}; "
+            f"noise {record['noise']:.3g}; per tensor, error <= {self.budget:g} x that tensor's noise; "
             f"{len(record['errors'])} measured, fitting by predicted time: {', '.join(fits) or 'none but the exact'}"
-            f"{trial}"
+            f"{trial}{worst_tensors(record)}"
         )

@@ -19,17 +19,22 @@ says which; docs/cerar-16bit.md):
 - every `trainer.measure_error_every` steps (overlap=false): `agg/rel_error_max`, the worst rank's
   ||g_hat_r - g_bar|| / ||g_bar|| against an exact all-reduce, beside the SGD noise the step already
   carries: `noise/rel_std_mean`, the estimated standard deviation of the averaged gradient g_bar
-  around its expectation, sqrt(sum_r ||g_r - g_bar||^2 / (N (N-1))) / ||g_bar||.
+  around its expectation, sqrt(sum_r ||g_r - g_bar||^2 / (N (N-1))) / ||g_bar||; and the same per
+  parameter tensor, as Adam sees it (train/tensor_errors.py): `tensor/<name>`, each tensor's error against
+  its own noise (worst rank), `agg/tensor_error_to_noise_max` and `agg/worst_tensor` (the worst of them and
+  its name), `agg/tensor_rel_error_max`, and `agg/tensor_error_to_adam_max`, the worst tensor's error
+  against the root of Adam's second moment.
 
-c=auto (train/auto_c.py): at its checks, before aggregating, `measure_auto_c` measures the same noise and each
-candidate code's worst-rank error on the step's own gradients, and the aggregator switches to the code the
-decision names for this step on; every step logs `auto_c/c`, the c it aggregated with, and a check logs its
-evidence (`auto_c/noise`, `auto_c/allowed_error`, `auto_c/error_c<c>`, their standard errors) and its cost
-(`time/auto_c`). The choice is checkpointed and restored with the run.
+c=auto (train/auto_c.py): at its checks, before aggregating, `measure_auto_c` measures each tensor's noise and each
+candidate code's worst rank's worst tensor's error against it on the step's own gradients, and the aggregator
+switches to the code the decision names for this step on; every step logs `auto_c/c`, the c it aggregated with, and
+a check logs its evidence (`auto_c/noise`, `auto_c/allowed_error`, `auto_c/error_c<c>`, their standard errors) and
+its cost (`time/auto_c`). The choice is checkpointed and restored with the run.
 
-aggregator=auto (train/auto_aggregator.py) the same way, one level up: at its checks `check` measures the noise and
-every candidate aggregator's error and switches to the fastest that fits; every step logs `auto/choice` and
-`auto/predicted_s`, a check its evidence (`auto/noise`, `auto/error/<candidate>`) and its cost (`time/auto`).
+aggregator=auto (train/auto_aggregator.py) the same way, one level up: at its checks `check` measures each
+tensor's noise and every candidate aggregator's worst tensor's error against it and switches to the fastest
+that fits; every step logs `auto/choice` and `auto/predicted_s`, a check its evidence (`auto/noise`,
+`auto/error/<candidate>`) and its cost (`time/auto`).
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from train.distributed import (
     set_step,
 )
 from train.loss_scale import build_loss_scaler
+from train.tensor_errors import TensorLayout, per_tensor_figures
 
 log = logging.getLogger(__name__)
 
@@ -188,40 +194,55 @@ def error_and_noise(local: torch.Tensor, aggregated: torch.Tensor, exact: torch.
     }
 
 
-def measure_auto_c(auto_c, local: torch.Tensor, step: int, seed: int, sample_values: int) -> dict:
-    """One c=auto check on this step's per-rank gradients `local` (every rank calls it): the noise of g_bar,
-    each candidate's worst-rank error on a seeded sample of columns gathered from every rank (train/auto_c.py),
-    computed for candidate k by rank k mod N and summed so every rank holds the same numbers, then the decision.
-    Returns the record to log."""
-    from train.auto_c import column_sample, gather_columns, worst_rank_error
+def measure_auto_c(
+    auto_c, local: torch.Tensor, step: int, seed: int, sample_values: int, layout=None, scales=None
+) -> dict:
+    """One c=auto check on this step's per-rank gradients `local` (every rank calls it): each parameter tensor's
+    noise (train/tensor_errors.py, `layout`: the model's tensors, one tensor when None), each candidate's worst
+    rank's worst tensor's error against its noise on a seeded `TensorSample` of columns gathered from every
+    rank, computed for candidate k by rank k mod N and summed so every rank holds the same numbers, then the
+    decision. `scales` (per tensor, the aggregator's equilibration, `tensor_scales`; None: none) are applied as
+    the call applies them. Returns the record to log."""
+    from train import tensor_errors as te
 
     N, rank = dist.get_world_size(), dist.get_rank()
-    noise = gradient_noise(local, exact_mean(local))
+    layout = layout or te.TensorLayout.single(local.numel())
+    exact = exact_mean(local)
+    noise = gradient_noise(local, exact)
+    sigma = te.tensor_noise(local, exact, layout)
     candidates = auto_c.to_measure()
-    samples = [column_sample(auto_c.codes[c], local.numel(), sample_values, step, seed) for c in candidates]
-    mine = torch.cat([gather_columns(local, indices) for indices, _ in samples]).float()
+    samples = []
+    for c in candidates:
+        generator = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + c) % 2**63)
+        k = te.per_tensor_units(sample_values, len(layout.sizes), c)
+        samples.append(te.TensorSample.draw(te.unit_sizes(local, 1, c, 1), layout, 1, c, 1, generator, k))
+    mine = torch.cat([sample.values(local) for sample in samples]).float()
     gathered = [torch.empty_like(mine) for _ in range(N)]
     bounded("c=auto all_gather of gradient samples", lambda: dist.all_gather(gathered, mine, async_op=True))
-    G = torch.stack(gathered)
-    measured = torch.zeros(len(candidates) + 1, 2, dtype=torch.float64, device=local.device)
+    G = torch.stack(gathered).cpu()
+    measured = torch.zeros(len(candidates) + 1, 3, dtype=torch.float64, device=local.device)
     if rank == 0:  # every rank then decides from rank 0's noise, bit for bit
         measured[-1, 0] = noise
     offset = 0
-    for k, (c, (indices, _)) in enumerate(zip(candidates, samples, strict=True)):
+    for k, (c, sample) in enumerate(zip(candidates, samples, strict=True)):
+        size = sample.indices.numel()
         if k % N == rank:
-            code = auto_c.codes[c]
-            part = G[:, offset : offset + indices.numel()].contiguous()
-            measured[k] = torch.tensor(worst_rank_error(part, code, code.m_for(local.numel())))
-        offset += indices.numel()
+            part = G[:, offset : offset + size].contiguous()
+            s = None if scales is None else sample.scales(scales.cpu())
+            measured[k] = torch.tensor(te.worst_rank_tensor_error(part, auto_c.codes[c], sample, sigma, s))
+        offset += size
     bounded("c=auto all_reduce of candidate errors", lambda: dist.all_reduce(measured, async_op=True))
-    *numbers, (noise, _) = measured.tolist()
-    decision = auto_c.decide(step, noise, {c: tuple(numbers[k]) for k, c in enumerate(candidates)})
+    *numbers, (noise, _, _) = measured.tolist()
+    decision = auto_c.decide(
+        step, noise, {c: tuple(numbers[k][:2]) for k, c in enumerate(candidates)},
+        {c: layout.names[int(numbers[k][2])] for k, c in enumerate(candidates)},
+    )  # fmt: skip
     if rank == 0:
         log.info("%s", auto_c.describe(decision))
     record = {"auto_c/noise": noise, "auto_c/allowed_error": decision["allowed"]}
     record.update({f"auto_c/error_c{c}": e for c, e in decision["errors"].items()})
     record.update({f"auto_c/error_se_c{c}": e for c, e in decision["standard_errors"].items()})
-    record["auto_c/columns_sampled"] = sum(columns for _, columns in samples)
+    record["auto_c/columns_sampled"] = sum(sample.count for sample in samples)
     return record
 
 
@@ -269,6 +290,9 @@ class Trainer:
         self.rank, self.world_size, self.run_dir, self.overlap = rank, world_size, run_dir, overlap
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
+        # the parameter tensors, in the flat gradient's order: errors are judged per tensor (train/tensor_errors.py)
+        self.tensors = TensorLayout.of(self.model.named_parameters())
+        aggregator.use_tensors(list(self.tensors.sizes))  # those that scale per tensor scale each apart
         self.state = TrainState()
         self.timer = PhaseTimer(device)
         precision = cfg.trainer.precision
@@ -455,11 +479,13 @@ class Trainer:
                 if self.auto_c is not None and self.auto_c.due(step):  # before aggregating: it may switch the code
                     with self.timer.phase("auto_c"):
                         a = self.cfg.aggregator
-                        record.update(measure_auto_c(self.auto_c, flat, step, self.cfg.seed, a.auto_sample_values))
+                        scales = self.aggregator.tensor_scales(flat)  # CERAR's equilibration (None: none)
+                        record.update(measure_auto_c(self.auto_c, flat, step, self.cfg.seed, a.auto_sample_values,
+                                                     self.tensors, scales))  # fmt: skip
                         self.aggregator.use_code(self.auto_c.code)
                 if self.chooses and self.aggregator.due(step):  # before aggregating: it may switch aggregators
                     with self.timer.phase("auto"):
-                        record.update(self.aggregator.check(flat, step, self.cfg.seed))
+                        record.update(self.aggregator.check(flat, step, self.cfg.seed, self.tensors))
                 local = exact = None
                 if measure:
                     local, exact = flat.clone(), exact_mean(flat)
@@ -467,6 +493,7 @@ class Trainer:
                     bytes_sent = self.aggregator.aggregate(flat)
                 if exact is not None:
                     record.update(error_and_noise(local, flat, exact, self.rank))
+                    record.update(per_tensor_figures(local, flat, exact, self.tensors, self.optimizer, self.params))
                     record["noise/sequences_per_step"] = self.t.micro_batch_size * self.t.grad_accum * self.world_size
         with self.timer.phase("optimizer"):
             if finite:

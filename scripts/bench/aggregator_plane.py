@@ -10,12 +10,16 @@ all-reduce; every `--every` steps each rank's real gradient g_r is averaged by e
 (nccl, ring, fp16, bf16, CERAR per construction and c, the 8-bit int8 at block sizes 64, 128, 256 and
 hier_int8 on nodes of 2 ranks, the exact ring and CERAR over float16/bfloat16 messages, the 16-bit exact
 hierarchy on nodes of 2 ranks) from the same starting point, and the result
-is compared with the exact mean g_bar: error = max over ranks of ||g_hat_r - g_bar|| / ||g_bar||.
+is compared with the exact mean g_bar: error = max over ranks of ||g_hat_r - g_bar|| / ||g_bar||, and per
+parameter tensor, as Adam sees it (train/tensor_errors.py): each tensor's error against its own SGD noise,
+rho_t = ||g_hat_r,t - g_bar_t|| / sigma_t, worst rank.
 PowerSGD exists only as a DDP hook with error feedback, so it is measured in a second pass that
 trains with it, comparing the hook's result with an exact all-reduce of the same step's gradients.
 Bytes are what the aggregator reports having sent for the whole gradient (d values).
 
-Writes ``reports/data/aggregator_plane.csv``; ``scripts/reporting/make_figures.py --only fidelity`` draws it.
+Writes ``reports/data/aggregator_plane.csv`` (one row per aggregator; `tensor_error_to_noise_*` its worst tensor's
+rho, `worst_tensor` which) and ``reports/data/aggregator_plane_tensors.csv`` (one row per aggregator and tensor:
+rho_t's median and max over the measured steps); ``scripts/reporting/make_figures.py --only fidelity`` draws them.
 """
 
 from __future__ import annotations
@@ -67,7 +71,9 @@ FLAT_SETTINGS += [
     ],
     *[(f"{kind}_g2", [f"aggregator={kind}", "aggregator.local_size=2"]) for kind in ("hier_fp16", "hier_bf16")],
 ]
-COLUMNS = ["aggregator", "bytes_per_call", "bytes_ratio_to_fp32_ring", "error_median", "error_max", "calls"]
+COLUMNS = ["aggregator", "bytes_per_call", "bytes_ratio_to_fp32_ring", "error_median", "error_max", "calls",
+           "tensor_error_to_noise_median", "tensor_error_to_noise_max", "worst_tensor"]  # fmt: skip
+TENSOR_COLUMNS = ["aggregator", "tensor", "values", "error_to_noise_median", "error_to_noise_max"]
 
 
 def compose(overrides: list[str]):
@@ -87,6 +93,14 @@ def worst_error(aggregated: torch.Tensor, exact: torch.Tensor) -> float:
     return float(error)
 
 
+def tensor_ratios(local: torch.Tensor, aggregated: torch.Tensor, exact: torch.Tensor, layout) -> dict[str, float]:
+    """Each parameter tensor's error against its own noise, worst rank (train/tensor_errors.py)."""
+    from train.tensor_errors import per_tensor_figures
+
+    figures = per_tensor_figures(local, aggregated, exact, layout)
+    return {name: figures[f"tensor/{name}"] for name in layout.names}
+
+
 def exact_mean(local: torch.Tensor) -> torch.Tensor:
     exact = local.clone()
     dist.all_reduce(exact)
@@ -97,26 +111,31 @@ def flat_gradient(model) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def measure_flat(steps: int, every: int) -> dict[str, list]:
+def measure_flat(steps: int, every: int) -> tuple[dict[str, list], dict[str, int]]:
     """Train with exact all-reduce; every `every` steps run every flat aggregator on the same gradients."""
     from train.aggregation import build_aggregator
     from train.data import build_data
     from train.loop import lm_loss
     from train.model import build_model
+    from train.tensor_errors import TensorLayout
 
     N, rank = dist.get_world_size(), dist.get_rank()
     cfg = compose([])
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model)
+    layout = TensorLayout.of(model.named_parameters())
     data = build_data(cfg, rank, N)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.lr, weight_decay=cfg.model.weight_decay)
     aggregators = []
     for label, overrides in FLAT_SETTINGS:
         try:
-            aggregators.append((label, build_aggregator(compose(overrides), N)))
+            aggregator = build_aggregator(compose(overrides), N)
         except ValueError as err:  # a code that cannot meet kappa_max at this (N, c): not on the plane
             if rank == 0:
                 print(f"aggregator_plane: skipped {label}: {err}", flush=True)
+            continue
+        aggregator.use_tensors(list(layout.sizes))  # as the trainer tells every aggregator its tensors
+        aggregators.append((label, aggregator))
     results: dict[str, list] = {label: [] for label, _ in aggregators}
     for step in range(1, steps + 1):
         optimizer.zero_grad(set_to_none=False)
@@ -127,13 +146,14 @@ def measure_flat(steps: int, every: int) -> dict[str, list]:
             for label, aggregator in aggregators:
                 aggregated = local.clone()
                 sent = aggregator.aggregate(aggregated)
-                results[label].append((sent, worst_error(aggregated, exact)))
+                results[label].append((sent, worst_error(aggregated, exact), tensor_ratios(local, aggregated, exact,
+                                                                                           layout)))  # fmt: skip
         offset = 0
         for p in model.parameters():
             p.grad.copy_(exact[offset : offset + p.numel()].view_as(p))
             offset += p.numel()
         optimizer.step()
-    return results
+    return results, dict(zip(layout.names, layout.sizes, strict=True))
 
 
 def measure_powersgd(steps: int, every: int) -> list:
@@ -143,6 +163,7 @@ def measure_powersgd(steps: int, every: int) -> list:
     from train.data import build_data
     from train.loop import lm_loss
     from train.model import build_model
+    from train.tensor_errors import TensorLayout
 
     N, rank = dist.get_world_size(), dist.get_rank()
     cfg = compose(["aggregator=powersgd"])
@@ -156,6 +177,7 @@ def measure_powersgd(steps: int, every: int) -> list:
         start_powerSGD_iter=cfg.aggregator.powersgd_start_iter,
     )
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    layout = TensorLayout.of(model.named_parameters())
     data = build_data(cfg, rank, N)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.lr, weight_decay=cfg.model.weight_decay)
     compressed = sum((p.shape[0] + p[0].numel()) * cfg.aggregator.powersgd_rank if p.dim() >= 2 else p.numel()
@@ -169,13 +191,42 @@ def measure_powersgd(steps: int, every: int) -> list:
             with ddp.no_sync():
                 lm_loss(ddp, batch).backward()
             exact = exact_mean(flat_gradient(model))
+        local = None
+        if exact is not None:
+            local = flat_gradient(model).clone()
         optimizer.zero_grad(set_to_none=False)
         lm_loss(ddp, batch).backward()
         if exact is not None:
             # P and Q factors of every matrix (rank r) plus the vectors, all-reduced: ring bytes of that many floats
-            results.append((2 * (N - 1) * compressed * 4 // N, worst_error(flat_gradient(model), exact)))
+            aggregated = flat_gradient(model)
+            results.append((2 * (N - 1) * compressed * 4 // N, worst_error(aggregated, exact),
+                            tensor_ratios(local, aggregated, exact, layout)))  # fmt: skip
         optimizer.step()
     return results
+
+
+def write_csvs(results: dict[str, list], sizes: dict[str, int], path: Path, tensors_path: Path) -> None:
+    """The plane (one row per aggregator) and its tensors (one row per aggregator and tensor)."""
+    fp32_ring = results["ring"][0][0]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f, open(tensors_path, "w", newline="") as g:
+        writer, per_tensor = csv.writer(f), csv.writer(g)
+        writer.writerow(COLUMNS)
+        per_tensor.writerow(TENSOR_COLUMNS)
+        for label, calls in results.items():
+            sent = statistics.median(s for s, _, _ in calls)
+            errors = [e for _, e, _ in calls]
+            worst = [max(ratios.values()) for _, _, ratios in calls]
+            names = list(calls[0][2])
+            by_tensor = {name: [ratios[name] for _, _, ratios in calls] for name in names}
+            top = max(names, key=lambda name: max(by_tensor[name]))
+            writer.writerow([label, sent, f"{sent / fp32_ring:.4f}", f"{statistics.median(errors):.4g}",
+                             f"{max(errors):.4g}", len(calls), f"{statistics.median(worst):.4g}",
+                             f"{max(worst):.4g}", top])  # fmt: skip
+            for name in names:
+                rho = by_tensor[name]
+                per_tensor.writerow([label, name, sizes[name], f"{statistics.median(rho):.4g}", f"{max(rho):.4g}"])
+    print(f"wrote {path} and {tensors_path}")
 
 
 def main(argv=None) -> int:
@@ -187,20 +238,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     dist.init_process_group("gloo")
     try:
-        results = measure_flat(args.steps, args.every)
+        results, sizes = measure_flat(args.steps, args.every)
         results["powersgd"] = measure_powersgd(args.steps, args.every)
         if dist.get_rank() == 0:
-            fp32_ring = results["ring"][0][0]
-            args.csv.parent.mkdir(parents=True, exist_ok=True)
-            with open(args.csv, "w", newline="") as f:
-                writer = csv.writer(f)
-                writer.writerow(COLUMNS)
-                for label, calls in results.items():
-                    sent = statistics.median(s for s, _ in calls)
-                    errors = [e for _, e in calls]
-                    writer.writerow([label, sent, f"{sent / fp32_ring:.4f}", f"{statistics.median(errors):.4g}",
-                                     f"{max(errors):.4g}", len(calls)])  # fmt: skip
-            print(f"wrote {args.csv}")
+            write_csvs(results, sizes, args.csv, args.csv.with_name(args.csv.stem + "_tensors.csv"))
     finally:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
