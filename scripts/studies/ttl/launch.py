@@ -238,15 +238,8 @@ def rotated(names: list[str], k: int) -> list[str]:
 def run_study(args, settings: list[Setting]) -> int:
     """Every (setting, seed, aggregator) not yet in the CSV, aggregators interleaved and rotated by seed; rows are
     appended as soon as nccl's run of the same seed has finished (the target), the rest at the seed's end."""
-    if any(s.links != "loopback" for s in settings):
-        from scripts.lab import netlab
-
-        problem = netlab.requirements_problem()
-        if problem:
-            print(f"time_to_loss: {problem}", file=sys.stderr)
-            return 2
     commit = args.commit or head_commit()
-    code = args.code_dir or code_snapshot(commit, args.code_cache)
+    code = None  # made at the first launch: a study whose runs are all rows already launches nothing
     failures, k = 0, 0
     for setting in settings:
         names = [n for n in setting.aggregators if args.aggregators is None or n in args.aggregators]
@@ -261,6 +254,12 @@ def run_study(args, settings: list[Setting]) -> int:
                 run_dir = folder / f"{name}_s{seed}"
                 if key in done or (run_dir / "summary.json").exists():
                     continue  # in the CSV, or finished and waiting for nccl's target
+                if code is None:
+                    problem = lab_problem(settings)
+                    if problem:
+                        print(f"time_to_loss: {problem}", file=sys.stderr)
+                        return 2
+                    code = args.code_dir or code_snapshot(commit, args.code_cache)
                 k += 1
                 argv = overrides(setting, name, seed, args.steps_for(setting), args.eval_for(setting),
                                  args.micro_batch, run_dir, args.extra)  # fmt: skip
@@ -278,6 +277,15 @@ def run_study(args, settings: list[Setting]) -> int:
                 flush_rows(args.csv, setting, folder, seed, names, final=False)
             flush_rows(args.csv, setting, folder, seed, names, final=True)
     return 1 if failures else 0
+
+
+def lab_problem(settings: list[Setting]) -> str | None:
+    """Why the lab cannot run here (not root, no ip or tc), when a setting needs it; else None."""
+    if all(s.links == "loopback" for s in settings):
+        return None
+    from scripts.lab import netlab
+
+    return netlab.requirements_problem()
 
 
 def flush_rows(csv_path: Path, setting: Setting, folder: Path, seed: int, names: list[str], final: bool) -> int:
