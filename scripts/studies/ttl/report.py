@@ -271,6 +271,23 @@ def probe_section() -> list[str]:
     return lines
 
 
+def same_code(commits: list[str]) -> str:
+    """Whether the commits the rows name trained the same code (cerar/, train/, configs/ alike), as a sentence; ''
+    for one commit."""
+    import subprocess
+
+    if len(commits) < 2:
+        return ""
+    for other in commits[1:]:
+        rc = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", commits[0], other, "--", "cerar", "train",
+                             "configs"], capture_output=True).returncode  # fmt: skip
+        if rc == 1:
+            return f" Commits {commits[0]} and {other} differ in cerar/, train/ or configs/: compare rows with care."
+        if rc != 0:
+            return f" (Could not compare the code of {commits[0]} and {other}.)"
+    return f" Their cerar/, train/ and configs/ are identical (`git diff {commits[0]} {commits[-1]}`): one code."
+
+
 def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
     """Rebuild the report and its figures from ``csv_path`` and the run folders under ``runs``; returns the text."""
     rows = read_rows(csv_path)
@@ -286,7 +303,7 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
         f"({len(rows)} runs, code of commit(s) {', '.join(commits) or '-'}) and the run folders under "
         f"`{_rel(runs)}`. Each run: one `train/main.py` launch, the setting's aggregators one after another, order "
         "rotated by seed, the load average (1/5/15 min) recorded before and after each. Ratios are to nccl at the "
-        "same seed; the definitions are in `scripts/studies/ttl/report.py`.",
+        "same seed; the definitions are in `scripts/studies/ttl/report.py`." + same_code(commits),
     ]  # fmt: skip
     if missing:
         lines += ["", f"**Status: a pilot.** Measured: {', '.join(s.describe() for s in settings) or 'nothing yet'}. "
