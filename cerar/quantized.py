@@ -54,19 +54,36 @@ error              the bound above (two roundings per value)    none
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import torch
 import torch.distributed as dist
 
 from cerar.checks import _check_op, check_agreement
-from cerar.int8_blocks import DEFAULT_BLOCK, FORMAT, check_block, dequantize, message_bytes, new_message, quantize_into
+from cerar.int8_blocks import (
+    DEFAULT_BLOCK,
+    DEFAULT_ROUNDING,
+    check_block,
+    check_rounding,
+    dequantize,
+    dither_offset,
+    format_name,
+    message_bytes,
+    new_message,
+    quantize_into,
+)
 from cerar.protocol import AllReduceStats, as_equal_shards
 from cerar.rounds import PhaseTimer
 from cerar.transport import _bytes, _Ring, _Rounds
 
-QUANTIZED_PROTOCOL_VERSION = 1
-"""Bumped whenever the rounds, the shard assignment or the format change: ranks of different versions refuse to mix."""
+QUANTIZED_PROTOCOL_VERSION = 2
+"""Bumped whenever the rounds, the shard assignment or the format change: ranks of different versions refuse to
+mix. 2: the rounding is chosen (nearest or stochastic) and tiny scales are prescaled (issues 33 and 35)."""
+
+_calls = itertools.count()
+"""This process's count of 8-bit all-reduces: a key of each message's dither (``int8_blocks.dither_offset``), so
+that stochastic rounding draws a new dither every call and the same sequence of calls gives the same bytes."""
 
 
 class _PeerRing(_Ring):
@@ -94,7 +111,7 @@ class _PeerRing(_Ring):
             self.await_works(works, f"{what}: receive and send", "", deadline)
 
 
-def check_quantized_call(tensor, op: str, block, operation: str) -> None:
+def check_quantized_call(tensor, op: str, block, operation: str, rounding: str = DEFAULT_ROUNDING, seed=0) -> None:
     """The arguments of a quantized all-reduce (flat or hierarchical), checked on this rank before any
     collective: a ValueError naming the call and the bad argument."""
     if not isinstance(tensor, torch.Tensor):
@@ -103,6 +120,9 @@ def check_quantized_call(tensor, op: str, block, operation: str) -> None:
         raise ValueError(f"{operation}: tensor must be float32 (the sums are taken in float32), got {tensor.dtype}")
     _check_op(op, operation)
     check_block(block, operation)
+    check_rounding(rounding, operation)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"{operation}: seed must be an integer (the dither's key), got {seed!r}")
 
 
 def quantized_bytes_sent(d: int, N: int, block: int = DEFAULT_BLOCK) -> int:
@@ -117,17 +137,22 @@ def quantized_all_reduce(
     timeout=None,
     block: int = DEFAULT_BLOCK,
     *,
+    rounding: str = DEFAULT_ROUNDING,
+    seed: int = 0,
     timed: bool = True,
 ) -> AllReduceStats:
     """All-reduce ``tensor`` (float32, any shape, contiguity and length) in place over ``group`` with
     8-bit messages (module docstring): every rank gets the same approximation of the sum, or with
     ``op="avg"`` (the default) the mean, within two block roundings per value. ``block``: values per
-    float32 scale (``cerar.int8_blocks``). ``timeout`` (seconds or timedelta, default 5 minutes)
+    float32 scale (``cerar.int8_blocks``). ``rounding``: "nearest" (at most half a step per rounding) or
+    "stochastic" (at most one step, zero on average over calls: ``cerar.int8_blocks``), its dither keyed
+    by ``seed``, this process's call count, the sender and the shard, so a run repeats its bytes.
+    ``timeout`` (seconds or timedelta, default 5 minutes)
     bounds every round as in ``cerar.all_reduce``. Raises ValueError for bad input and CollectiveError
     when a peer fails, stalls past the timeout or disagrees on N, d, B, the format, the op or the
     version (on every rank). ``stats.bytes_sent`` counts the scales: ``quantized_bytes_sent(d, N, B)``."""
     operation = "cerar.quantized_all_reduce"
-    check_quantized_call(tensor, op, block, operation)
+    check_quantized_call(tensor, op, block, operation, rounding, seed)
     ring = _PeerRing.of(group, timeout, operation)
     N, d, i = ring.size, tensor.numel(), ring.rank
     check_agreement(
@@ -135,13 +160,14 @@ def quantized_all_reduce(
         {
             "N": N,
             "quantized protocol version": QUANTIZED_PROTOCOL_VERSION,
-            "format": FORMAT,
+            "format": format_name(rounding),
             "block size B": block,
             "op": op,
             "tensor length d": d,
             "dtype": str(tensor.dtype),
         },
     )
+    call = next(_calls)
     stats = AllReduceStats(rounds=2 * (N - 1) if N > 1 else 0)
     if N == 1 or d == 0:
         return stats
@@ -156,9 +182,12 @@ def quantized_all_reduce(
     incoming = [new_message(s, block, flat.device) for _ in range(N - 1)]
     at = ring.global_rank
 
+    def offset(shard: int, reduced: bool) -> int:
+        return dither_offset(seed, call, i, shard, reduced) if rounding == "stochastic" else 0
+
     def encode(j: int) -> None:
         with timer.phase("encode"):
-            quantize_into(messages[j], rows[j], block)
+            quantize_into(messages[j], rows[j], block, rounding, offset(j, False))
 
     def accumulate(message: torch.Tensor) -> None:
         with timer.phase("decode"):
@@ -168,7 +197,7 @@ def quantized_all_reduce(
         with timer.phase("encode"):
             if op == "avg":
                 rows[i].div_(N)
-            quantize_into(messages[i], rows[i], block)
+            quantize_into(messages[i], rows[i], block, rounding, offset(i, True))
             dequantize(messages[i], s, block, rows[i])  # the bytes every other rank decodes
 
     def decode(j: int) -> None:

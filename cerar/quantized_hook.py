@@ -23,7 +23,7 @@ import torch.distributed as dist
 from cerar.ddp import CerarHookState, transport_group
 from cerar.hierarchical.hook import HierarchicalHookState
 from cerar.hierarchical.quantized import hierarchical_quantized_all_reduce
-from cerar.int8_blocks import DEFAULT_BLOCK, check_block
+from cerar.int8_blocks import DEFAULT_BLOCK, DEFAULT_ROUNDING, check_block, check_rounding
 from cerar.protocol import AllReduceStats
 from cerar.quantized import quantized_all_reduce
 from cerar.transport import _as_timedelta
@@ -31,38 +31,47 @@ from cerar.transport import _as_timedelta
 
 @dataclass
 class QuantizedHookState(CerarHookState):
-    """Configuration and per-step record of the flat 8-bit hook: ``block`` (values per scale), the
-    timeout, DDP's process group and the group the messages travel on (made when not given)."""
+    """Configuration and per-step record of the flat 8-bit hook: ``block`` (values per scale), ``rounding``
+    and ``seed`` (``quantized_all_reduce``), the timeout, DDP's process group and the group the messages
+    travel on (made when not given)."""
 
     block: int = DEFAULT_BLOCK
+    rounding: str = DEFAULT_ROUNDING
+    seed: int = 0
 
     def __post_init__(self):
         check_block(self.block, "QuantizedHookState")
+        check_rounding(self.rounding, "QuantizedHookState")
         _as_timedelta(self.timeout)
         if self.transport is None and dist.is_initialized():
             self.transport = transport_group(self.process_group, self.timeout)
 
     def _reduce(self, tensor: torch.Tensor) -> AllReduceStats:
         group = self.transport if self.transport is not None else self.process_group
-        return quantized_all_reduce(tensor, group, op="avg", timeout=self.timeout, block=self.block, timed=False)
+        return quantized_all_reduce(
+            tensor, group, "avg", self.timeout, self.block, rounding=self.rounding, seed=self.seed, timed=False
+        )
 
 
 @dataclass
 class HierarchicalQuantizedHookState(HierarchicalHookState):
-    """Configuration and per-step record of the two-tier 8-bit hook: ``block``, the node layout
-    (default: from the launcher), the timeout and the hook's own tier groups (made when not given).
-    DDP's process group must be the default group: the layout spans every rank."""
+    """Configuration and per-step record of the two-tier 8-bit hook: ``block``, ``rounding``, ``seed``, the
+    node layout (default: from the launcher), the timeout and the hook's own tier groups (made when not
+    given). DDP's process group must be the default group: the layout spans every rank."""
 
     block: int = DEFAULT_BLOCK
+    rounding: str = DEFAULT_ROUNDING
+    seed: int = 0
 
     def __post_init__(self):
         check_block(self.block, "HierarchicalQuantizedHookState")
+        check_rounding(self.rounding, "HierarchicalQuantizedHookState")
         self._take_layout()
         self._make_groups()
 
     def _reduce(self, tensor: torch.Tensor):
         return hierarchical_quantized_all_reduce(
-            tensor, self.groups, op="avg", timeout=self.timeout, block=self.block, timed=False
+            tensor, self.groups, "avg", self.timeout, self.block, rounding=self.rounding, seed=self.seed, timed=False
         )
 
 

@@ -33,7 +33,7 @@ import torch
 from cerar.checks import check_agreement
 from cerar.hierarchical.collective import HierarchicalStats, _groups, run_tiers
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups
-from cerar.int8_blocks import DEFAULT_BLOCK, FORMAT
+from cerar.int8_blocks import DEFAULT_BLOCK, DEFAULT_ROUNDING, format_name
 from cerar.protocol import AllReduceStats
 from cerar.quantized import QUANTIZED_PROTOCOL_VERSION, check_quantized_call, quantized_all_reduce
 from cerar.transport import CollectiveError, _as_timedelta, _Ring
@@ -48,17 +48,19 @@ def hierarchical_quantized_all_reduce(
     timeout=None,
     block: int = DEFAULT_BLOCK,
     *,
+    rounding: str = DEFAULT_ROUNDING,
+    seed: int = 0,
     timed: bool = True,
 ) -> HierarchicalStats:
     """All-reduce ``tensor`` (float32) in place: exact inside each node, 8-bit on the rails (module
     docstring); every rank gets the same result. ``layout`` as for ``hierarchical_all_reduce`` (a
     ``NodeLayout``, the ``TierGroups`` to use, or None: torchrun's LOCAL_WORLD_SIZE); ``op``,
-    ``timeout``, ``block`` as for ``quantized_all_reduce``. Raises ValueError for bad input and
+    ``timeout``, ``block``, ``rounding``, ``seed`` as for ``quantized_all_reduce``. Raises ValueError for bad input and
     CollectiveError when a peer fails, stalls past the timeout, or disagrees on the layout, the
     format, B, the op or the length (on every rank). ``HierarchicalStats`` records each tier's bytes;
     ``inter_node_method`` is "int8 quantized", or "none" on one node."""
     operation = "cerar.hierarchical_quantized_all_reduce"
-    check_quantized_call(tensor, op, block, operation)
+    check_quantized_call(tensor, op, block, operation, rounding, seed)
     groups = _groups(layout, timeout, operation)
     layout = groups.layout
     method = RAIL_METHOD if layout.nodes > 1 else "none"
@@ -70,7 +72,7 @@ def hierarchical_quantized_all_reduce(
             "quantized protocol version": QUANTIZED_PROTOCOL_VERSION,
             "node layout (nodes x local size)": str(layout),
             "method between the nodes": method,
-            "format": FORMAT,
+            "format": format_name(rounding),
             "block size B": block,
             "op": op,
             "tensor length d": d,
@@ -84,16 +86,18 @@ def hierarchical_quantized_all_reduce(
     def on_rail(shard: torch.Tensor) -> AllReduceStats:
         if method == "none":  # one node: nothing between nodes (as reduce_on_rail)
             return AllReduceStats()
-        return _on_rail(shard, groups, op, timeout, block, timed, operation)
+        return _on_rail(shard, groups, op, timeout, block, rounding, seed, timed, operation)
 
     run_tiers(tensor, groups, stats, op, timeout, timed, operation, on_rail)
     return stats
 
 
-def _on_rail(shard, groups: TierGroups, op, timeout, block, timed, operation) -> AllReduceStats:
+def _on_rail(shard, groups: TierGroups, op, timeout, block, rounding, seed, timed, operation) -> AllReduceStats:
     """``shard`` all-reduced over this rank's rail with 8-bit messages; a failure re-raised naming the rail."""
     try:
-        return quantized_all_reduce(shard, groups.rail, op=op, timeout=timeout, block=block, timed=timed)
+        return quantized_all_reduce(
+            shard, groups.rail, op=op, timeout=timeout, block=block, rounding=rounding, seed=seed, timed=timed
+        )
     except CollectiveError as error:
         raise CollectiveError(f"{operation}: between the nodes, on rail {groups.local_rank}: {error}") from error
 
