@@ -29,6 +29,8 @@ Figures (into ``reports/figures/``)
   (``scripts/reporting/costmodel/two_tier.py``);
 * ``aggregators_gap_vs_bytes.png``: the 1,500-step aggregators study under ``reports/runs/aggregators-1500/``
   (``scripts/reporting/aggregators_report.figure``);
+* ``time_to_loss_<setting>.png``: validation loss against wall clock per setting of the time-to-loss study
+  (``reports/data/time_to_loss.csv``, ``reports/runs/time_to_loss/``; ``scripts/studies/ttl/report.figures``);
 * ``two_tier_lab_<where>_<rate>.png`` from ``reports/data/hierarchical_lab.csv``
   (``scripts/hierarchical_report.figures``) and ``two_tier_*`` training figures from
   ``reports/runs/training_hierarchical/``, once ``scripts/bench/run_hierarchical_lab.sh`` has measured them (until
@@ -297,7 +299,7 @@ def saving_vs_n(allreduce_csv: Path, out: Path, size_mb: float = 64.0, c_mult: i
 # --------------------------------------------------------------------------- main
 
 
-GROUPS = ["training", "allreduce", "design", "fidelity", "costmodel", "hierarchical", "aggregators"]
+GROUPS = ["training", "allreduce", "design", "fidelity", "costmodel", "hierarchical", "aggregators", "time_to_loss"]
 
 
 def main(argv=None) -> int:
@@ -312,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hierarchical-csv", type=Path, default=ROOT / "reports" / "data" / "hierarchical_lab.csv")
     ap.add_argument("--hierarchical-runs-dir", type=Path, default=ROOT / "reports" / "runs" / "training_hierarchical")
     ap.add_argument("--aggregators-dir", type=Path, default=ROOT / "reports" / "runs" / "aggregators-1500")
+    ap.add_argument("--time-to-loss-csv", type=Path, default=ROOT / "reports" / "data" / "time_to_loss.csv")
+    ap.add_argument("--time-to-loss-dir", type=Path, default=ROOT / "reports" / "runs" / "time_to_loss")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "figures")
     ap.add_argument("--strict", action="store_true", help="fail when a source is missing")
     ap.add_argument(
@@ -390,6 +394,13 @@ def main(argv=None) -> int:
             written.append(drawn)
         else:
             missing.append(f"aggregators study runs ({args.aggregators_dir})")
+    if "time_to_loss" in groups:  # issue 34's study (scripts/studies/time_to_loss.py), once it has rows
+        from scripts.studies.ttl import report as time_to_loss
+
+        if args.time_to_loss_csv.exists():
+            written += time_to_loss.figures(args.time_to_loss_csv, args.time_to_loss_dir, args.out)
+        elif args.only:
+            missing.append(str(args.time_to_loss_csv))
     for p in written:
         print(f"make_figures: wrote {p}")
     for m in missing:

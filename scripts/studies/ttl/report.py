@@ -211,6 +211,17 @@ def figure(setting: Setting, summary: dict, runs: Path, path: Path) -> bool:
     return True
 
 
+def figures(csv_path: Path, runs: Path, out: Path) -> list[Path]:
+    """Every setting's figure (``time_to_loss_<setting>.png``) from the CSV and run folders: what
+    ``scripts/reporting/make_figures.py`` rebuilds, the same files ``write_report`` links."""
+    written = []
+    for setting, srows in group(read_rows(csv_path)).items():
+        path = out / f"time_to_loss_{setting.key}.png"
+        if figure(setting, summarize(srows), runs, path):
+            written.append(path)
+    return written
+
+
 # --------------------------------------------------------------------------------------------- the text
 
 
