@@ -34,6 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from train.auto_c import DEFAULT_ERROR_BUDGET, SIGMAS, candidate_codes
+from train.config import FAMILIES, code_kappa_max
 
 EXACT = "nccl"
 """The exact flat all-reduce: the warm-up's aggregator and the fallback when the links are unknown."""
@@ -65,7 +66,6 @@ def _cerar_codes(N: int, a, transport: str) -> dict[int, object]:
 
     import cerar
     from cerar.precision import check_admissible
-    from train.config import code_kappa_max
 
     codes = {}
     for c, code in candidate_codes(N, a.construction, a.eps, code_kappa_max(a, transport)).items():
@@ -113,8 +113,6 @@ def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
     return {cand.name: cand for cand in pool}
 
 
-FAMILIES = ("ring16", "int8", "cerar", "cerar16", "hier_ring16", "hier_int8", "hier_cerar", "hier_cerar16")
-"""What aggregator.auto_aggregators may keep (the cost model's names; the exact ones are always kept)."""
 
 
 def fastest_within(seconds: dict[str, float], bound: dict[str, float], allowed: float) -> str:

@@ -145,7 +145,7 @@ class AggregatorConfig:
     # gradients is at most error_budget x the noise, on the links measured at start (or declared in auto_links:
     # intra_alpha_s, intra_gbit_s, inter_alpha_s, inter_gbit_s, memory_gbyte_s, nics_per_node); warm-up, checks
     # and sample as c=auto's fields above. auto_aggregators: the candidate families to keep (null: all;
-    # train.auto_choice.FAMILIES), the exact ones always kept. auto_trials: how many fitting candidates (the
+    # FAMILIES below), the exact ones always kept. auto_trials: how many fitting candidates (the
     # model's fastest) a decision times by their real call beside the exact one, auto_trial_calls timed calls
     # each (auto_trials 0: the model alone decides).
     auto_aggregators: list[str] | None = None
@@ -248,6 +248,10 @@ HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int8")
 # aggregator=auto (issue 28): chooses among the others from measured noise and measured links
 AUTO_KIND = "auto"
 # in a run's identity only for aggregator=auto
+FAMILIES = ("ring16", "int8", "cerar", "cerar16", "hier_ring16", "hier_int8", "hier_cerar", "hier_cerar16")
+"""What aggregator.auto_aggregators may keep: the cost model's names of aggregator=auto's candidate families
+(train/auto_choice.py builds them; the exact ones are always kept)."""
+
 AUTO_FIELDS = ("auto_aggregators", "auto_links", "auto_trials", "auto_trial_calls")
 AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, AUTO_KIND)
 
@@ -458,8 +462,6 @@ def _validate_schedule(a) -> None:
 def _validate_auto_aggregator(cfg) -> None:
     """aggregator=auto measures the per-rank gradients before aggregation; its declared links and families must
     be ones it knows."""
-    from train.auto_choice import FAMILIES
-
     a = cfg.aggregator
     _require(
         not effective_overlap(cfg),
