@@ -23,7 +23,8 @@
 # T and U are the per-tensor study (issue 33: each aggregator's error against each parameter tensor's own noise,
 # logged every 50 steps as tensor/<name>): 1,500 steps at K's shape; T the aggregators auto may choose as they were
 # before the per-tensor fixes, run from a checkout of that tree (PYTHONPATH=<checkout> scripts/studies/... T, from
-# the checkout's root), U the same after them, with nccl's two seeds and aggregator=auto.
+# the checkout's root), U and W the same after them (two launches side by side), with aggregator=auto and bf16,
+# and V nccl's two seeds (the exact all-reduce, unchanged by the fixes).
 set -u
 cd "$(dirname "$0")/../.."
 half=${1:?usage: scripts/studies/run_fidelity.sh A|B|C|D|E|F|G|H|I|J|K|L|M [OUT]}
@@ -31,12 +32,12 @@ case "$half" in
 G | H | I | J) OUT=${2:-reports/runs/fidelity-corpus-v2} ;;
 K | L | M) OUT=${2:-reports/runs/aggregators-1500} ;;
 T) OUT=${2:-reports/runs/tensors-1500/before} ;;
-U) OUT=${2:-reports/runs/tensors-1500/after} ;;
+U | V | W) OUT=${2:-reports/runs/tensors-1500/after} ;;
 *) OUT=${2:-reports/runs/fidelity} ;;
 esac
 LOG=reports/logs/fidelity_runs.log
 STEPS=3000
-case "$half" in K | L | M | T | U) STEPS=1500 ;; esac
+case "$half" in K | L | M | T | U | V | W) STEPS=1500 ;; esac
 COMMON=(model=tiny data=embedded data.seq_len=64 trainer.micro_batch_size=4 trainer.max_steps=$STEPS
   trainer.eval_every=100 trainer.eval_batches=16 trainer.drift_every=50 trainer.measure_error_every=50
   trainer.log_every=10 trainer.progress_bar=false checkpoint.every=0 wandb.mode=disabled
@@ -84,15 +85,15 @@ T) RUNS=("fp16_s1: aggregator=fp16 seed=1"
     "int8_s1: aggregator=int8 seed=1"
     "cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1"
     "cerar_fp16_c5_s1: aggregator=cerar aggregator.transport=float16 c=5 seed=1") ;;
-U) RUNS=("nccl_s1: aggregator=nccl seed=1"
-    "fp16_s1: aggregator=fp16 seed=1"
+U) RUNS=("fp16_s1: aggregator=fp16 seed=1"
     "int8_s1: aggregator=int8 seed=1"
-    "cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1"
-    "cerar_fp16_c5_s1: aggregator=cerar aggregator.transport=float16 c=5 seed=1"
-    "auto_s1: aggregator=auto seed=1"
-    "bf16_s1: aggregator=bf16 seed=1"
+    "auto_s1: aggregator=auto seed=1") ;;
+V) RUNS=("nccl_s1: aggregator=nccl seed=1"
     "nccl_s2: aggregator=nccl seed=2") ;;
-*) echo "unknown half $half (A to M, T, U)" >&2; exit 2 ;;
+W) RUNS=("cerar_c8_optimized_s1: aggregator=cerar_optimized c=8 seed=1"
+    "cerar_fp16_c5_s1: aggregator=cerar aggregator.transport=float16 c=5 seed=1"
+    "bf16_s1: aggregator=bf16 seed=1") ;;
+*) echo "unknown half $half (A to M, T to W)" >&2; exit 2 ;;
 esac
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
