@@ -19,9 +19,21 @@ either way; only the contract around it changes:
     expiry, or on a failed batch, it leaves the group aborted, as ``WorkNCCL::wait`` aborts the
     communicators before it throws: later batches on the group fail;
   - ``is_completed()`` tells whether the batch is done (or failed);
-  - the first batch on each group must involve every rank of the group (NCCL's first-call rule,
-    held here to every group's first batch whatever came before): a rank whose peers do not all
-    join within ``FIRST_BATCH_TIMEOUT_S`` raises;
+  - the first send or receive to each peer on a group connects to it inside the call (NCCL's
+    ``taskAppend`` marks the peer's channels, ``ncclGroupEnd`` connects them, whatever
+    ``NCCL_RUNTIME_CONNECT`` says): the host is held there, with no work, until the peer makes its own
+    first call on the pair, however long that takes (`_hold_until`); then the first batch on each group
+    must involve every rank of the group (NCCL's first-call rule, held here to every group's first batch
+    whatever came before): a rank whose peers do not all join within ``FIRST_BATCH_TIMEOUT_S`` raises;
+  - the first collective of each kind and size class on a group (``LARGE_BYTES``: NCCL picks its algorithm per
+    collective and size,
+    and with ``NCCL_RUNTIME_CONNECT=1``, its default, connects an algorithm's channels at the first
+    collective that uses it, ``initTransportsRank``/``ncclPrepareTasks``) holds the host inside the call,
+    with no work, until every rank of the group has made it, however long that takes;
+  - ``new_group`` for an NCCL group holds the host until every rank of the default group has reached the
+    same ``new_group`` call (``ncclCommSplit`` over every rank of the parent, members by
+    ``eager_connect_single_device``, the others by ``perform_nocolor_split``; ``_new_process_group_helper``),
+    however long that takes, with no work;
   - ``_abort_process_group`` leaves the groups it aborts aborted, and records their names in the
     store under ``nccl-contract/aborted/<rank>``, which outlives the process;
   - collectives (``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``) on any group not created
@@ -38,9 +50,15 @@ either way; only the contract around it changes:
     4)``; ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``, torch's default 15 s, so a minute) and ends the process
     with SIGABRT (the rethrow on the
     watchdog's thread: ``std::terminate``), exit status -6 as ``multiprocessing`` reports it, 134 from
-    a shell. ``group_timeout_s`` (and a ``new_group``'s ``timeout``) is that watchdog's timeout; gloo's
+    a shell. Before it sleeps it signals the dump to every rank through the store (``broadcastDumpSignal``).
+    ``group_timeout_s`` (and a ``new_group``'s ``timeout``) is that watchdog's timeout; gloo's
     own waits under the groups are given longer (``transport_timeout_s``), so that, as on NCCL, a work
     a stalled peer holds up is ended by the watchdog or by the code's own deadline, never by gloo;
+  - torch's heartbeat monitor (``HeartbeatMonitor::runLoop``, default group only): every
+    ``TORCH_NCCL_COORD_CHECK_MILSEC`` (1 s) it checks the store for another rank's dump signal; on one it dumps
+    (up to the dump wait), sleeps ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC`` (480 s by default) and ends the process
+    (``terminateProcess``: ``LOG(FATAL)``, SIGABRT), whether or not this rank has a work: the only end torch
+    gives a rank held inside a call with no work, and only when another rank's watchdog fired;
   - a ``DistributedDataParallel`` built on such a group reaches it through ``NcclContractProcessGroup`` (its
     C++ reducer calls the group directly, past the functions above): a bucket's all-reduce returns a work whose
     future is complete at once, as ``ProcessGroupNCCL::collective`` marks it (so ``finalize_backward`` does not
@@ -77,6 +95,15 @@ from datetime import timedelta
 
 CONTRACTS = ("gloo", "nccl")
 FIRST_BATCH_TIMEOUT_S = 30.0
+LARGE_BYTES = 64 * 1024  # a collective of at least this many bytes is of the "large" size class (another algorithm)
+HELD_FOR_S = 24 * 3600.0  # a hold inside a call: as long as the peer takes (a day stands for ever here)
+CONNECT_KEY = "nccl-contract/connect/"
+SPLIT_KEY = "nccl-contract/split/"
+DUMP_SIGNAL_KEY = "nccl-contract/dump-signal"
+HEARTBEAT_KILL_KEY = "nccl-contract/heartbeat-kill/"
+HEARTBEAT_VARIABLE = "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC"
+HEARTBEAT_DEFAULT_S = 480
+COORD_CHECK_S = 1.0  # TORCH_NCCL_COORD_CHECK_MILSEC's default
 ABORTED_KEY = "nccl-contract/aborted/"
 WATCHDOG_KEY = "nccl-contract/watchdog/"
 WATCHDOG_PERIOD_S = 0.1  # torch's watchdog sleeps kWatchdogThreadSleepMillis (100 ms) between checks
@@ -94,12 +121,55 @@ _log = {
     "polled_batches": set(),
     "aborted": [],
 }
-_store = {"store": None}  # the run's shared store (``install``): the watchdog's and the abort's records
+_store = {"store": None, "holds": None}  # the run's shared store (``install``): the records; and a connection of
+# its own for the holds inside calls
 _aborted_groups: set[str] = set()
 _live_works: dict[str, weakref.WeakSet] = {}
 _group_timeouts: dict[str, float] = {}  # the emulated NCCL groups' own timeouts (the watchdog's), seconds
 _gloo_groups: set[str] = set()  # groups created with backend="gloo": gloo's contract, not NCCL's
 _serial = itertools.count()
+_connected: set[tuple] = set()  # (group, size class) or (group, "p2p", pair) this process has connected
+_splits = itertools.count()  # the NCCL new_group calls of this process, in order (the same on every rank)
+
+
+def _hold_until(prefix: str, ranks) -> None:
+    """NCCL's host-side hold inside a call (a connect, a split): record this rank's arrival under ``prefix`` and
+    block, with no work and no bound of its own, until every rank of ``ranks`` has arrived. The store's wait
+    releases the GIL, as NCCL's C++ does: another thread of the process (a watchdog) keeps running. It waits on
+    a connection of its own (``_store["holds"]``), as NCCL waits on its bootstrap sockets: the run's store stays
+    free for the process's other threads (the trainer's heartbeat keys, the test's records)."""
+    import torch.distributed as dist
+
+    store = _store["holds"]
+    store.set(f"{prefix}{dist.get_rank()}", "arrived")
+    store.wait([f"{prefix}{r}" for r in ranks], timedelta(seconds=HELD_FOR_S))
+
+
+def _connect_collective(group, op: str, nbytes: int) -> None:
+    """The first collective ``op`` of its size class on ``group`` connects inside the call (module docstring):
+    NCCL chooses an algorithm per collective and size (a large all-reduce may take NVLS or Tree where a
+    broadcast or a small all-reduce takes Ring), so each (op, size class) is a first use of its own."""
+    import torch.distributed as dist
+
+    size_class = "large" if nbytes >= LARGE_BYTES else "small"
+    key = (group.group_name, op, size_class)
+    if key in _connected:
+        return
+    _connected.add(key)
+    _hold_until(f"{CONNECT_KEY}{group.group_name}/{op}/{size_class}/", dist.get_process_group_ranks(group))
+
+
+def _connect_peers(group, peers) -> None:
+    """The first send or receive to each peer on ``group`` connects to it inside the call (module docstring)."""
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    for peer in sorted(set(peers) - {me}):
+        pair = (min(me, peer), max(me, peer))
+        key = (group.group_name, "p2p", pair)
+        if key not in _connected:
+            _connected.add(key)
+            _hold_until(f"{CONNECT_KEY}{group.group_name}/p2p/{pair[0]}-{pair[1]}/", pair)
 
 
 def transport_log() -> dict:
@@ -195,6 +265,19 @@ class NcclContractWork:
         return True
 
 
+def _connect_before_posting(fn) -> None:
+    """On a GPU cerar's stream-ordered rounds post on the host thread (``ImmediateDeviceQueue`` runs a submitted
+    post there and then), so NCCL's first connect to a peer holds the host inside ``ncclGroupEnd``. Here a post
+    runs later on the stream's thread: its connects are made now, on the submitting (host) thread, as on a GPU
+    (``_connect_peers``; the post itself then finds them made)."""
+    import torch.distributed as dist
+
+    ring = getattr(getattr(fn, "__self__", None), "ring", None)
+    if getattr(fn, "__name__", "") in ("_post", "_post_wire") and hasattr(ring, "next_rank"):
+        group = ring.group or dist.distributed_c10d._get_default_group()
+        _connect_peers(group, [ring.next_rank, ring.prev_rank])
+
+
 class EmulatedStream:
     """A CUDA stream's order, on the CPU: the device queue of cerar's stream-ordered contract.
     ``submit`` returns at once with a future; one thread runs the work in order (torch's
@@ -210,6 +293,7 @@ class EmulatedStream:
         threading.Thread(target=self._run, name="nccl-contract-stream", daemon=True).start()
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
+        _connect_before_posting(fn)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self.backlog += 1
@@ -274,10 +358,40 @@ def _watchdog() -> None:
 
                 _store["store"].set(f"{WATCHDOG_KEY}{dist.get_rank()}", reason)
             print(f"[emulated NCCL watchdog] {reason}: dumping, then SIGABRT", file=sys.stderr, flush=True)
+            with contextlib.suppress(Exception):  # broadcastDumpSignal: every rank's heartbeat monitor sees it
+                _store["store"].set(DUMP_SIGNAL_KEY, str(dist.get_rank()))
             _abort_group(name, "the watchdog's timeout")
             time.sleep(4 * int(os.environ.get(DUMP_WAIT_VARIABLE, DUMP_WAIT_DEFAULT_MS)) / 1e3)  # getDumpTimeout() * 4
             resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file
             os.kill(os.getpid(), signal.SIGABRT)
+
+
+def _heartbeat_monitor() -> None:
+    """torch's heartbeat monitor, emulated (module docstring): on another rank's dump signal, dump, sleep the
+    heartbeat timeout and end the process with SIGABRT, work or no work."""
+    import resource
+    import signal
+
+    import torch.distributed as dist
+
+    while True:
+        time.sleep(COORD_CHECK_S)
+        with contextlib.suppress(Exception):
+            if _store["store"].check([DUMP_SIGNAL_KEY]):
+                break
+    source = _store["store"].get(DUMP_SIGNAL_KEY).decode()
+    heartbeat_s = float(os.environ.get(HEARTBEAT_VARIABLE, HEARTBEAT_DEFAULT_S))
+    print(
+        f"[emulated NCCL heartbeat monitor] dump signal from rank {source}: dumping, sleeping {heartbeat_s:g}s, "
+        "then SIGABRT",
+        file=sys.stderr,
+        flush=True,
+    )
+    time.sleep(int(os.environ.get(DUMP_WAIT_VARIABLE, DUMP_WAIT_DEFAULT_MS)) / 1e3 + heartbeat_s)
+    with contextlib.suppress(Exception):
+        _store["store"].set(f"{HEARTBEAT_KILL_KEY}{dist.get_rank()}", f"after rank {source}'s dump signal")
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.kill(os.getpid(), signal.SIGABRT)
 
 
 def _install_collectives(group_timeout_s: float) -> None:
@@ -297,6 +411,8 @@ def _install_collectives(group_timeout_s: float) -> None:
         timeout_s = 600.0 if timeout is None else timeout.total_seconds()  # torch's default for NCCL groups
         if not gloo:  # the watchdog's timeout; the transport's own waits longer (_transport_timeout_s)
             bound.arguments["timeout"] = timedelta(seconds=transport_timeout_s(timeout_s))
+            world = dist.get_process_group_ranks(c10d._get_default_group())
+            _hold_until(f"{SPLIT_KEY}{next(_splits)}/", world)  # ncclCommSplit over every rank of the parent
         group = original_new_group(*bound.args, **bound.kwargs)
         if group is None or group == c10d.GroupMember.NON_GROUP_MEMBER:
             return group
@@ -319,6 +435,8 @@ def _install_collectives(group_timeout_s: float) -> None:
             if group.group_name in _gloo_groups:
                 return original(*args, **kwargs)
             _refuse_if_aborted(group.group_name)
+            tensor = bound.arguments.get("tensor")
+            _connect_collective(group, name, 0 if tensor is None else tensor.numel() * tensor.element_size())
             asynchronous = bound.arguments.get("async_op", False)
             bound.arguments["async_op"] = True
             result = [bound.arguments["tensor"]] if name in ("all_reduce", "broadcast") else None
@@ -337,6 +455,7 @@ def _install_collectives(group_timeout_s: float) -> None:
         emulate(name)
     _install_ddp_process_group()
     threading.Thread(target=_watchdog, name="nccl-contract-watchdog", daemon=True).start()
+    threading.Thread(target=_heartbeat_monitor, name="nccl-contract-heartbeat-monitor", daemon=True).start()
 
 
 def _install_ddp_process_group() -> None:
@@ -392,6 +511,13 @@ def _nccl_contract_process_group(group):
         def _post(self, what: str, post, result, completed_at_once: bool):
             name = self.inner.group_name
             _refuse_if_aborted(name)
+            tensors = result if isinstance(result, list) else [result]
+            first = tensors[0][0] if tensors and isinstance(tensors[0], list) else tensors[0]
+            _connect_collective(
+                self.inner,
+                what.split()[-1].replace("allreduce", "all_reduce").replace("allgather", "all_gather"),
+                first.numel() * first.element_size(),
+            )
             work = NcclContractWork([post()], name, what, result)
             if completed_at_once:  # as WorkNCCL's future (NcclContractWork.get_future)
                 return _create_work_from_future(work.get_future())
@@ -435,6 +561,10 @@ def install(contract: str, group_timeout_s: float, store) -> None:
     import torch.distributed as dist
 
     _store["store"] = store
+    if contract == "nccl":
+        _store["holds"] = dist.PrefixStore(
+            "holds/", dist.TCPStore(store.host, store.port, is_master=False, timeout=timedelta(seconds=60))
+        )
     original = dist.batch_isend_irecv
     first_batch_seen: set[str] = set()
 
@@ -443,7 +573,7 @@ def install(contract: str, group_timeout_s: float, store) -> None:
         if name in first_batch_seen:
             return
         first_batch_seen.add(name)
-        default_store = dist.distributed_c10d._get_default_store()
+        default_store = _store["holds"]  # a connection of its own: this wait must not hold the run's store
         me, members = dist.get_rank(), dist.get_process_group_ranks(group)
         default_store.set(f"nccl-contract/first-batch/{name}/{me}", "joined")
         keys = [f"nccl-contract/first-batch/{name}/{r}" for r in members]
@@ -465,6 +595,7 @@ def install(contract: str, group_timeout_s: float, store) -> None:
         _log["groups"].add(group.group_name)
         if contract == "nccl":
             _refuse_if_aborted(group.group_name)
+            _connect_peers(group, [op.peer for op in p2p_op_list])
             check_first_batch(group)
             return [NcclContractWork(original(p2p_op_list), group.group_name)]
         return original(p2p_op_list)

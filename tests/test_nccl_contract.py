@@ -159,6 +159,83 @@ def test_under_nccls_contract_the_first_batch_on_a_group_must_involve_all_of_its
     assert run_workers(_first_batch_without_rank_2_worker, 3, contract="gloo") == [2, 2, "absent"]  # gloo allows it
 
 
+def _held_inside_calls_worker(rank, N, hold_s):
+    """Rank 2 joins the split, the first large all-reduce and its first point-to-point with rank 0 only after
+    ``hold_s``: ranks 0 and 1 must be held inside each call that long, with no work to poll (the call returns no
+    sooner than rank 2 arrives); the first point-to-point's connect holds the pair (0, 2), not rank 1."""
+    store = shared_store()
+    if rank == 2:
+        time.sleep(hold_s)
+    start = time.monotonic()
+    pair = dist.new_group([0, 2])  # ncclCommSplit: every rank of the parent, rank 1 too
+    split_s = time.monotonic() - start
+    if rank == 2:
+        time.sleep(hold_s)
+    start = time.monotonic()
+    work = dist.all_reduce(torch.ones(2**15), async_op=True)  # 128 KiB: the first large all-reduce
+    connect_s = time.monotonic() - start
+    work.wait()
+    pair_s = None
+    if rank in (0, 2):  # rank 1 makes no point-to-point call: ranks 0 and 2 connect without it
+        if rank == 2:
+            time.sleep(hold_s)
+        start = time.monotonic()
+        peer = 2 - rank
+        works = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, torch.ones(2), peer, pair), dist.P2POp(dist.irecv, torch.zeros(2), peer, pair)]
+        )
+        pair_s = time.monotonic() - start
+        for work in works:
+            work.wait()
+    store.set(f"done/{rank}", "1")
+    return split_s, connect_s, pair_s
+
+
+def test_under_nccls_contract_a_split_and_a_first_connect_hold_the_host_inside_the_call_until_the_peers_come():
+    hold_s = 2.0
+    (split0, connect0, pair0), (split1, connect1, pair1), _ = run_workers(
+        _held_inside_calls_worker, 3, args=(hold_s,), contract="nccl"
+    )
+    assert min(split0, split1, connect0, connect1, pair0) >= 0.9 * hold_s, (split0, split1, connect0, connect1, pair0)
+    assert pair1 is None
+    gloo = run_workers(_held_inside_calls_worker, 3, args=(0.0,), contract="gloo")  # gloo holds nothing here
+    assert all(seconds < hold_s for result in gloo for seconds in result if seconds is not None), gloo
+
+
+def _heartbeat_worker(rank, N):
+    """Rank 2 stalls; rank 0 leaves an all-reduce unpolled (its work times out: the emulated watchdog fires,
+    signals the dump and SIGABRTs); rank 1 is held inside a split with no work: only the heartbeat monitor,
+    on rank 0's dump signal, ends it (after the dump wait and TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC)."""
+    dist.all_reduce(torch.ones(1))  # the small all-reduce's connect made by every rank
+    if rank == 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    if rank == 0:
+        dist.all_reduce(torch.ones(1), async_op=True)  # never polled: the emulated watchdog times it out
+        time.sleep(120)
+    dist.new_group()  # held: rank 2 never comes
+    return "returned"
+
+
+def test_under_nccls_contract_the_heartbeat_monitor_ends_a_rank_held_with_no_work_after_anothers_watchdog(
+    monkeypatch,
+):
+    from tests.distributed import held_store
+    from tests.nccl_emulation import DUMP_WAIT_VARIABLE, HEARTBEAT_KILL_KEY, HEARTBEAT_VARIABLE, WATCHDOG_KEY
+
+    monkeypatch.setenv(DUMP_WAIT_VARIABLE, "200")
+    monkeypatch.setenv(HEARTBEAT_VARIABLE, "2")
+    store = held_store()
+    start = time.monotonic()
+    results = run_workers(
+        _heartbeat_worker, 3, contract="nccl", group_timeout_s=2, expect=[], exits=[0, 1], store=store, timeout_s=60
+    )
+    elapsed = time.monotonic() - start
+    assert results[:2] == [ProcessExit(-6), ProcessExit(-6)], results
+    assert store.check([f"{WATCHDOG_KEY}0"]) and not store.check([f"{WATCHDOG_KEY}1"])  # rank 1 had no work
+    assert store.check([f"{HEARTBEAT_KILL_KEY}1"]), "rank 1 was not ended by the heartbeat monitor"
+    assert elapsed < 45, elapsed
+
+
 # --- CERAR under NCCL's contract ----------------------------------------------------------------------
 
 
@@ -300,12 +377,20 @@ def test_after_a_collective_failure_the_trainer_aborts_the_groups_prints_one_lin
 # --- the trainer's NCCL watchdog setting --------------------------------------------------------------
 
 
-def test_the_trainer_turns_nccls_watchdog_abort_on_and_refuses_to_run_with_it_off():
+@pytest.mark.quick
+def test_the_trainer_keeps_torchs_tear_down_mode_and_refuses_0_and_2_in_one_line():
+    """torch's default 3 (tear down without the abort, ``SkipCleanUp``) when unset; 1 (abort, then tear down)
+    kept when chosen; 0 (no tear-down: a stalled peer hangs the job) and 2 (abort without tear-down: an aborted
+    work reads as completed, ``wait()`` returns garbage) refused in one line naming the variable and the value,
+    before any group exists, as ``TORCH_NCCL_BLOCKING_WAIT`` is."""
     environ = {}
-    assert configure_nccl_watchdog(environ) == "1" and environ[NCCL_ERROR_HANDLING_VARIABLE] == "1"
-    assert configure_nccl_watchdog({NCCL_ERROR_HANDLING_VARIABLE: "3"}) == "3"  # another abort mode is kept
-    with pytest.raises(ConfigError, match=f"{NCCL_ERROR_HANDLING_VARIABLE}=0"):
-        configure_nccl_watchdog({NCCL_ERROR_HANDLING_VARIABLE: "0"})
+    assert configure_nccl_watchdog(environ) == "3" and environ[NCCL_ERROR_HANDLING_VARIABLE] == "3"
+    assert configure_nccl_watchdog({NCCL_ERROR_HANDLING_VARIABLE: "1"}) == "1"
+    assert configure_nccl_watchdog({NCCL_ERROR_HANDLING_VARIABLE: "3"}) == "3"
+    for mode in ("0", "2", "4", "yes"):
+        with pytest.raises(ConfigError, match=f"^{NCCL_ERROR_HANDLING_VARIABLE}={mode} ") as refused:
+            configure_nccl_watchdog({NCCL_ERROR_HANDLING_VARIABLE: mode})
+        assert "\n" not in str(refused.value) and "set 1 or 3" in str(refused.value)
 
 
 @pytest.mark.quick
@@ -318,4 +403,4 @@ def test_the_trainer_refuses_nccls_blocking_wait_in_one_line(name):
             configure_nccl_watchdog({name: value})
         assert "\n" not in str(refused.value)
     environ = {name: "0"}  # explicitly off: allowed
-    assert configure_nccl_watchdog(environ) == "1" and environ[NCCL_ERROR_HANDLING_VARIABLE] == "1"
+    assert configure_nccl_watchdog(environ) == "3" and environ[NCCL_ERROR_HANDLING_VARIABLE] == "3"

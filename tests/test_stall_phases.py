@@ -1,17 +1,32 @@
-"""A peer stalled in any phase of a training step, under NCCL's contract with torch's watchdog emulated
-(tests/nccl_emulation.py, ``contract="nccl"``): every survivor exits with status 3 and one line naming the
-collective, the phase and the peer, within the trainer's deadline plus SLACK_S, and before the emulated
-watchdog fires (which would end it with SIGABRT, exit status -6, at the group's timeout plus 4 x its dump wait).
+"""A peer stalled in any phase of a training step, or of the start-up, under NCCL's contract with torch's watchdog
+emulated (tests/nccl_emulation.py, ``contract="nccl"``): every survivor exits with status 3 and one line naming
+the collective or phase, the step and the peer, and before the emulated watchdog fires (which would end it with
+SIGABRT, exit status -6, at the group's timeout plus 4 x its dump wait).
 
-The stalled rank stops itself (SIGSTOP) as it enters the phase at step STALL_STEP; the groups' own timeout is
-the trainer's NCCL one (`train.distributed.watchdog_timeout_s`). Without the trainer's bounded waits (the
-non-finite flag read by ``.item()``, the loss and evaluation reductions, the object gathers) the survivors
-block in the emulated host read until the watchdog's SIGABRT.
+Who ends it, and so the bound (T = T_S, the trainer's deadline):
+
+- ``"poll"``: the trainer's polling (`train.distributed.bounded`, CERAR's rounds), T after the survivor's post:
+  the line is the collective's own (``error: collective '...'``), within T + SLACK_S of the stall;
+- ``"host"``: the host watchdog (train/watchdog.py), where the emulation holds the host inside the call with
+  no work (a subgroup's split, the first connect of a peer pair or of a collective's kind and size, as NCCL
+  does) or in a host read outside the polling (DDP's constructor): ``error: host watchdog: rank r held ...``,
+  naming the collective or phase, at its deadline, 2T after the survivor entered it (`Deadlines`: the poll's T
+  + T), within 2T + SLACK_S of the stall;
+- ``"any"``: either, rank by rank (a stall where some survivors wait on a work and others inside a connect).
+
+The stalled rank stops itself (SIGSTOP) as it enters the phase at step STALL_STEP (the ``start-`` cases: as it
+enters the start-up phase, or makes its first point-to-point call or first large all-reduce); the groups' own
+timeout is the trainer's NCCL one (`train.distributed.watchdog_timeout_s`, 3T). Without the trainer's bounded
+waits (the non-finite flag read by ``.item()``, the loss and evaluation reductions, the object gathers) the
+survivors block in the emulated host read until the watchdog's SIGABRT; without the host watchdog, the start-up
+cases hang to the launch's limit (a hold inside a call has no work for any watchdog to time) or end in the
+emulated watchdog's SIGABRT (DDP's constructor, which reads its all-gather on the host).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -20,11 +35,14 @@ from pathlib import Path
 import pytest
 
 from tests.distributed import ProcessExit, held_store, run_workers, shared_store
-from tests.nccl_emulation import DUMP_WAIT_VARIABLE, WATCHDOG_KEY
+from tests.nccl_emulation import DUMP_WAIT_VARIABLE, LARGE_BYTES, WATCHDOG_KEY
+from train.distributed import watchdog_timeout_s
 
 T_S = 3.0  # trainer.collective_timeout_s: the trainer's deadline
-WATCHDOG_S = 2 * T_S  # the NCCL groups' own timeout: train.distributed.watchdog_timeout_s(T_S)
+WATCHDOG_S = watchdog_timeout_s(T_S)  # the NCCL groups' own timeout (torch's watchdog): 3T
+HOST_S = 2 * T_S  # the host watchdog's deadline for a collective (train.watchdog.Deadlines.collective): T + T
 SLACK_S = 6.0  # the rest of a step before the survivors reach the stuck collective, and the abort, on a loaded host
+LAUNCH_S = {"poll": 240, "host": 60}  # the launches' limits: a case the host watchdog ends that hangs fails at 60 s
 STALL_STEP = 2
 JOB = [
     "model=tiny",
@@ -52,7 +70,7 @@ AUTO = [
 ]  # declared: no probe
 HIER = ["aggregator=hier_cerar", "aggregator.local_size=2", "c=4", "aggregator.coded_on_two_nodes=true"]
 
-# phase the stalled rank stops in -> the collective every survivor reports
+# phase the stalled rank stops in -> the collective (or start-up phase) every survivor reports, who ends the stall
 CASES = {
     "flat-data": (2, FLAT, "data", "non-finite flag all_reduce"),
     "flat-forward": (2, FLAT, "forward", "non-finite flag all_reduce"),
@@ -70,7 +88,7 @@ CASES = {
     "flat-resync": (2, [*FLAT, "trainer.resync_every=2"], "resync", "resync broadcast from rank 1"),
     # rank 0 stops as it reaches the checkpoint barrier while rank 1 writes: the writer waits at most T, not the
     # write's timeout (checkpoint.write_timeout_s, 30 min), for a rank that should already be there
-    "flat-checkpoint-barrier": (2, FLAT, "checkpoint barrier", "checkpoint barrier", 0),
+    "flat-checkpoint-barrier": (2, FLAT, "checkpoint barrier", "checkpoint barrier"),
     # overlap: DDP's one-off bucket rebuild is done after step 1's bounded flag, so a peer stalled in step 2's data
     # meets CERAR's hook in backward, not the rebuild's host-blocking broadcast in forward (DDP's own place for it)
     "overlap-data": (2, ["aggregator=cerar", "c=4", "trainer.overlap=true"], "data", "backward with"),
@@ -82,26 +100,89 @@ CASES = {
     "overlap-fp16-backward": (2, ["aggregator=fp16", "trainer.overlap=true"], "backward", "non-finite flag all_reduce"),
     "hier-backward": (4, HIER, "backward", "non-finite flag all_reduce"),
     "hier-aggregate": (4, HIER, "aggregate", "aggregate (hier_cerar"),
+    # start-up: the peer stops before the subgroups' new_group (ncclCommSplit over every rank), before DDP's
+    # constructor (its shape all-gather, read on the host), before its first point-to-point call (CERAR's first
+    # round: its peers' first connect to it) or before the first large all-reduce (nccl's first aggregation: a
+    # new algorithm's channels connected inside the call)
+    "start-subgroups": (2, FLAT, "start-up: subgroups", "new_group calls"),
+    "start-ddp": (2, ["aggregator=nccl"], "start-up: DDP", "DDP constructor"),
+    "start-first-p2p": (2, FLAT, "first point-to-point", "aggregate (cerar"),
+    "start-first-large": (2, ["aggregator=nccl"], "first large all_reduce", "aggregate (nccl)"),
+    "start-hier-subgroups": (4, HIER, "start-up: subgroups", "new_group calls"),
+    "start-hier-first-p2p": (4, HIER, "first point-to-point", "aggregate (hier_cerar"),
 }
-VICTIM = 1  # the stalled rank, unless a case names another (its fifth field)
+VICTIM = 1  # the stalled rank, unless a case names another (VICTIMS)
+VICTIMS = {"flat-checkpoint-barrier": 0}
+# who ends the stall (module docstring), and the phase the host watchdog's line names; "poll" unless named. c=auto's
+# first check (g_bar) is the run's first large all-reduce (CERAR aggregated the warm-up steps by point-to-point):
+# it connects inside the call, so that case ends by the host watchdog too (aggregator=auto's check does not: its
+# warm-up aggregated by torch's all-reduce). A hierarchical start stalled before the subgroups is ended by the
+# layout's own agreement check on the default group, polled, before any split.
+ENDED_BY = {
+    "flat-auto_c": "host",
+    "start-subgroups": "host",
+    "start-ddp": "host",
+    "start-first-p2p": "host",
+    "start-first-large": "host",
+    "start-hier-first-p2p": "host",
+}
+HOST_PHASE = {"start-subgroups": "start-up: subgroups", "start-ddp": "start-up: DDP"}  # else the victim's phase
+HOST_PHASE.update({case: "aggregate" for case in ("start-first-p2p", "start-first-large", "start-hier-first-p2p")})
 
 
 def victim_of(case: str) -> int:
-    return CASES[case][4] if len(CASES[case]) > 4 else VICTIM
+    return VICTIMS.get(case, VICTIM)
 
 
 def _stop_on_entering(phase: str) -> None:
     """SIGSTOP this process as it enters ``phase`` at step STALL_STEP or later: a phase of the step timer
     (data, forward, backward, auto_c, auto, aggregate, optimizer), the evaluation, the checkpoint or its barrier,
-    the replicas' drift measurement or the resync."""
+    the replicas' drift measurement or the resync; or at once as it enters a start-up phase (train/run.py's
+    ``set_phase``), or makes its first point-to-point call or first large all-reduce."""
     import contextlib
 
     from train import distributed, loop
 
-    def stop() -> None:
-        if distributed._progress["step"] >= STALL_STEP:
+    def stop(at_once: bool = False) -> None:
+        if at_once or distributed._progress["step"] >= STALL_STEP:
             shared_store().set("stalled_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
+
+    if phase.startswith("start-up: "):  # as train/run.py enters it
+        from train import run
+
+        set_phase = run.set_phase
+
+        def stopping_set_phase(name):
+            if name == phase:
+                stop(at_once=True)
+            set_phase(name)
+
+        run.set_phase = stopping_set_phase
+        return
+    if phase == "first point-to-point":  # before its first connect to a peer, made where the host posts
+        from tests import nccl_emulation
+
+        connect = nccl_emulation._connect_peers
+
+        def stopping_connect(group, peers):
+            stop(at_once=True)
+            return connect(group, peers)
+
+        nccl_emulation._connect_peers = stopping_connect
+        return
+    if phase == "first large all_reduce":
+        import torch.distributed as dist
+
+        all_reduce = dist.all_reduce
+
+        def stopping_all_reduce(tensor, *args, **kwargs):
+            if tensor.numel() * tensor.element_size() >= LARGE_BYTES:
+                stop(at_once=True)
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = stopping_all_reduce
+        return
 
     if phase == "checkpoint barrier":  # after the checkpoint's gather, as it reaches the barrier
         bounded = loop.bounded
@@ -145,19 +226,25 @@ def _stalled_training(rank, world_size, phase, overrides, cache, run_dir, victim
     """The trainer in this process, as train/main.py runs it (a collective failure: abort, one line, exit 3);
     rank ``victim`` stops itself on entering ``phase`` at step STALL_STEP."""
     from tests.runs import composed
-    from train.distributed import exit_after_collective_failure
+    from train import distributed
     from train.main import is_collective_failure
     from train.run import run
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     if rank == victim:
         _stop_on_entering(phase)
+    exit_after_collective_failure = distributed.exit_after_collective_failure
+
+    def recording_exit(error, code=3):  # the one line it prints, kept for the test (the host watchdog calls it too)
+        shared_store().set(f"line/{rank}", "error: " + " ".join(str(error).split()))
+        exit_after_collective_failure(error, code)
+
+    distributed.exit_after_collective_failure = recording_exit
     try:
         run(composed(*JOB, *overrides, f"data.cache_dir={cache}"), Path(run_dir))
     except RuntimeError as err:
-        if is_collective_failure(err):  # the one line exit_after_collective_failure prints, kept for the test
-            shared_store().set(f"line/{rank}", "error: " + " ".join(str(err).split()))
-            exit_after_collective_failure(err, code=3)
+        if is_collective_failure(err):
+            distributed.exit_after_collective_failure(err, code=3)
         raise
     return "finished without a failure"
 
@@ -167,17 +254,20 @@ def _launch(case, cache, tmp):
     victim = victim_of(case)
     store = held_store()
     survivors = [r for r in range(world) if r != victim]
-    results = run_workers(
-        _stalled_training,
-        world,
-        args=(phase, overrides, str(cache), str(tmp / case), victim),
-        timeout_s=240,
-        group_timeout_s=WATCHDOG_S,
-        expect=[],
-        exits=survivors,
-        contract="nccl",
-        store=store,
-    )
+    try:
+        results = run_workers(
+            _stalled_training,
+            world,
+            args=(phase, overrides, str(cache), str(tmp / case), victim),
+            timeout_s=LAUNCH_S["poll" if ENDED_BY.get(case, "poll") == "poll" else "host"],
+            group_timeout_s=WATCHDOG_S,
+            expect=[],
+            exits=survivors,
+            contract="nccl",
+            store=store,
+        )
+    except Exception as error:  # a launch that hangs to its limit, or a worker's error: this case's failure
+        results = f"{type(error).__name__}: {str(error)[-2000:]}"
     ended = time.time()
     stalled = float(store.get("stalled_at").decode()) if store.check(["stalled_at"]) else None
     lines = {r: store.get(f"line/{r}").decode() for r in survivors if store.check([f"line/{r}"])}
@@ -205,16 +295,27 @@ def stalls(tmp_path_factory, cache_dir):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_watchdog(stalls, case):
-    world, _, phase, operation = CASES[case][:4]
-    victim = victim_of(case)
+    world, _, phase, operation = CASES[case]
+    victim, ender = victim_of(case), ENDED_BY.get(case, "poll")
     results, stalled, ended, fired, lines = stalls[case]
     survivors = [r for r in range(world) if r != victim]
-    assert stalled is not None, f"rank {victim} never entered phase {phase!r} at step {STALL_STEP}"
+    assert stalled is not None, f"rank {victim} never entered phase {phase!r}"
+    assert not isinstance(results, str), results  # the launch itself failed: hung to its limit, or an error
     assert not fired, f"the emulated watchdog fired first: {fired}"
     assert [results[r] for r in survivors] == [ProcessExit(3)] * len(survivors), results
-    assert ended - stalled < T_S + SLACK_S, ended - stalled
+    bound = (T_S if ender == "poll" else HOST_S) + SLACK_S
+    assert ended - stalled < bound, (ended - stalled, bound)
     for r in survivors:
         line = lines[r]
-        assert line.startswith(f"error: collective '{operation}") and f"failed on rank {r} " in line, line
-        assert f"rank {victim}" in line.split("failed on rank", 1)[1], line  # the peer
+        by_host = line.startswith(f"error: host watchdog: rank {r} held ")
+        assert by_host == (ender == "host") or ender == "any", (ender, line)
+        if by_host:  # the collective it was held in (or, between collectives, its phase) and past which deadline
+            where = HOST_PHASE.get(case, phase)
+            assert f"collective '{operation}" in line or f"in phase '{where}'" in line, line
+            assert f"(phase: {where})" in line and f"past its deadline of {HOST_S:g}s" in line, line
+            peers = line.split("past its deadline", 1)[1]
+        else:
+            assert line.startswith(f"error: collective '{operation}") and f"failed on rank {r} " in line, line
+            peers = line.split("failed on rank", 1)[1]
+        assert re.search(rf"\branks? (\d+, )*{victim}\b", peers), line  # the peer
         assert "(phase: " in line, line

@@ -14,10 +14,12 @@ work's creation) fires at the group's timeout, signals its debug dump and sleeps
 ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (``Watchdog::runLoop``; a minute at the 15 s default), then aborts and
 rethrows on its own thread: ``std::terminate``, SIGABRT,
 exit status 134, no message of ours. NCCL groups are therefore created with the watchdog's timeout at
-``WATCHDOG_FACTOR`` x T (`watchdog_timeout_s`): our deadline, T after the post, comes first by T at least.
-The watchdog stays the backstop, with ``TORCH_NCCL_ASYNC_ERROR_HANDLING`` on (set to 1, tear down,
-unless the environment chose another non-zero mode; 0 is refused), and ``TORCH_NCCL_BLOCKING_WAIT``
-set is refused (`configure_nccl_watchdog`). Object collectives (``all_gather_object``: a size
+``WATCHDOG_FACTOR`` x T = 3T (`watchdog_timeout_s`): our deadline, T after the post, comes first, and the
+host watchdog (`train.watchdog`: what the polling cannot see, a host held inside a call before any work
+exists, 2T after the collective's entry) second. Torch's watchdog stays the backstop, with
+``TORCH_NCCL_ASYNC_ERROR_HANDLING`` at torch's default 3 (tear down without the abort that may itself
+block; 1 is kept if chosen, 0 and 2 are refused), and ``TORCH_NCCL_BLOCKING_WAIT`` set is refused
+(`configure_nccl_watchdog`). Object collectives (``all_gather_object``: a size
 exchange, then ``.item()``) run on a gloo group (`group_with_timeout`), where gloo's timeout bounds them.
 
 The loop runs each collective inside `guarded(operation)`: before entering it a rank records in the
@@ -46,6 +48,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from train import watchdog
 from train.config import ConfigError
 
 
@@ -80,24 +83,42 @@ NCCL_BLOCKING_WAIT_VARIABLES = ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT"
 """torch reads both names (``getCvarBool(TORCH_NCCL_BLOCKING_WAIT, false)`` in ``ProcessGroupNCCL``'s
 constructor; the second is the deprecated spelling)."""
 
-WATCHDOG_FACTOR = 2.0
-"""NCCL groups' own timeout (the watchdog's) is this many times the trainer's deadline."""
+WATCHDOG_FACTOR = 3.0
+"""NCCL groups' own timeout (torch's watchdog's) is this many times the trainer's deadline: past the poll (T) and
+the host watchdog's collective deadline (2T, `train.watchdog.Deadlines`), each by T."""
 
 
 def watchdog_timeout_s(timeout_s: float) -> float:
     """The timeout the trainer gives its NCCL groups for a deadline of ``timeout_s``: torch's watchdog
     times a work from its creation, the trainer's deadline from the post (a few microseconds later),
-    so the watchdog fires ``(WATCHDOG_FACTOR - 1) x timeout_s`` after our deadline at the earliest."""
+    so the watchdog fires ``(WATCHDOG_FACTOR - 1) x timeout_s`` after our deadline at the earliest, and T after
+    the host watchdog's deadline for a collective (2T from its entry)."""
     return WATCHDOG_FACTOR * float(timeout_s)
 
 
+def group_timeout_s(device: torch.device, timeout_s: float) -> float:
+    """The default group's own timeout for a trainer deadline of ``timeout_s``: torch's watchdog's on NCCL
+    (`watchdog_timeout_s`), gloo's (the deadline itself) on the CPU."""
+    return watchdog_timeout_s(timeout_s) if device.type == "cuda" else float(timeout_s)
+
+
+NCCL_ERROR_HANDLING_ACCEPTED = {"1": "tear down after aborting", "3": "tear down without aborting"}
+NCCL_ERROR_HANDLING_DEFAULT = "3"
+"""torch's own default (``ProcessGroupNCCL``'s constructor: ``getCvarInt(TORCH_NCCL_ASYNC_ERROR_HANDLING, 3
+/*SkipCleanUp*/)``)."""
+
+
 def configure_nccl_watchdog(environ=None) -> str:
-    """Make NCCL's watchdog end a stalled collective: TORCH_NCCL_ASYNC_ERROR_HANDLING=1 (abort the
-    communicator and tear the process down at the group's timeout) unless already set; 0, which turns
-    the watchdog's abort off and would let a stalled peer hang the job, is refused. So is
-    TORCH_NCCL_BLOCKING_WAIT (or NCCL_BLOCKING_WAIT) set to anything but 0: with it ``WorkNCCL::wait``
-    blocks the host on every ``wait()``, timeout or not, and ``ProcessGroupNCCL::workEnqueue`` leaves
-    the work off the watchdog's list, so every CERAR round would become a host round trip and the
+    """Make torch's NCCL watchdog end a stalled collective and nothing else: TORCH_NCCL_ASYNC_ERROR_HANDLING at
+    torch's default 3 (``SkipCleanUp``: on a failed or timed-out work, ``Watchdog::runLoop`` calls
+    ``work.handleException`` without ``work.abort()``/``abortComms()``, since ``SHOULD_CLEAN_UP`` is false for 3,
+    and ``SHOULD_TEAR_DOWN`` rethrows: SIGABRT) unless 1 (``TearDown``: the same after ``ncclCommAbort`` on the
+    watchdog's thread, an abort that may itself wait on a stuck kernel) was chosen. Refused in one line: 0
+    (``NoHandling``: no tear-down, a stalled peer would hang the job) and 2 (``CleanUpOnly``: the communicator is
+    aborted but nothing is rethrown, so an aborted work reads as completed and ``wait()`` returns with whatever
+    the buffers hold). So is TORCH_NCCL_BLOCKING_WAIT (or NCCL_BLOCKING_WAIT) set to anything but 0: with it
+    ``WorkNCCL::wait`` blocks the host on every ``wait()``, timeout or not, and ``ProcessGroupNCCL::workEnqueue``
+    leaves the work off the watchdog's list, so every CERAR round would become a host round trip and the
     watchdog's backstop would be gone. Returns the error-handling mode."""
     environ = os.environ if environ is None else environ
     for name in NCCL_BLOCKING_WAIT_VARIABLES:
@@ -107,11 +128,15 @@ def configure_nccl_watchdog(environ=None) -> str:
                 f"{name}={value} makes every NCCL wait block the host and takes the works off torch's watchdog "
                 f"(CERAR's rounds would each become a host round trip); unset it"
             )
-    mode = environ.setdefault(NCCL_ERROR_HANDLING_VARIABLE, "1")
-    if mode.strip() == "0":
+    mode = environ.setdefault(NCCL_ERROR_HANDLING_VARIABLE, NCCL_ERROR_HANDLING_DEFAULT).strip()
+    if mode not in NCCL_ERROR_HANDLING_ACCEPTED:
+        why = {
+            "0": "turns off the watchdog's tear-down, so a stalled peer would hang the job",
+            "2": "aborts a stalled communicator without ending the process, so its works read as completed and "
+            "wait() returns with whatever the buffers hold",
+        }.get(mode, "is not one of torch's modes 0-3")
         raise ConfigError(
-            f"{NCCL_ERROR_HANDLING_VARIABLE}=0 turns off NCCL's watchdog abort, so a stalled peer would hang the "
-            f"job past trainer.collective_timeout_s; unset it (the trainer then sets 1) or set 1"
+            f"{NCCL_ERROR_HANDLING_VARIABLE}={mode} {why}; unset it (torch's default 3, tear down) or set 1 or 3"
         )
     return mode
 
@@ -192,8 +217,15 @@ def set_step(step: int) -> None:
 
 
 def set_phase(phase: str) -> None:
-    """The phase of the step the host is in (train/loop.py's PhaseTimer), for error messages."""
+    """The phase the host is in (train/loop.py's PhaseTimer, train/run.py's start-up), for error messages and
+    the host watchdog, which watches it with the phase's deadline (`train.watchdog.Deadlines`)."""
     _progress["phase"] = phase
+    watchdog.enter_phase(phase)
+
+
+def current_step() -> int:
+    """The step the loop is working on (0 at start-up)."""
+    return _progress["step"]
 
 
 def deadline_s() -> float:
@@ -216,7 +248,7 @@ def _beat(operation: str) -> None:
         store.set(f"{_HEARTBEAT}{dist.get_rank()}", f"{_progress['entered']} {_progress['step']} {operation}")
 
 
-def _missing_ranks() -> str:
+def missing_ranks() -> str:
     """Which ranks have not entered the collective this rank is stuck in, read from the heartbeat keys."""
     store, me, n = _store(), dist.get_rank(), dist.get_world_size()
     if store is None:
@@ -237,11 +269,15 @@ def _missing_ranks() -> str:
 
 
 @contextlib.contextmanager
-def guarded(operation: str):
-    """Run one collective; turn any failure into a TrainCollectiveError that names operation, step and peers."""
+def guarded(operation: str, poll_timeout_s: float | None = None):
+    """Run one collective; turn any failure into a TrainCollectiveError that names operation, step and peers.
+    The host watchdog watches it from before the heartbeat's ``store.set`` with the poll's timeout
+    (``poll_timeout_s``, default T) + T: what holds the host inside the call (a connect, a split, a host read, a
+    dead store host) ends the process T after the poll would have."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         yield
         return
+    watchdog.enter_collective(operation, poll_timeout_s)
     _beat(operation)
     start = time.monotonic()
     try:
@@ -253,8 +289,33 @@ def guarded(operation: str):
         raise TrainCollectiveError(
             f"collective {operation!r} at step {_progress['step']} (phase: {_progress['phase']}) failed on rank "
             f"{dist.get_rank()} after "
-            f"{time.monotonic() - start:.1f}s: {_missing_ranks()}; {type(err).__name__}: {first_line}"
+            f"{time.monotonic() - start:.1f}s: {missing_ranks()}; {type(err).__name__}: {first_line}"
         ) from err
+    finally:
+        watchdog.resume_phase()
+
+
+@contextlib.contextmanager
+def each_new_group_guarded(operation: str):
+    """`guarded` for a stretch of code that makes subgroups (``build_aggregator``; cerar's and torch's
+    ``dist.new_group`` calls inside it): each ``new_group`` is a collective of its own on NCCL (``ncclCommSplit``
+    over every rank of the parent group, no work), so each is given the host watchdog's collective deadline
+    afresh (2T), named ``<operation>: new_group <k>``; the stretch as a whole may make as many as it needs.
+    ``dist.new_group`` is wrapped for the stretch only and restored after it."""
+    with guarded(operation):
+        original = dist.new_group
+        made = [0]
+
+        def new_group(*args, **kwargs):
+            made[0] += 1
+            watchdog.enter_collective(f"{operation}: new_group {made[0]}")
+            return original(*args, **kwargs)
+
+        dist.new_group = new_group
+        try:
+            yield
+        finally:
+            dist.new_group = original
 
 
 ABORT_WAIT_S = 10.0
@@ -283,6 +344,7 @@ def exit_after_collective_failure(error: BaseException, code: int = 3) -> None:
     """End this process after a collective failed: abort the process groups (``abort_process_groups``,
     given ``ABORT_WAIT_S`` at most), print ``error: <message>`` as one line on stderr, flush, and
     ``os._exit(code)``: no teardown, no atexit handler, nothing that could wait on a dead peer."""
+    watchdog.enter_phase("exit after a collective failure")  # bounded here; the host watchdog only backs it
     aborting = threading.Thread(target=_abort_quietly, name="abort-process-groups", daemon=True)
     aborting.start()
     aborting.join(ABORT_WAIT_S)
@@ -328,7 +390,7 @@ def bounded(operation: str, post, timeout_s: float | None = None):
     returns its Work (or a list of Works), which `await_work` polls; a failure or an expired deadline
     becomes a TrainCollectiveError naming the operation, the step and the peers (`guarded`). Returns
     what ``post`` returned."""
-    with guarded(operation):
+    with guarded(operation, timeout_s):
         works = post()
         for work in works if isinstance(works, list | tuple) else [works]:
             if work is not None:

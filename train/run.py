@@ -16,6 +16,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from train import checkpoint as ckpt
+from train import watchdog
 from train.aggregation import build_aggregator
 from train.config import (
     ConfigError,
@@ -33,12 +34,15 @@ from train.distributed import (
     bounded,
     check_same_config,
     deadline_s,
+    each_new_group_guarded,
+    group_timeout_s,
     group_with_timeout,
     guarded,
     init_process_group,
     launch_from_env,
     pick_device,
     set_deadline,
+    set_phase,
 )
 from train.loop import Trainer
 from train.metrics import RunLogger, parameter_sha256
@@ -49,7 +53,15 @@ log = logging.getLogger("train")
 
 
 def run(cfg: DictConfig, run_dir: Path) -> dict | None:
-    """One training run writing into run_dir; returns its summary (None when stopped early)."""
+    """One training run writing into run_dir; returns its summary (None when stopped early). From the process
+    group on, the host watchdog (train/watchdog.py) watches every phase; it stops when the run returns or raises."""
+    try:
+        return _run(cfg, run_dir)
+    finally:
+        watchdog.stop()
+
+
+def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
     launch = launch_from_env()
     validate(cfg, world_size=launch.world_size)  # before any process group: bad input stops here
     cfg.trainer.grad_accum = derived_grad_accum(cfg, launch.world_size)  # from trainer.global_batch_size if set
@@ -60,18 +72,24 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
 
     device = pick_device(cfg, launch)
     write_pid_file(run_dir, launch.rank)
+    T = cfg.trainer.collective_timeout_s
+    watchdog.start(watchdog.Deadlines.of(cfg, launch.world_size, group_timeout_s(device, T)), launch.rank)
+    set_phase("start-up: process group")
     if not dist.is_initialized():  # train/sweep.py starts the group once for several runs
-        init_process_group(launch, device, cfg.trainer.collective_timeout_s)
-    set_deadline(cfg.trainer.collective_timeout_s)  # also when the group was started before (sweeps, tests)
+        init_process_group(launch, device, T)
+    set_deadline(T)  # also when the group was started before (sweeps, tests)
+    set_phase("start-up")
     check_same_config(config_fingerprint(cfg), code_fingerprint(), device)
     torch.manual_seed(cfg.seed)  # identical initial weights on every rank (DDP also broadcasts rank 0's)
 
+    set_phase("start-up: data")
     data = build_data(cfg, launch.rank, launch.world_size)
     if data.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
             f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's "
             f"{data.vocab_size} tokens (data={cfg.data.name}); pick a Pythia model or raise it"
         )
+    set_phase("start-up: model")
     model = build_model(cfg.model, device)
     log.info(
         "model %s: %s parameters; %d ranks on %s; aggregator %s (c=%s)%s",
@@ -91,17 +109,25 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         eps=m.adam_eps,
     )
     scheduler = build_scheduler(optimizer, m, cfg.trainer.max_steps)
-    aggregator = build_aggregator(cfg, launch.world_size)
+    set_phase("start-up: subgroups")
+    with each_new_group_guarded("new_group calls (the aggregator and loop groups)"):  # ncclCommSplit: no work
+        aggregator = build_aggregator(cfg, launch.world_size)
+        if launch.world_size > 1:  # the loop's gloo groups now, not at the first checkpoint or evaluation
+            group_with_timeout(T)
+            group_with_timeout(cfg.checkpoint.write_timeout_s)
 
     overlap = effective_overlap(cfg)
-    ddp = torch.nn.parallel.DistributedDataParallel(
-        model,
-        device_ids=[device.index] if device.type == "cuda" else None,
-        bucket_cap_mb=ddp_bucket_cap_mb(cfg, model, device, overlap),
-        **no_forward_buffer_sync(),
-    )
+    set_phase("start-up: DDP")
+    with guarded("DDP constructor (its shape all-gather and state broadcasts, read on the host)"):
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            bucket_cap_mb=ddp_bucket_cap_mb(cfg, model, device, overlap),
+            **no_forward_buffer_sync(),
+        )
     if overlap:
         aggregator.register_hook(ddp)
+    set_phase("start-up: aggregator")
 
     trainer = Trainer(
         cfg,
@@ -136,12 +162,15 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
         "global_batch_size": cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * launch.world_size,
         "grad_accum": cfg.trainer.grad_accum,
     }
+    set_phase("start-up: logger")  # W&B's start talks to its service, not to a peer: not watched
     trainer.logger = RunLogger(
         cfg, run_dir, launch.world_size, launch.rank == 0, trainer.state.step, device=device, extra_config=batch
     )
     result = trainer.fit()
+    set_phase("end")
     if trainer.state.step < cfg.trainer.max_steps:  # trainer.stop_after_step: a simulated preemption
         log.warning("stopped after step %d of %d (trainer.stop_after_step)", trainer.state.step, cfg.trainer.max_steps)
+        set_phase("end: closing the logger")  # W&B's upload: its service, not a peer
         trainer.logger.close()
         bounded("final barrier", lambda: dist.barrier(async_op=True))
         return None
@@ -161,6 +190,7 @@ def run(cfg: DictConfig, run_dir: Path) -> dict | None:
     }
     if device.type == "cuda":
         summary["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    set_phase("end: closing the logger")  # W&B's upload: its service, not a peer
     trainer.logger.summary(summary)
     trainer.logger.close()
     bounded("final barrier", lambda: dist.barrier(async_op=True))
@@ -311,18 +341,22 @@ def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: in
             log.warning("resume=false: removed %d old checkpoint(s) in %s", removed, run_dir)
         bounded("barrier after removing checkpoints", lambda: dist.barrier(async_op=True))
         return None
+    set_phase("start-up: reading the checkpoint")
     loaded = ckpt.load_latest_checkpoint(run_dir)  # on CPU; restore() copies it onto this run's device
     if loaded is None:
         if resume == "true":
             raise ckpt.CheckpointError(f"resume=true but {ckpt.checkpoint_dir(run_dir)} holds no valid checkpoint")
         return None
     state, path = loaded
+    set_phase("start-up: restoring the checkpoint")  # copies to the device: behind DDP's broadcasts on its stream
     trainer.restore(state)
     log.info("resumed from %s (step %d)", path, trainer.state.step)
     return trainer.state.step
 
 
 def finish() -> None:
-    """Tear down the process group if this process started one."""
+    """Tear down the process group if this process started one, watched by the host watchdog (on NCCL
+    ``destroy_process_group`` can wait on kernels that wait for a peer)."""
     if dist.is_initialized():
-        dist.destroy_process_group()
+        with watchdog.watching_again("exit: destroy_process_group"):
+            dist.destroy_process_group()

@@ -317,6 +317,31 @@ FAULTS = [
         tests=("tests/test_stall_phases.py",),
         why="the resync's broadcast read outside the deadline: a stalled reference replica leaves it to the watchdog",
     ),
+    # --- the host watchdog (issue 36) ---
+    Fault(
+        name="host-watchdog-disabled",
+        file="train/watchdog.py",
+        original="    dog = HostWatchdog(deadlines, rank)\n    dog.start()\n",
+        replacement="    dog = HostWatchdog(deadlines, rank)\n",
+        tests=("tests/test_host_watchdog.py", "tests/test_stall_phases.py"),
+        why="no host watchdog: a survivor held inside a split or a first connect hangs, DDP's constructor SIGABRTs",
+    ),
+    Fault(
+        name="host-watchdog-deadline-ignored",
+        file="train/watchdog.py",
+        original="            left = since + deadline - time.monotonic()\n",
+        replacement="            left = since + 365 * 24 * 3600.0 - time.monotonic()\n",
+        tests=("tests/test_host_watchdog.py", "tests/test_stall_phases.py"),
+        why="the host watchdog waits a year, whatever the phase's deadline: the start-up stalls hang or SIGABRT",
+    ),
+    Fault(
+        name="host-watchdog-wrong-phase",
+        file="train/distributed.py",
+        original='    _progress["phase"] = phase\n    watchdog.enter_phase(phase)\n',
+        replacement='    _progress["phase"] = phase\n',
+        tests=("tests/test_host_watchdog.py", "tests/test_stall_phases.py"),
+        why="the host watchdog is not told the phase: its line names the phase the run started in, not the stalled one",
+    ),
     Fault(
         name="ddp-buffers-broadcast-each-forward",
         file="train/run.py",

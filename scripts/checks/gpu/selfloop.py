@@ -2,7 +2,7 @@
 itself: ``dist.isend`` allows dst == this rank, and a batch of a send to self and a receive from
 self is matched inside one ``ncclGroupStart/End`` (NCCL copies it locally). Each case runs in a
 process of its own (an abort or a SIGABRT stays there), on cuda:0, with the trainer's watchdog
-setting (``train.distributed.configure_nccl_watchdog``: TORCH_NCCL_ASYNC_ERROR_HANDLING=1).
+setting (``train.distributed.configure_nccl_watchdog``: TORCH_NCCL_ASYNC_ERROR_HANDLING=3, torch's default).
 
 Read against torch's ProcessGroupNCCL.cpp (``WorkNCCL::wait``, ``WorkNCCL::synchronizeStream``,
 ``WorkNCCL::handleException``, ``HeartbeatMonitor``) and distributed_c10d.py (``batch_isend_irecv``):
@@ -31,9 +31,13 @@ Read against torch's ProcessGroupNCCL.cpp (``WorkNCCL::wait``, ``WorkNCCL::synch
   then the trainer's exit path ``train.distributed.exit_after_collective_failure``: exit status 3,
   one line; the abort's duration recorded;
 - watchdog: the same round with no deadline of ours: torch's watchdog finds the work past the
-  group's timeout, signals its debug dump, sleeps 4 x ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC``
-  (``Watchdog::runLoop``: ``sleep_for(heartbeatMonitor_->getDumpTimeout() * 4)``), aborts and tears the
-  process down from its own thread (SIGABRT, 134 in a shell).
+  group's timeout (``WorkNCCL::checkTimeout`` sets the work's exception), signals its debug dump, sleeps 4 x
+  ``TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC`` (``Watchdog::runLoop``: ``sleep_for(heartbeatMonitor_->getDumpTimeout() *
+  4)``) and, under mode 3, tears the process down from its own thread without aborting first (``SHOULD_CLEAN_UP``
+  is false, ``handleException`` rethrows: SIGABRT, 134 in a shell). The round is held behind a kernel that ends
+  a few seconds after the group's timeout (``WATCHDOG_HELD_S``), much sooner than the host's sleep
+  (``HOST_SLEEP_S``): the work is late when the watchdog looks, and the SIGABRT (group timeout + 4 x the dump
+  wait) cannot race the host's own return.
 
 What one GPU cannot prove: anything between two GPUs (a peer that dies, NVLink or network
 transfers, two ranks' deadlines racing). Expected time on one H200: about 2.5 minutes (six
@@ -63,6 +67,8 @@ SLEEP_S = 2.0  # the kernel the work queues behind
 HELD_S = 10 * SLEEP_S  # wait(timeout)'s: far past its timeout, so a wait that only returns when the work is done shows
 WATCHDOG_WORDS = ("Watchdog caught collective operation timeout", "failure detected by watchdog")
 FOREVER_S = 60.0  # a kernel that outlives every deadline here (and the watchdog's timeout and dump wait)
+WATCHDOG_HELD_S = GROUP_TIMEOUT_S + 3.0  # the watchdog case's kernel: late at the group's timeout, then done
+HOST_SLEEP_S = 120.0  # the watchdog case's host: far past the kernel and the SIGABRT (timeout + 4 x the dump wait)
 PROVES = {
     "one work": "a batch of a self-send and a self-receive on NCCL is one work, and moves the values",
     "wait returns": "Work.wait() without a timeout returns on the host while the work waits behind a long kernel, "
@@ -102,7 +108,7 @@ def cases(ctx: Context) -> list[Case]:  # noqa: ARG001
             "watchdog",
             "selfloop:watchdog",
             {},
-            GROUP_TIMEOUT_S + 4 * DUMP_WAIT_MS / 1000 + 90,
+            GROUP_TIMEOUT_S + 4 * DUMP_WAIT_MS / 1000 + HOST_SLEEP_S + 30,
             NEEDS,
             expect_exit=None,
             judge="selfloop:judge_watchdog",
@@ -377,15 +383,16 @@ def rounds(N: int, c: int, d: int, out: str) -> dict:  # noqa: ARG001
     }
 
 
-def _never_completing_round(timeout_s: float):
-    """A one-rank group and a self-loop round queued behind a kernel that outlives every deadline."""
+def _never_completing_round(timeout_s: float, held_s: float = FOREVER_S):
+    """A one-rank group and a self-loop round queued behind a kernel of ``held_s`` (default: one that outlives
+    every deadline)."""
     device = one_rank_group(timeout_s)
     rate = cycles_per_second()
     x = torch.ones(2**20, device=device)
     y = torch.zeros_like(x)
     self_batch(x, y)[0].wait()
     torch.cuda.synchronize()
-    sleep(FOREVER_S, rate)
+    sleep(held_s, rate)
     return self_batch(x, y)
 
 
@@ -424,9 +431,9 @@ def judge_deadline(value, code, seconds, log, ended_at) -> tuple[str, str]:  # n
 def watchdog(out: str) -> dict:  # noqa: ARG001
     """The round with no deadline of ours: the host waits (as a host blocked in a device
     synchronize or a ``.item()`` would), torch's watchdog must end the process."""
-    works = _never_completing_round(GROUP_TIMEOUT_S)  # noqa: F841 (kept alive while the watchdog times it)
+    works = _never_completing_round(GROUP_TIMEOUT_S, WATCHDOG_HELD_S)  # noqa: F841 (alive while the watchdog times it)
     start = time.monotonic()
-    time.sleep(FOREVER_S)  # the host blocked; only the watchdog's SIGABRT ends this sooner
+    time.sleep(HOST_SLEEP_S)  # the host blocked; only the watchdog's SIGABRT ends this sooner
     return {"status": FAIL, "reason": f"still alive after {time.monotonic() - start:.0f} s"}
 
 
