@@ -223,7 +223,8 @@ def chaos_run(
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     text = log.read_text()
-    errors = [line.strip() for line in text.splitlines() if "error: collective" in line]
+    ended = ("error: collective", "error: host watchdog")  # the poll's line, or the host watchdog's (train/watchdog.py)
+    errors = [line.strip() for line in text.splitlines() if any(words in line for words in ended)]
     resumed = [int(s) for s in re.findall(r"resumed from \S+ \(step (\d+)\)", text)]
     for fault, step in zip(faults, resumed, strict=False):  # the checkpoint each restart actually loaded
         fault.resumed_from = step
