@@ -203,6 +203,7 @@ def _sample_worker(rank, world_size, d):
         out[name] = {
             "sampled": x[kept].numpy(),
             "whole_there": whole[indices[kept]].numpy(),
+            "indices": indices[kept].numpy(),
             "whole": whole.numpy(),
             "units": (count, total),
             "error_all_units": everything,
@@ -213,7 +214,7 @@ def _sample_worker(rank, world_size, d):
 @pytest.mark.timeout(300)
 def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient():
     d = 50_003  # a multiple of nothing: every layout pads
-    results = run_workers(_sample_worker, N, args=(d,))
+    results = run_workers(_sample_worker, N, args=(d,), timeout_s=280)  # 5 candidates x 3 calls, on a loaded machine
     G = np.stack([np.random.default_rng(r).standard_normal(d).astype(np.float32) for r in range(N)])
     G[:, : d // 3] *= 1e-3
     mean = G.astype(np.float64).mean(0)
@@ -223,6 +224,18 @@ def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient
         for name, r in got.items():
             count, total = r["units"]
             assert count < total, name  # a real sample
+            error, se, tensor = r["error_all_units"]  # against the noise: ||g_hat - g_bar|| / sigma
+            assert se == 0.0 and tensor == 0, (rank, name)
+            whole_error = np.linalg.norm(r["whole"] - mean) / np.linalg.norm(mean)
+            worst[name] = max(worst.get(name, 0.0), whole_error)
+            if "int8" in name:  # stochastic rounding: each call draws its own dither, so the sample's values are
+                # another draw of the same arithmetic: its error there as large as the whole call's (6,000 values:
+                # within 20 %), where units mixed across the decades would err 1,000x on the small third
+                there = mean[r["indices"]]
+                ratio = np.linalg.norm(r["sampled"] - there) / np.linalg.norm(r["whole_there"] - there)
+                assert 0.8 < ratio < 1.25, (rank, name, ratio)
+                assert error == pytest.approx(np.linalg.norm(r["whole"] - mean) / sigma, rel=0.05), (rank, name)
+                continue
             difference = np.linalg.norm(r["sampled"] - r["whole_there"]) / np.linalg.norm(r["whole_there"])
             # the same arithmetic on the same values: equal up to the rounding of the operations that may associate
             # otherwise (the coded ones' float32 products, kappa times float32's rounding; the 16-bit sums, whose
@@ -230,10 +243,6 @@ def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient
             # candidate's error (the codes' ~0.07) on mixed-up units
             rounding = 4 * KAPPA_MAX * 2.0**-24 + (N * 2.0**-11 if "16" in name else 0.0)
             assert difference <= rounding, (rank, name, difference)
-            whole_error = np.linalg.norm(r["whole"] - mean) / np.linalg.norm(mean)
-            worst[name] = max(worst.get(name, 0.0), whole_error)
-            error, se, tensor = r["error_all_units"]  # against the noise: ||g_hat - g_bar|| / sigma
-            assert se == 0.0 and tensor == 0, (rank, name)
             assert error == pytest.approx(np.linalg.norm(r["whole"] - mean) / sigma, rel=1e-4, abs=1e-7), (rank, name)
     # every candidate errs far above its rounding on its worst rank (CERAR's reference rank is exact): a sample
     # that mixed up its units would show

@@ -206,16 +206,22 @@ def cluster_from_declared(layout, links: dict):
 
 def measure_candidate(
     aggregator: Aggregator, cand: Candidate, flat: torch.Tensor, layout, noise: torch.Tensor, generator,
-    per_tensor: int,
+    per_tensor: int, sizes: dict | None = None,
 ) -> list:  # fmt: skip
     """[rho, standard error, tensor] of this rank's aggregate under `cand` (every rank calls, with the same
     generator state): the candidate's real call on a `TensorSample` of `flat` (its units, drawn for every tensor
     of `layout`) against the exact mean of the sample, each tensor's error estimated and set against its noise
     (`noise`: sigma_t), the worst tensor's (train/tensor_errors.py). An aggregator that scales per tensor is
-    given the scales it would use on the whole gradient, so that the sample gets the same arithmetic."""
+    given the scales it would use on the whole gradient, so that the sample gets the same arithmetic. `sizes`
+    keeps the units' sizes per layout (parts, pieces, unit) across the candidates of one check: candidates of
+    one layout (CERAR's c over 32- and 16-bit messages) share one all-reduce of them."""
     from train.tensor_errors import TensorSample, unit_sizes, worst_tensor
 
-    z = unit_sizes(flat, cand.parts, cand.pieces, cand.unit)
+    shape = (cand.parts, cand.pieces, cand.unit)
+    sizes = {} if sizes is None else sizes
+    if shape not in sizes:
+        sizes[shape] = unit_sizes(flat, *shape)
+    z = sizes[shape]
     sample = TensorSample.draw(z, layout, cand.parts, cand.pieces, cand.unit, generator, per_tensor)
     x = sample.values(flat).float()
     exact = x.double()
@@ -343,11 +349,12 @@ class AutoAggregator(Aggregator):
         sigma = tensor_noise(flat, exact, layout)
         numbers = torch.zeros(len(names) + 1, 3, dtype=torch.float64)
         generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)
+        sizes: dict = {}  # the units' sizes per layout, all-reduced once for every candidate of that layout
         for k, name in enumerate(names):
             cand = self.choice.candidates[name]
             units = per_tensor_units(self.sample_values, len(layout.sizes), cand.parts * cand.pieces * cand.unit)
             numbers[k] = torch.tensor(measure_candidate(self.aggregators[name], cand, flat, layout, sigma, generator,
-                                                        units))  # fmt: skip
+                                                        units, sizes))  # fmt: skip
         if dist.get_rank() == 0:
             numbers[-1, 0] = noise  # every rank records rank 0's noise, bit for bit
         numbers = numbers.to(flat.device)
