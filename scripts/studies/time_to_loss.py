@@ -57,6 +57,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--csv", type=Path, default=S.DEFAULT_CSV)
     ap.add_argument("--runs", type=Path, default=S.DEFAULT_RUNS)
     ap.add_argument("--report", action="store_true", help="rebuild the report and figures from the CSV and runs")
+    ap.add_argument("--retarget", action="store_true", help="recompute time_to_target_s from the run folders")
     ap.add_argument("--report-path", type=Path, default=S.DEFAULT_REPORT)
     ap.add_argument("--figures", type=Path, default=S.DEFAULT_FIGURES)
     ap.add_argument("--calibrate", type=_floats, default=None, help="rates (Mbit/s): nccl's share of a step at each")
@@ -95,10 +96,15 @@ def parse(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.retarget:
+        from scripts.studies.ttl.launch import retarget
+
+        print(f"time_to_loss: {retarget(args.csv, args.runs)} time_to_target_s cells recomputed")
     if args.report:
         from scripts.studies.ttl.report import write_report
 
         print(write_report(args.csv, args.runs, args.report_path, args.figures))
+    if args.retarget or args.report:
         return 0
     from scripts.studies.ttl import launch
 

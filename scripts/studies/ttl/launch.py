@@ -116,11 +116,18 @@ def curve(metrics: list[dict]) -> list[tuple[float, float]]:
     return [(float(r["time/wall"]), float(r["val_loss"])) for r in metrics if "val_loss" in r and "time/wall" in r]
 
 
+LOSS_RESOLUTION = 1e-6
+"""Relative: a validation loss within this of the target is at it. The loss is a float32 mean (float32's epsilon is
+1.2e-7 relative; a mean of many float32 values carries a few of them): an exact aggregation's run that ends
+3.5e-8 above nccl's loss (the pilot's auto, which aggregated exactly to step 100 and then in fp16) has reached it."""
+
+
 def time_to_target(points: list[tuple[float, float]], target: float | None) -> float | None:
-    """Wall seconds to the first evaluation at or below ``target`` (None: never reached, or no target)."""
+    """Wall seconds to the first evaluation at or below ``target`` (to ``LOSS_RESOLUTION``; None: never reached, or
+    no target)."""
     if target is None:
         return None
-    return next((t for t, loss in points if loss <= target), None)
+    return next((t for t, loss in points if loss <= target * (1 + LOSS_RESOLUTION)), None)
 
 
 def chosen(name: str, summary: dict) -> str:
@@ -347,3 +354,34 @@ def calibrate(args, rates: list[float], model: str, steps: int) -> list[dict]:
         print(f"time_to_loss: {rate:g} Mbit/s, {model}: nccl's aggregation {row['aggregate_share']} of a step "
               f"({row['aggregate_s']} of {row['step_s']} s), load {before} -> {after}", flush=True)  # fmt: skip
     return rows
+
+
+def retarget(csv_path: Path, runs: Path) -> int:
+    """Recompute every row's time_to_target_s from its run folder and nccl's final validation loss at the same
+    seed (the current ``time_to_target`` rule), rewriting the CSV in place; rows whose folder is gone keep theirs.
+    Returns how many cells changed. For a rule that changed after rows were written (``LOSS_RESOLUTION``)."""
+    from scripts.studies.ttl.report import setting_of_row
+
+    rows = read_rows(csv_path)
+    finals = {(*r_key(r), r["seed"]): r["final_val_loss"] for r in rows if r["aggregator"] == "nccl"}
+    changed = 0
+    for r in rows:
+        folder = runs / setting_of_row(r).key / f"{r['aggregator']}_s{r['seed']}"
+        target = finals.get((*r_key(r), r["seed"]))
+        if not (folder / "metrics.jsonl").exists() or target in (None, ""):
+            continue
+        value = _num(time_to_target(curve(read_metrics(folder)), float(target)), 3)
+        if str(value) != r["time_to_target_s"]:
+            r["time_to_target_s"], changed = value, changed + 1
+    tmp = csv_path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, csv_path)
+    return changed
+
+
+def r_key(r: dict) -> tuple:
+    """A row's setting: (links, rate, hosts, ranks per host, model)."""
+    return (r["links"], r["rate_mbit"], r["hosts"], r["ranks_per_host"], r["model"])

@@ -62,9 +62,19 @@ def group(rows: list[dict]) -> dict[Setting, list[dict]]:
     return out
 
 
-def summarize(rows: list[dict]) -> dict:
+def aggregate_seconds(folder: Path | None) -> float | None:
+    """Mean time/aggregate over steps 2.. of a run folder (None without one): the aggregation phase alone, which
+    the machine's load moves less than the compute phases (a CPU-bound aggregator's arithmetic still feels it)."""
+    if folder is None:
+        return None
+    times = [float(r["time/aggregate"]) for r in read_metrics(folder) if r.get("step", 0) > 1 and "time/aggregate" in r]
+    return statistics.mean(times) if times else None
+
+
+def summarize(rows: list[dict], folder: Path | None = None) -> dict:
     """One setting's arithmetic (module docstring): nccl's band and, per aggregator, its per-seed ratios and their
-    means. Returns {"band", "nccl_losses", "aggregators": {name: {...}}} in the setting's order."""
+    means (with ``folder``, the setting's run folders, also the aggregation seconds per step and their ratio).
+    Returns {"band", "nccl_losses", "aggregators": {name: {...}}} in the setting's order."""
     by = {(r["aggregator"], r["seed"]): r for r in rows}
     nccl = {seed: r for (name, seed), r in by.items() if name == "nccl"}
     losses = [_f(r["final_val_loss"]) for r in nccl.values() if _f(r["final_val_loss"]) is not None]
@@ -78,8 +88,11 @@ def summarize(rows: list[dict]) -> dict:
         per_seed = []
         for seed in seeds:
             r, base = by[(name, seed)], nccl.get(seed)
-            one = {"seed": seed, "row": r, "wall": None, "steps": None, "gap": None, "ttt": None}
+            one = {"seed": seed, "row": r, "wall": None, "steps": None, "gap": None, "ttt": None, "agg_ratio": None}
+            one["agg_s"] = aggregate_seconds(folder / f"{name}_s{seed}" if folder else None)
             if base is not None:
+                base_s = aggregate_seconds(folder / f"nccl_s{seed}" if folder else None)
+                one["agg_ratio"] = one["agg_s"] / base_s if one["agg_s"] is not None and base_s else None
                 one["wall"] = _ratio(r["wall_s"], base["wall_s"])
                 one["steps"] = _ratio(r["steps_s"], base["steps_s"])
                 one["gap"] = _ratio(r["final_val_loss"], base["final_val_loss"])
@@ -95,6 +108,7 @@ def summarize(rows: list[dict]) -> dict:
             "reached": reached, "share": _mean(_f(s["row"]["aggregate_share"]) for s in per_seed),
             "loss": _mean(_f(s["row"]["final_val_loss"]) for s in per_seed),
             "bytes": _mean(_f(s["row"]["bytes_per_step"]) for s in per_seed),
+            "agg_s": _mean(s["agg_s"] for s in per_seed), "agg_ratio": _mean(s["agg_ratio"] for s in per_seed),
             "chosen": "; ".join(dict.fromkeys(s["row"]["chosen"] for s in per_seed if s["row"]["chosen"])),
             "fallback": any(s["row"]["chosen"].startswith("fallback") for s in per_seed),
         }  # fmt: skip
@@ -217,7 +231,7 @@ def figures(csv_path: Path, runs: Path, out: Path) -> list[Path]:
     written = []
     for setting, srows in group(read_rows(csv_path)).items():
         path = out / f"time_to_loss_{setting.key}.png"
-        if figure(setting, summarize(srows), runs, path):
+        if figure(setting, summarize(srows, runs / setting.key), runs, path):
             written.append(path)
     return written
 
@@ -324,7 +338,7 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
                   "(resumable)."]  # fmt: skip
     choices, cerar = [], []
     for setting, srows in settings.items():
-        summary = summarize(srows)
+        summary = summarize(srows, runs / setting.key)
         band = summary["band"]
         lines += ["", f"## {setting.describe()}", ""]
         seeds = sorted({r["seed"] for r in srows}, key=int)
@@ -334,7 +348,8 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
                      f"{'-' if band is None else f'{100 * band:.2f} %'}.")  # fmt: skip
         lines += ["", "| aggregator | seeds | chose | training time / nccl (wall) | steps / nccl | final val loss "
                   "| gap to nccl | inside nccl's band | time to nccl's loss / nccl's time | aggregate share "
-                  "| bytes/step | load (1 min) before -> after |", "|" + " --- |" * 12]  # fmt: skip
+                  "| aggregate s/step (/ nccl) | bytes/step | load (1 min) before -> after |",
+                  "|" + " --- |" * 13]  # fmt: skip
         for name, a in summary["aggregators"].items():
             loads = ", ".join(f"{s['row']['load_before'].split()[0]} -> {s['row']['load_after'].split()[0]}"
                               for s in a["seeds"] if s["row"]["load_before"])  # fmt: skip
@@ -342,7 +357,12 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
             ttt = _x(a["ttt"]) if a["reached"] else "never (at some seed)"
             lines.append(f"| {name} | {len(a['seeds'])} | {a['chosen'] or '-'} | {_x(a['wall'])} | {_x(a['steps'])} | "
                          f"{_x(a['loss'], 4)} | {_pct(a['gap'])} | {inside} | {ttt} | {_x(a['share'], 3)} | "
-                         f"{_mb(a['bytes'])} | {loads} |")  # fmt: skip
+                         f"{_x(a['agg_s'])} ({_x(a['agg_ratio'])}) | {_mb(a['bytes'])} | {loads} |")  # fmt: skip
+        loads = [_f(r[k].split()[0]) for r in srows for k in ("load_before", "load_after") if r[k].strip()]
+        if loads and min(loads) > 0 and max(loads) > 1.5 * min(loads):
+            lines += ["", f"The 1-minute load ran from {min(loads):.1f} to {max(loads):.1f} across these runs (2 "
+                      "cores, shared): a ratio between runs at different loads mixes the aggregator with the load; "
+                      "the order rotated by seed evens it out only over several seeds."]  # fmt: skip
         best, why = recommend(summary)
         choices.append((setting, best, why))
         target = auto_target(summary)
