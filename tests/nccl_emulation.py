@@ -265,7 +265,7 @@ class NcclContractWork:
         return True
 
 
-def _connect_before_posting(fn) -> None:
+def _connect_before_posting(fn, args=()) -> None:
     """On a GPU cerar's stream-ordered rounds post on the host thread (``ImmediateDeviceQueue`` runs a submitted
     post there and then), so NCCL's first connect to a peer holds the host inside ``ncclGroupEnd``. Here a post
     runs later on the stream's thread: its connects are made now, on the submitting (host) thread, as on a GPU
@@ -273,9 +273,13 @@ def _connect_before_posting(fn) -> None:
     import torch.distributed as dist
 
     ring = getattr(getattr(fn, "__self__", None), "ring", None)
-    if getattr(fn, "__name__", "") in ("_post", "_post_wire") and hasattr(ring, "next_rank"):
+    name = getattr(fn, "__name__", "")
+    if name in ("_post", "_post_wire") and hasattr(ring, "next_rank"):
         group = ring.group or dist.distributed_c10d._get_default_group()
-        _connect_peers(group, [ring.next_rank, ring.prev_rank])
+        peers = [ring.next_rank, ring.prev_rank]
+        if name == "_post" and len(args) == 2 and all(isinstance(a, tuple) for a in args):
+            peers = [args[0][1], args[1][1]]  # the 8-bit all-to-all's _PeerRing: (tensor, global rank) per op
+        _connect_peers(group, peers)
 
 
 class EmulatedStream:
@@ -293,7 +297,7 @@ class EmulatedStream:
         threading.Thread(target=self._run, name="nccl-contract-stream", daemon=True).start()
 
     def submit(self, fn, *args) -> concurrent.futures.Future:
-        _connect_before_posting(fn)
+        _connect_before_posting(fn, args)
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self.backlog += 1

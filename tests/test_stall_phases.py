@@ -11,7 +11,8 @@ Who ends it, and so the bound (T = T_S, the trainer's deadline):
   no work (a subgroup's split, the first connect of a peer pair or of a collective's kind and size, as NCCL
   does) or in a host read outside the polling (DDP's constructor): ``error: host watchdog: rank r held ...``,
   naming the collective or phase, at its deadline, 2T after the survivor entered it (`Deadlines`: the poll's T
-  + T), within 2T + SLACK_S of the stall;
+  + T), within 2T + SLACK_S + PEERS_S of the stall (PEERS_S: the watchdog's bounded look-up of the peers that
+  never joined, `train.watchdog._peers_within`);
 - ``"any"``: either, rank by rank (a stall where some survivors wait on a work and others inside a connect).
 
 The stalled rank stops itself (SIGSTOP) as it enters the phase at step STALL_STEP (the ``start-`` cases: as it
@@ -42,6 +43,7 @@ T_S = 3.0  # trainer.collective_timeout_s: the trainer's deadline
 WATCHDOG_S = watchdog_timeout_s(T_S)  # the NCCL groups' own timeout (torch's watchdog): 3T
 HOST_S = 2 * T_S  # the host watchdog's deadline for a collective (train.watchdog.Deadlines.collective): T + T
 SLACK_S = 6.0  # the rest of a step before the survivors reach the stuck collective, and the abort, on a loaded host
+PEERS_S = 5.0  # the host watchdog's look-up of the missing peers, at most (train.watchdog._peers_within)
 LAUNCH_S = {"poll": 240, "host": 60}  # the launches' limits: a case the host watchdog ends that hangs fails at 60 s
 STALL_STEP = 2
 JOB = [
@@ -303,7 +305,7 @@ def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_
     assert not isinstance(results, str), results  # the launch itself failed: hung to its limit, or an error
     assert not fired, f"the emulated watchdog fired first: {fired}"
     assert [results[r] for r in survivors] == [ProcessExit(3)] * len(survivors), results
-    bound = (T_S if ender == "poll" else HOST_S) + SLACK_S
+    bound = T_S + SLACK_S if ender == "poll" else HOST_S + SLACK_S + PEERS_S
     assert ended - stalled < bound, (ended - stalled, bound)
     for r in survivors:
         line = lines[r]
