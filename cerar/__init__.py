@@ -15,11 +15,17 @@ Public API:
     quantized_all_reduce(tensor, group, op, timeout, block)    the 8-bit all-reduce (cerar.quantized; two tiers:
                                                                cerar.hierarchical.quantized; DDP hooks:
                                                                cerar.quantized_hook), docs/int8.md
+    cerar.equilibrate                                          per-tensor power-of-two scales, agreed across ranks:
+                                                               equilibrated(tensor, sizes, run) around CERAR (each
+                                                               tensor's error relative to its own size), and
+                                                               cast_all_reduce(tensor, dtype, sizes), the 16-bit
+                                                               all-reduce with a scale per tensor
     full_fp32_products(device)                                 the TF32 guard every CERAR product runs under
     release_workspaces()                                       free the CPU working storage kept between calls
 """
 
 from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, Code, make_code
+from cerar.equilibrate import agreed_scales, apply_scales, cast_all_reduce, equilibrated
 from cerar.precision import PrecisionError, full_fp32_products
 from cerar.protocol import PROTOCOL_VERSION, AllReduceStats, all_reduce, ring_all_reduce
 from cerar.quantized import quantized_all_reduce
@@ -39,7 +45,11 @@ __all__ = [
     "Code",
     "CollectiveError",
     "PrecisionError",
+    "agreed_scales",
     "all_reduce",
+    "apply_scales",
+    "cast_all_reduce",
+    "equilibrated",
     "full_fp32_products",
     "make_code",
     "quantized_all_reduce",

@@ -13,7 +13,17 @@ should measure the drift and re-synchronise parameters now and then. With ``exac
 hook runs ``cerar.ring_all_reduce`` instead: the exact baseline on the same transport. With
 ``transport_dtype="float16"`` (or ``"bfloat16"``) the messages travel in 16 bits (``cerar.wire``:
 float32 arithmetic, each block cast with a power-of-two scale), and a code built here without an
-explicit kappa_max gets the 16-bit default (``cerar.default_kappa_max``).
+explicit kappa_max gets the 16-bit default (``cerar.default_kappa_max``). With ``equilibrate=True``
+each parameter tensor of the bucket (``bucket.gradients()``) is first scaled by a power of two agreed
+across the ranks so that every tensor has about the same root mean square, and unscaled after the
+decoding (``cerar.equilibrate``): CERAR mixes the components of a column, so without it a tensor much
+smaller than its bucket's others takes an error relative to theirs, not to its own.
+
+``Cast16HookState`` / ``cast16_hook``: the 16-bit all-reduce (``cerar.equilibrate.cast_all_reduce``), each
+tensor of the bucket scaled by its own agreed power of two before the cast, in place of torch's
+``fp16_compress_hook`` / ``bf16_compress_hook`` (which cast ``bucket / N`` with no scale: a tensor near
+1e-7 underflows float16). It runs like the CERAR hook, on a thread and a process group of its own, every
+wait within the timeout.
 
 How it runs, so that communication overlaps the rest of backward:
 
@@ -45,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from cerar.codes import Code, make_code
+from cerar.equilibrate import cast_all_reduce, equilibrated
 from cerar.protocol import AllReduceStats, all_reduce, ring_all_reduce
 from cerar.transport import _as_timedelta
 from cerar.wire import default_kappa_max, transport_name
@@ -85,7 +96,9 @@ class CerarHookState:
     process_group: DDP's group (whose ranks CERAR reduces over); transport: the group CERAR's
     messages travel on (made by ``transport_group`` when not given: creating a state is then a
     collective call on every rank); transport_dtype: the dtype on the wire ("float32", "float16",
-    "bfloat16"; ``cerar.wire``). ``last_stats`` collects each bucket's AllReduceStats.
+    "bfloat16"; ``cerar.wire``). equilibrate: scale each parameter tensor of a bucket to a common root mean
+    square before CERAR and back after (``cerar.equilibrate``; the exact ring needs none). ``last_stats``
+    collects each bucket's AllReduceStats (with equilibration, the scales' all-reduce counted in bytes_sent).
     """
 
     process_group: dist.ProcessGroup | None = None
@@ -97,6 +110,7 @@ class CerarHookState:
     timeout: float | timedelta | None = None
     transport: dist.ProcessGroup | None = None
     transport_dtype: str = "float32"
+    equilibrate: bool = False
     last_stats: list[AllReduceStats] = field(default_factory=list)
     _codes: dict[int, Code] = field(default_factory=dict, repr=False)
     _executor: ThreadPoolExecutor | None = field(default=None, repr=False)
@@ -129,25 +143,35 @@ class CerarHookState:
         with self._lock:
             self.last_stats = []
 
-    def _reduce(self, tensor: torch.Tensor) -> AllReduceStats:
+    def _reduce(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> AllReduceStats:
+        """Average one bucket in place; ``sizes``: its parameter tensors' sizes, to equilibrate them."""
         group = self.transport if self.transport is not None else self.process_group
         if self.exact_ring:
             return ring_all_reduce(
                 tensor, group, op="avg", timeout=self.timeout, timed=False, transport=self.transport_dtype
             )
         code = self.code_for(tensor.numel())
-        return all_reduce(
-            tensor, code, group, op="avg", timeout=self.timeout, timed=False, transport=self.transport_dtype
-        )
+
+        def run() -> AllReduceStats:
+            return all_reduce(
+                tensor, code, group, op="avg", timeout=self.timeout, timed=False, transport=self.transport_dtype
+            )
+
+        if not sizes or len(sizes) < 2:
+            return run()
+        stats, agreed = equilibrated(tensor, sizes, run, group, self.timeout, operation="cerar_hook: equilibrate")
+        stats.bytes_sent += agreed
+        return stats
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def submit(self, tensor: torch.Tensor) -> torch.futures.Future:
+    def submit(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.futures.Future:
         """Average ``tensor`` in place on the hook's thread (and, on CUDA, the hook's stream, after
-        the work now queued on the current stream); the future completes with it."""
+        the work now queued on the current stream); the future completes with it. ``sizes``: the
+        bucket's parameter tensors' sizes (``bucket_sizes``), for the states that scale per tensor."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cerar-ddp-hook")
         if tensor.is_cuda:
@@ -167,7 +191,7 @@ class CerarHookState:
                         scope.enter_context(torch.cuda.device(tensor.device))  # NCCL: the thread's GPU is the bucket's
                         scope.enter_context(torch.cuda.stream(stream))
                         stream.wait_event(ready)
-                    stats = self._reduce(tensor)
+                    stats = self._reduce(tensor) if sizes is None else self._reduce(tensor, sizes)
                     with self._lock:
                         self.last_stats.append(stats)
                     future.set_result(tensor)  # on CUDA: recorded on the hook's stream, which DDP then waits for
@@ -178,7 +202,50 @@ class CerarHookState:
         return future
 
 
+def bucket_sizes(bucket: dist.GradBucket) -> list[int]:
+    """The sizes of the bucket's parameter tensors in buffer order (``bucket.gradients()`` are views of
+    consecutive slices of ``bucket.buffer()``); a ValueError when they do not tile the buffer."""
+    sizes = [g.numel() for g in bucket.gradients()]
+    if sum(sizes) != bucket.buffer().numel():
+        raise ValueError(
+            f"DDP bucket {bucket.index()}: its {len(sizes)} gradients hold {sum(sizes)} values but its buffer "
+            f"{bucket.buffer().numel()}: cannot scale per tensor"
+        )
+    return sizes
+
+
 def cerar_hook(state: CerarHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average the bucket with CERAR (or the exact ring). (This module keeps
-    its annotations evaluated: DDP checks that ``bucket`` is annotated as ``dist.GradBucket`` itself.)"""
-    return state.submit(bucket.buffer())
+    """DDP communication hook: average the bucket with CERAR (or the exact ring), its tensors
+    equilibrated first when ``state.equilibrate``. (This module keeps its annotations evaluated: DDP
+    checks that ``bucket`` is annotated as ``dist.GradBucket`` itself.)"""
+    sizes = bucket_sizes(bucket) if state.equilibrate and not state.exact_ring else None
+    return state.submit(bucket.buffer(), sizes)
+
+
+@dataclass
+class Cast16HookState(CerarHookState):
+    """Configuration and per-step record of the 16-bit hook (``cast16_hook``): ``dtype`` ("float16" or
+    "bfloat16"), the timeout, DDP's process group and the group the all-reduces travel on (made when
+    not given). ``last_stats`` collects each bucket's AllReduceStats (the scales' all-reduce included).
+    The CERAR fields it inherits (c, construction, eps, kappa_max, exact_ring, transport_dtype,
+    equilibrate) are not used: every bucket is scaled per tensor."""
+
+    dtype: str = "float16"
+
+    def __post_init__(self):
+        self.dtype = transport_name(self.dtype)  # a ValueError naming the choices
+        if self.dtype == "float32":
+            raise ValueError("Cast16HookState: dtype must be float16 or bfloat16, got float32")
+        _as_timedelta(self.timeout)
+        if self.transport is None and dist.is_initialized():
+            self.transport = transport_group(self.process_group, self.timeout)
+
+    def _reduce(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> AllReduceStats:
+        group = self.transport if self.transport is not None else self.process_group
+        return cast_all_reduce(tensor, self.dtype, sizes, group, op="avg", timeout=self.timeout)
+
+
+def cast16_hook(state: Cast16HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average the bucket in 16 bits, each of its tensors scaled by its own agreed
+    power of two before the cast (``cerar.equilibrate.cast_all_reduce``)."""
+    return state.submit(bucket.buffer(), bucket_sizes(bucket))

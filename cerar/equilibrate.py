@@ -179,6 +179,34 @@ def per_position(scales: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     return torch.repeat_interleave(scales, torch.tensor(list(sizes), device=scales.device))
 
 
+def equilibrated(
+    tensor: torch.Tensor,
+    sizes: Sequence[int],
+    run,
+    group=None,
+    timeout=None,
+    *,
+    scales: torch.Tensor | None = None,
+    operation: str = "cerar.equilibrate.equilibrated",
+):
+    """``run()`` (a linear collective on ``tensor`` in place, e.g. ``cerar.all_reduce``) between the segments'
+    scaling and unscaling: the scales agreed over ``group`` by rule "rms" (a collective, within ``timeout``), or
+    ``scales`` as given (one per segment or one per value). Returns (what ``run`` returned, the bytes this rank
+    sent to agree on the scales: 0 when given)."""
+    agreed = 0
+    if scales is None:
+        sizes = check_sizes(sizes, tensor.numel(), operation)
+        scales = agreed_scales(tensor, sizes, group, timeout, "rms", operation=operation)
+        N = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        agreed = scales_bytes(len(sizes), N, "rms")
+    with torch.no_grad():
+        apply_scales(tensor, sizes, scales)
+    result = run()
+    with torch.no_grad():
+        apply_scales(tensor, sizes, scales, inverse=True)
+    return result, agreed
+
+
 def cast_all_reduce(
     tensor: torch.Tensor,
     dtype,
@@ -238,6 +266,7 @@ __all__ = [
     "apply_scales",
     "cast_all_reduce",
     "check_sizes",
+    "equilibrated",
     "per_position",
     "scales_bytes",
     "scales_from",

@@ -252,6 +252,7 @@ def _overlap_trainer_worker(rank, world_size, corpus, cache, run_dir, c):
         "aggregator=cerar",
         f"c={c}",
         f"aggregator.kappa_max={KAPPA_MAX_OVERLAP}",
+        "aggregator.equilibrate=false",  # the spec's protocol on the raw buckets (tests/test_equilibrate.py: scaled)
         "checkpoint.every=0",
         "wandb.mode=disabled",
     ]

@@ -237,9 +237,12 @@ def test_exact_aggregators_train_the_same_model_step_by_step(sweep, N):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("N", list(WORLDS))
 def test_cerar_sends_no_more_than_the_ring_once_c_exceeds_N(sweep, N):
+    """Up to the agreement on the per-tensor scales (aggregator.equilibrate): an all-reduce of one float64 per
+    parameter tensor, 2 (N-1)/N x T x 8 bytes (224 for model=tiny's 28 tensors at N=2, where CERAR's rate is the
+    ring's, L/c = 1), under 1e-4 of the gradient's bytes."""
     cerar_bytes = read_run(sweep(N) / "cerar")[0][0]["bytes_sent"]
     ring_bytes = read_run(sweep(N) / "ring")[0][0]["bytes_sent"]
-    assert 0 < cerar_bytes <= ring_bytes
+    assert 0 < cerar_bytes <= ring_bytes * (1 + 1e-4)
 
 
 @pytest.mark.timeout(900)

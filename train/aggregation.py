@@ -129,29 +129,54 @@ class AllReduceAggregator(Aggregator):
 
 
 class LowPrecisionAllReduce(Aggregator):
-    """Cast to float16/bfloat16, all-reduce, cast back: half the bytes of the float32 all-reduce."""
+    """The backend's all-reduce in float16/bfloat16: half the bytes of the float32 all-reduce.
+
+    Each parameter tensor (`use_tensors`; not told: the whole gradient) is multiplied by its own power of two
+    before the cast, agreed across ranks by one all-reduce of T largest magnitudes (`cerar.equilibrate`, rule
+    "cast"): its largest value lies in [2^(14-b), 2^(15-b)), b = ceil(log2 N), so the sum of the N contributions
+    stays below 2^15 (half of fp16's 65504) and a tensor near 1e-7 keeps fp16's full precision instead of
+    underflowing (the issue: 0.67 of its own norm, cast unscaled at N=4). Each value of the mean is then within
+    N u sum_j |g_j| of the exact one (u = 2^-11, 2^-8 for bf16), whatever its tensor's size. In the flat path on
+    the default group, the waits within the trainer's deadline; as a DDP hook (`cerar.ddp.cast16_hook`), the same
+    arithmetic per bucket, its tensors scaled apart, on a thread and a group of its own."""
 
     def __init__(self, world_size: int, timeout_s: float, dtype: torch.dtype):
         super().__init__(world_size, timeout_s)
         self.dtype = dtype
         self.name = "fp16" if dtype == torch.float16 else "bf16"
+        self.hook_state = None
+
+    def tensor_scales(self, flat: torch.Tensor) -> torch.Tensor | None:
+        if self.world_size < 2:
+            return None
+        from cerar.equilibrate import agreed_scales
+
+        operation = f"aggregator={self.name}: per-tensor scales"
+        return agreed_scales(flat, self.segments(flat), None, self.timeout, "cast", operation=operation)
 
     def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
         self.check_scales(flat, scales)
-        if self.world_size > 1:
-            low = flat.div(self.world_size).to(self.dtype)
-            await_work(dist.all_reduce(low, async_op=True), self.timeout_s)
-            flat.copy_(low)
-        return ring_allreduce_bytes(flat.numel(), torch.tensor([], dtype=self.dtype).element_size(), self.world_size)
+        if self.world_size < 2:
+            return 0
+        from cerar.equilibrate import cast_all_reduce
+
+        sizes = [flat.numel()] if scales is not None else self.segments(flat)
+        stats = cast_all_reduce(flat, self.dtype, sizes, None, "avg", self.timeout, scales=scales)
+        return int(stats.bytes_sent)
 
     def register_hook(self, ddp) -> None:
-        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from cerar.ddp import Cast16HookState, cast16_hook
 
-        hook = default_hooks.fp16_compress_hook if self.dtype == torch.float16 else default_hooks.bf16_compress_hook
-        ddp.register_comm_hook(None, hook)
+        self.hook_state = Cast16HookState(timeout=self.timeout, dtype=str(self.dtype).replace("torch.", ""))
+        ddp.register_comm_hook(self.hook_state, cast16_hook)
 
     def bytes_sent_by_hook(self, numel: int) -> int:
-        return ring_allreduce_bytes(numel, 2, self.world_size)
+        """The last step's buckets' bytes (the 16-bit all-reduces and their scales'), from the hook's record."""
+        if self.hook_state is None:
+            return ring_allreduce_bytes(numel, 2, self.world_size)
+        stats = list(self.hook_state.last_stats)
+        self.hook_state.reset_stats()
+        return sum(int(s.bytes_sent) for s in stats)
 
 
 class PowerSGDAggregator(Aggregator):
@@ -233,7 +258,14 @@ class TwoTierBytes(HookStatsBytes):
 
 
 class CerarAggregator(HookStatsBytes, Aggregator):
-    """CERAR (or, with exact_ring, cerar's exact ring) through the cerar public API."""
+    """CERAR (or, with exact_ring, cerar's exact ring) through the cerar public API.
+
+    equilibrate (aggregator.equilibrate, default true): each parameter tensor (`use_tensors`) is scaled by a power
+    of two agreed across ranks (one all-reduce of T sums of squares: `cerar.equilibrate`, rule "rms") so that every
+    tensor's root mean square is near 1, coded, and unscaled after the decoding: CERAR mixes the c components of a
+    column, so without it a tensor 100x smaller than its column-mates takes an error 100x its own share (the issue:
+    0.61 of its own norm at N=4, c=5 over fp16 messages). The exact ring (aggregator=ring, or c=auto while exact)
+    mixes nothing and is not scaled; `tensor_scales` still gives c=auto the scales its codes will use."""
 
     def __init__(
         self,
@@ -246,6 +278,7 @@ class CerarAggregator(HookStatsBytes, Aggregator):
         exact_ring: bool,
         transport: str = "float32",
         group=None,
+        equilibrate: bool = True,
     ):
         super().__init__(world_size, timeout_s)
         import cerar
@@ -255,6 +288,7 @@ class CerarAggregator(HookStatsBytes, Aggregator):
         self.exact_ring = exact_ring
         self.transport = transport  # the wire dtype (cerar.wire); the exact ring on 16 bits: the same bits everywhere
         self.replicas_differ = not exact_ring  # every rank but N-1 its own approximation (c=auto: from its choice on)
+        self.equilibrate = bool(equilibrate) and not exact_ring  # aggregator=ring never codes: nothing to scale
         self.name = ("ring" if exact_ring else f"cerar-{construction}") + _transport_suffix(transport)
         self.code = None
         if not exact_ring and world_size > 1:
@@ -276,6 +310,18 @@ class CerarAggregator(HookStatsBytes, Aggregator):
         the replicas stay identical until c=auto chooses an approximate code."""
         self.code, self.c, self.exact_ring = code, code.c, code.is_exact
 
+    def scales_tensors(self) -> bool:
+        """Whether this aggregator equilibrates: asked to, and told of more than one tensor."""
+        return self.equilibrate and self.world_size > 1 and self.tensor_sizes is not None and len(self.tensor_sizes) > 1
+
+    def tensor_scales(self, flat: torch.Tensor) -> torch.Tensor | None:
+        if not self.scales_tensors():
+            return None
+        from cerar.equilibrate import agreed_scales
+
+        operation = f"aggregator={self.name}: equilibrate"
+        return agreed_scales(flat, self.segments(flat), self.group, self.timeout, "rms", operation=operation)
+
     def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
         self.check_scales(flat, scales)
         if self.world_size < 2:
@@ -284,11 +330,21 @@ class CerarAggregator(HookStatsBytes, Aggregator):
             stats = self.cerar.ring_all_reduce(
                 flat, self.group, op="avg", timeout=self.timeout, transport=self.transport
             )
-        else:
-            stats = self.cerar.all_reduce(
+            return int(stats.bytes_sent)
+
+        def run():
+            return self.cerar.all_reduce(
                 flat, self.code, self.group, op="avg", timeout=self.timeout, transport=self.transport
             )
-        return int(stats.bytes_sent)
+
+        if not self.equilibrate or (scales is None and not self.scales_tensors()):
+            return int(run().bytes_sent)
+        from cerar.equilibrate import equilibrated
+
+        sizes = [flat.numel()] if scales is not None else self.segments(flat)
+        operation = f"aggregator={self.name}: equilibrate"
+        stats, agreed = equilibrated(flat, sizes, run, self.group, self.timeout, scales=scales, operation=operation)
+        return int(stats.bytes_sent) + agreed
 
     def register_hook(self, ddp) -> None:
         from cerar.ddp import CerarHookState, cerar_hook
@@ -303,6 +359,7 @@ class CerarAggregator(HookStatsBytes, Aggregator):
             timeout=self.timeout,
             transport=self.group,
             transport_dtype=self.transport,
+            equilibrate=self.equilibrate,
         )
         ddp.register_comm_hook(self.hook_state, cerar_hook)
 
@@ -329,6 +386,7 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
         coded_on_two_nodes: bool,
         transport: str = "float32",
         describe: bool = True,
+        equilibrate: bool = True,
     ):
         super().__init__(world_size, timeout_s)
         import warnings
@@ -350,6 +408,7 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
                     self.code, torch.float32, cerar.wire.transport_dtype(transport), f"transport={transport}"
                 )
         self.replicas_differ = self.code is not None and not self.code.is_exact
+        self.equilibrate = bool(equilibrate) and self.code is not None  # only a code between the nodes mixes
         self.tier_bytes = {"intra_node": 0, "inter_node": 0}
         self.hook_state = None
         self.groups = None  # the tiers' own groups: their batches never mix with the loop's collectives
@@ -389,6 +448,20 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
         elif not exact_ring and n == 1:
             log.warning("%s on one node (%s): aggregation is exact, nothing is coded", self.name, self.layout)
 
+    def scales_tensors(self) -> bool:
+        """Whether this aggregator equilibrates (as CerarAggregator's): a code between the nodes, asked to, and
+        told of more than one tensor. The scales are agreed over every rank, so the tiers sum like with like."""
+        return self.equilibrate and self.world_size > 1 and self.tensor_sizes is not None and len(self.tensor_sizes) > 1
+
+    def tensor_scales(self, flat: torch.Tensor) -> torch.Tensor | None:
+        if not self.scales_tensors():
+            return None
+        from cerar.equilibrate import agreed_scales
+
+        operation = f"aggregator={self.name}: equilibrate"
+        return agreed_scales(flat, self.segments(flat), self.groups.all_ranks, self.timeout, "rms",
+                             operation=operation)  # fmt: skip
+
     def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
         self.check_scales(flat, scales)
         if self.world_size < 2:
@@ -397,18 +470,33 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
             stats = self.hierarchical.hierarchical_ring_all_reduce(
                 flat, self.groups, op="avg", timeout=self.timeout, transport=self.transport
             )
+            agreed = 0
         else:
-            stats = self.hierarchical.hierarchical_all_reduce(
-                flat,
-                self.code,
-                self.groups,
-                op="avg",
-                timeout=self.timeout,
-                coded_on_two_nodes=True,
-                transport=self.transport,
-            )
-        self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
-        return int(stats.bytes_sent)
+
+            def run():
+                return self.hierarchical.hierarchical_all_reduce(
+                    flat,
+                    self.code,
+                    self.groups,
+                    op="avg",
+                    timeout=self.timeout,
+                    coded_on_two_nodes=True,
+                    transport=self.transport,
+                )
+
+            if not self.equilibrate or (scales is None and not self.scales_tensors()):
+                stats, agreed = run(), 0
+            else:
+                from cerar.equilibrate import equilibrated
+
+                sizes = [flat.numel()] if scales is not None else self.segments(flat)
+                operation = f"aggregator={self.name}: equilibrate"
+                stats, agreed = equilibrated(flat, sizes, run, self.groups.all_ranks, self.timeout, scales=scales,
+                                             operation=operation)  # fmt: skip
+        # the scales' all-reduce spans every rank: counted with the bytes between the nodes
+        inter = stats.inter_node.bytes_sent + agreed
+        self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": inter}
+        return int(stats.bytes_sent) + agreed
 
     def register_hook(self, ddp) -> None:
         self.hook_state = self.hierarchical.HierarchicalHookState(
@@ -421,6 +509,7 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
             layout=self.layout,
             coded_on_two_nodes=True,  # self.method already says what runs between the nodes
             transport_dtype=self.transport,
+            equilibrate=self.equilibrate,
         )
         ddp.register_comm_hook(self.hook_state, self.hierarchical.hierarchical_hook)
 
@@ -447,8 +536,9 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
         # c=auto starts exact (c = N) until the trainer's first choice (train/auto_c.py)
         c, construction = (world_size, "exact") if cfg.c == "auto" else (cfg.c, a.construction)
         return CerarAggregator(
-            world_size, timeout, c, construction, a.eps, code_kappa_max(a), exact_ring=False, transport=a.transport
-        )
+            world_size, timeout, c, construction, a.eps, code_kappa_max(a), exact_ring=False, transport=a.transport,
+            equilibrate=getattr(a, "equilibrate", True),
+        )  # fmt: skip
     if a.kind in ("hier_cerar", "hier_ring"):
         from train.config import code_kappa_max, node_layout
 
@@ -465,6 +555,7 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
             exact_ring,
             a.coded_on_two_nodes,
             transport=a.transport,
+            equilibrate=getattr(a, "equilibrate", True),
         )
     if a.kind in ("int8", "hier_int8"):
         return build_quantized_aggregator(cfg, world_size)

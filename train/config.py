@@ -141,6 +141,11 @@ class AggregatorConfig:
     # float32, or float16 / bfloat16: 16-bit messages (each with a power-of-two scale), float32 arithmetic.
     # With 16 bits, kappa_max null means cerar.default_kappa_max(transport), and the code must be admissible.
     transport: str = "float32"
+    # cerar, hier_cerar (and aggregator=auto's CERAR candidates): scale each parameter tensor to a common root mean
+    # square by powers of two agreed across ranks before coding, and back after (cerar.equilibrate), so that each
+    # tensor's error is relative to its own size: CERAR mixes the components of a column, and a tensor 100x smaller
+    # than its column-mates otherwise takes 100x its share (issue 33). false: one scale for all, as before.
+    equilibrate: bool = True
     # auto (train/auto_aggregator.py, docs/auto.md): the fastest candidate whose worst-rank error on the run's own
     # gradients is at most error_budget x the noise, on the links measured at start (or declared in auto_links:
     # intra_alpha_s, intra_gbit_s, inter_alpha_s, inter_gbit_s, memory_gbyte_s, nics_per_node); warm-up, checks
@@ -253,6 +258,7 @@ FAMILIES = ("ring16", "int8", "cerar", "cerar16", "hier_ring16", "hier_int8", "h
 (train/auto_choice.py builds them; the exact ones are always kept)."""
 
 AUTO_FIELDS = ("auto_aggregators", "auto_links", "auto_trials", "auto_trial_calls")
+EQUILIBRATE_KINDS = ("cerar", "hier_cerar", "auto")  # the aggregators aggregator.equilibrate acts on
 AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, AUTO_KIND)
 
 
@@ -328,6 +334,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
         _require(a.eps is None or 0 < a.eps < 1, f"aggregator.eps={a.eps} must lie in (0, 1) or be null")
     if a.kind in QUANTIZED_KINDS:
         _require(a.block >= 1, f"aggregator.block={a.block} must be >= 1 (values per scale of the 8-bit messages)")
+    equilibrate = getattr(a, "equilibrate", True)
+    _require(isinstance(equilibrate, bool), f"aggregator.equilibrate={equilibrate!r} must be true or false")
     _validate_transport(cfg)
     if cfg.c == AUTO_C:
         _validate_auto_c(cfg)
@@ -603,6 +611,8 @@ def training_identity(cfg, world_size: int) -> dict:
                 continue
             if section == "aggregator" and key == "transport" and value == "float32":
                 continue  # the default: absent, as in the runs from before the field
+            if section == "aggregator" and key == "equilibrate" and cfg.aggregator.kind not in EQUILIBRATE_KINDS:
+                continue  # ignored by the aggregators that do not code: absent from their identities
             if (section, key) != ("data", "cache_dir") and (auto or not auto_setting):
                 identity[f"{section}.{key}"] = value
     # c as asked: "auto" stays "auto" whatever it has chosen (the choice is checkpointed and resumed)

@@ -9,7 +9,10 @@ flat hook does (``cerar.ddp``): on a thread of its own, one bucket at a time in 
 on a stream of its own after the bucket's gradients are written, with the rounds' deadlines kept on
 the hook's thread. Its messages travel on process groups of its own (``new_tier_groups``, made when
 the state is created: a collective call on every rank), so they never mix with the collectives
-other threads issue meanwhile. ``last_stats`` collects each bucket's ``HierarchicalStats``.
+other threads issue meanwhile. ``last_stats`` collects each bucket's ``HierarchicalStats``. With
+``equilibrate=True`` a coded bucket's parameter tensors are first scaled to a common root mean square by
+powers of two agreed over every rank and unscaled after (``cerar.equilibrate``, as the flat hook does;
+the scales' all-reduce is counted in ``inter_node.bytes_sent``: it spans every rank).
 """
 
 from dataclasses import dataclass, field
@@ -18,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from cerar.codes import Code, make_code
-from cerar.ddp import CerarHookState
+from cerar.ddp import CerarHookState, bucket_sizes
+from cerar.equilibrate import equilibrated
 from cerar.hierarchical.collective import HierarchicalStats, hierarchical_all_reduce, hierarchical_ring_all_reduce
 from cerar.hierarchical.layout import NodeLayout, TierGroups, new_tier_groups
 from cerar.transport import _as_timedelta
@@ -70,24 +74,35 @@ class HierarchicalHookState(CerarHookState):
             )
         return self._codes[bucket_numel]
 
-    def _reduce(self, tensor: torch.Tensor) -> HierarchicalStats:
+    def _reduce(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> HierarchicalStats:
         if self.exact_ring:
             return hierarchical_ring_all_reduce(
                 tensor, self.groups, op="avg", timeout=self.timeout, timed=False, transport=self.transport_dtype
             )
         code = self.code_for(tensor.numel())
-        return hierarchical_all_reduce(
-            tensor,
-            code,
-            self.groups,
-            op="avg",
-            timeout=self.timeout,
-            coded_on_two_nodes=self.coded_on_two_nodes,
-            timed=False,
-            transport=self.transport_dtype,
-        )
+
+        def run() -> HierarchicalStats:
+            return hierarchical_all_reduce(
+                tensor,
+                code,
+                self.groups,
+                op="avg",
+                timeout=self.timeout,
+                coded_on_two_nodes=self.coded_on_two_nodes,
+                timed=False,
+                transport=self.transport_dtype,
+            )
+
+        if not sizes or len(sizes) < 2:
+            return run()
+        operation = "hierarchical_hook: equilibrate"
+        stats, agreed = equilibrated(tensor, sizes, run, self.groups.all_ranks, self.timeout, operation=operation)
+        stats.inter_node.bytes_sent += agreed
+        return stats
 
 
 def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP communication hook: average the bucket with hierarchical CERAR (or the exact hierarchy)."""
-    return state.submit(bucket.buffer())
+    """DDP communication hook: average the bucket with hierarchical CERAR (or the exact hierarchy), its
+    tensors equilibrated first when ``state.equilibrate``."""
+    sizes = bucket_sizes(bucket) if state.equilibrate and not state.exact_ring else None
+    return state.submit(bucket.buffer(), sizes)
