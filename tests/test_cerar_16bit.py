@@ -267,10 +267,12 @@ def test_the_scale_keeps_tiny_and_huge_blocks_within_the_format(transport):
 @pytest.mark.quick
 def test_the_admissible_kappa_follows_from_the_rounding_and_the_code_error():
     """The rule: a code is admitted on a 16-bit wire iff it is exact (c <= N) or the rounding its messages add
-    on Gaussian gradients, kappa r, is at most max(its predicted error, the exact ring's rounding on that wire,
-    ((N-1) sqrt(N) + 1) u32 + (N+1) sqrt(N) u16). The rounding is measured here on the spec's protocol in
-    float64 with a 16-bit wire written in the test (tests/test_wire_rounding.py), not taken from the package;
-    a refusal names N, c, kappa, the dtype and the largest admissible kappa."""
+    on Gaussian gradients, kappa r, is at most max(its predicted error, the exact ring's rounding on that wire
+    on the same gradients). Both roundings are measured here with a 16-bit wire written in the test, not taken
+    from the package: the code's on the spec's protocol in float64 (tests/test_wire_rounding.py), the ring's on
+    float64 sums (tests/test_precision.py, which pins the package's model of it); a refusal names N, c, kappa,
+    the dtype and the largest admissible kappa."""
+    from tests.test_precision import spec_ring_rounding
     from tests.test_wire_rounding import spec_rounding
 
     cases = [
@@ -284,8 +286,7 @@ def test_the_admissible_kappa_follows_from_the_rounding_and_the_code_error():
     verdicts = set()
     for code in cases:
         for name, wire in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
-            u = U[name]
-            ring = ((code.N - 1) * math.sqrt(code.N) + 1) * U32 + (code.N + 1) * math.sqrt(code.N) * u
+            ring = spec_ring_rounding(code.N, wire)
             rounding = 0.0 if code.is_exact else spec_rounding(code, wire)
             allowed = max(code.predicted_error(), ring)
             assert code.is_exact or not 0.8 < rounding / allowed < 1.25, "too close to the edge to judge"

@@ -479,4 +479,23 @@ FAULTS = [
         why="the CERAR hook codes the raw bucket: a tensor 100x below its column-mates takes 100x its own error",
         quick=True,
     ),
+    Fault(
+        name="admission-ring-bound",
+        file="cerar/precision.py",
+        original="        ring = expected_ring_rounding(code.N, wire)\n",
+        replacement="        ring = sum_rounding_bound(code.N, dtype, wire)\n",
+        tests=("tests/test_precision.py -k swamps",),
+        why="the 16-bit rule compares a code's expected rounding with the ring's worst-case bound, 15x its rounding: "
+        "bf16 at N=8, c=9 admits kappa_max 64 (3.7x the code's own error)",
+        quick=True,
+    ),
+    Fault(
+        name="admission-ring-constant",
+        file="cerar/precision.py",
+        original="    return ROUNDING_RMS_PER_UNIT * unit_roundoff(wire) * math.sqrt((N + 1) / 2)",
+        replacement="    return 2 * ROUNDING_RMS_PER_UNIT * unit_roundoff(wire) * math.sqrt((N + 1) / 2)",
+        tests=("tests/test_precision.py -k rules_ring_rounding",),
+        why="the ring's modelled rounding is twice what a 16-bit ring rounds: the rule admits codes that round more",
+        quick=True,
+    ),
 ]
