@@ -176,6 +176,11 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:+.2f} %"
 
 
+def _span(xs: list[float]) -> str:
+    """'0.825' for one value (or equal ones), '0.825..0.983' for several."""
+    return f"{min(xs):.3f}" if min(xs) == max(xs) else f"{min(xs):.3f}..{max(xs):.3f}"
+
+
 def _mb(x: float | None) -> str:
     return "-" if x is None else f"{x / 1e6:.2f} MB"
 
@@ -210,6 +215,8 @@ def figure(setting: Setting, summary: dict, runs: Path, path: Path) -> bool:
     if not drawn:
         plt.close(fig)
         return False
+    if any(len(agg["seeds"]) > 1 for agg in summary["aggregators"].values()):
+        ax.plot([], [], color="black", linestyle="--", linewidth=1.2, label="(dashed: its later seeds)")
     if summary["nccl_losses"]:
         ax.axhline(summary["nccl_losses"][0], color="grey", linestyle=":", linewidth=1, label="nccl's final (seed 1)")
     ax.set_xlabel("wall clock, s (the loop, evaluations included)")
@@ -279,19 +286,23 @@ def probe_section() -> list[str]:
         return []
     by: dict[tuple, list[dict]] = {}
     for r in rows:
-        by.setdefault((r["code_commit"], r["where"], r["load_ranks"]), []).append(r)
+        where = f"{r['where']} ({r['rate_mbit']} Mbit/s)" if r.get("rate_mbit") else r["where"]
+        by.setdefault((r["code_commit"], where, r["load_ranks"]), []).append(r)
     lines = ["", "## aggregator=auto's link probe under load", "",
              f"`scripts/studies/probe_under_load.py` (`{_rel(PROBE_CSV)}`): auto's probe and fit (`measure_links`, "
              "`cluster_from_timings`) on 4 ranks beside a second training run (model=tiny on loopback), with the code "
              "before the robust probe and after it.", "",
-             "| code | where | load ranks beside | probes | refused (auto exact) | fit RMS median | max | 1-min load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+             "| code | where | load ranks beside | probes | refused (auto exact) | fit RMS median | max "
+             "| probe s median (max) | 1-min load |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
     for (commit, where, load), rs in by.items():
         rms = [_f(r["rel_rmse"]) for r in rs if _f(r["rel_rmse"]) is not None]
         loads = [_f(r["load_before"]) for r in rs if _f(r["load_before"]) is not None]
         refused = sum(1 for r in rs if r["fit"] != "ok")
+        seconds = [_f(r["probe_s"]) for r in rs if _f(r["probe_s"]) is not None]
         lines.append(f"| {commit} | {where} | {load} | {len(rs)} | {refused} | "
                      f"{_x(statistics.median(rms)) if rms else '-'} | {_x(max(rms)) if rms else '-'} | "
+                     f"{_x(statistics.median(seconds), 1)} ({_x(max(seconds), 1)}) | "
                      f"{_x(min(loads), 1)}..{_x(max(loads), 1)} |")  # fmt: skip
     return lines
 
@@ -311,6 +322,21 @@ def same_code(commits: list[str]) -> str:
         if rc != 0:
             return f" (Could not compare the code of {commits[0]} and {other}.)"
     return f" Their cerar/, train/ and configs/ are identical (`git diff {commits[0]} {commits[-1]}`): one code."
+
+
+def probe_fits(folder: Path, summary: dict) -> str:
+    """What auto's link probe measured in each of the setting's auto runs (its summary.json): the fit per tier and
+    the load the run started at, or its fallback."""
+    parts = []
+    for one in (summary["aggregators"].get("auto") or {}).get("seeds", []):
+        auto = load_json(folder / f"auto_s{one['seed']}" / "summary.json").get("auto") or {}
+        tiers = (auto.get("links") or {}).get("tiers") or {}
+        fit = "; ".join(f"{tier} {8 * f['bandwidth_bytes_s'] / 1e6:.0f} Mbit/s, {f['rel_rmse']:.0%} RMS"
+                        for tier, f in tiers.items())  # fmt: skip
+        load = one["row"]["load_before"].split()[0] if one["row"]["load_before"] else "?"
+        what = f"fell back ({auto['fallback']})" if auto.get("fallback") else f"fitted {fit or 'declared links'}"
+        parts.append(f"seed {one['seed']}: {what} at load {load}")
+    return " Auto's link probe, " + "; ".join(parts) + "." if parts else ""
 
 
 def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
@@ -363,11 +389,19 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
             lines += ["", f"The 1-minute load ran from {min(loads):.1f} to {max(loads):.1f} across these runs (2 "
                       "cores, shared): a ratio between runs at different loads mixes the aggregator with the load; "
                       "the order rotated by seed evens it out only over several seeds."]  # fmt: skip
+            nccl_runs = [s["row"] for s in summary["aggregators"].get("nccl", {}).get("seeds", [])]
+            if len(nccl_runs) >= 2:
+                walls = [_f(r["wall_s"]) for r in nccl_runs]
+                each = ", ".join(f"{w:.0f} s at load {r['load_before'].split()[0]} -> {r['load_after'].split()[0]}"
+                                 for w, r in zip(walls, nccl_runs, strict=True))  # fmt: skip
+                lines[-1] += (
+                    f" nccl's own runs, the same job but for the seed: {each}, {max(walls) / min(walls):.2f}x apart."
+                )
         best, why = recommend(summary)
         choices.append((setting, best, why))
         target = auto_target(summary)
         if target:
-            lines += ["", f"Issue 34's target for auto here: {target}."]
+            lines += ["", f"Issue 34's target for auto here: {target}." + probe_fits(runs / setting.key, summary)]
         if "cerar_c16" in summary["aggregators"]:
             cerar.append((setting, summary["aggregators"]["cerar_c16"], band))
         name = f"time_to_loss_{setting.key}.png"
@@ -391,10 +425,10 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
         lines += [
             "",
             "- *Faster on slow links* (the paper: about 17 % at identical loss): "
-            + (f"training time {min(slow):.3f}..{max(slow):.3f}x nccl's in the lab." if slow else "not measured yet."),
+            + (f"training time {_span(slow)}x nccl's in the lab." if slow else "not measured yet."),
         ]
         lines.append("- *Slower on fast links* (NVLink; here unshaped loopback): "
-                     + (f"{min(fast):.3f}..{max(fast):.3f}x nccl's." if fast else "not measured yet."))  # fmt: skip
+                     + (f"{_span(fast)}x nccl's." if fast else "not measured yet."))  # fmt: skip
         models = {s.model for s, _, _ in cerar}
         lines.append(
             "- *The gap narrows with model size*: "
