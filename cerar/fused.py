@@ -74,16 +74,9 @@ def _quantize_nearest(rows: torch.Tensor, prescale: torch.Tensor, inverse: torch
 
 
 def _quantize_stochastic(
-    rows: torch.Tensor,
-    prescale: torch.Tensor,
-    inverse: torch.Tensor,
-    values: torch.Tensor,
-    base: torch.Tensor,
-    offset: torch.Tensor,
+    rows: torch.Tensor, prescale: torch.Tensor, inverse: torch.Tensor, values: torch.Tensor, table: torch.Tensor
 ) -> None:
-    K = base.shape[0]
-    row = torch.arange(rows.shape[0], device=rows.device) % K
-    u = ((base[row] + offset) & (q8.DITHER_LEVELS - 1)).to(torch.float32) * (1.0 / q8.DITHER_LEVELS)
+    u = table[torch.arange(rows.shape[0], device=rows.device) % table.shape[0]]  # the message's dither, [K, B]
     r = (rows * prescale.unsqueeze(1)) * inverse.unsqueeze(1)
     values.copy_((r + u).floor().clamp(-q8.QMAX, q8.QMAX).to(torch.int8))
 
@@ -127,8 +120,7 @@ def _run_quantize(fns, rows, scales, values, rounding: str, block: int, offset: 
     if rounding == "nearest":
         fns[1](rows, prescale, inverse, values)
     else:
-        base = q8.dither_base(block, rows.device)
-        fns[1](rows, prescale, inverse, values, base, torch.tensor(offset, dtype=torch.int32, device=rows.device))
+        fns[1](rows, prescale, inverse, values, q8.dither_table(block, offset, rows.device, 0, nb))
 
 
 def _run_wire(fns, block: torch.Tensor, out: torch.Tensor) -> None:

@@ -5,20 +5,26 @@ keeps its scale and B integers:
 
     scale_b = absmax_b / 127,   q = round(x / scale_b) in [-127, 127],   x~ = q scale_b
 
-rounding to nearest (ties to even; ``rounding="nearest"``, the default), so every value errs by at most
+rounding either to nearest (ties to even; ``rounding="nearest"``), so every value errs by at most
 scale_b / 2 = absmax_b / 254 (plus float32's rounding of x / scale_b and of q scale_b, a relative 2^-24
-each: ``error_bound``), or stochastically (``rounding="stochastic"``): q = floor(x / scale_b + u) with a
-dither u in [0, 1), so that q scale_b is x on average over calls (to 2^-16 of the scale), at most one
-scale_b from it, and about sqrt(2) times nearest's error in one call. Nearest rounding is a bias where
-contributions repeat: a value beside one 127x larger in its block rounds the same way on every rank at
-every step (0.003 beside 1.0 decodes to 0, always), and averaging over ranks or steps does not remove it;
-stochastic rounding's error averages out over steps (docs/int8.md).
+each: ``error_bound``), or stochastically (``rounding="stochastic"``, ``DEFAULT_ROUNDING``): q =
+floor(x / scale_b + u) with a dither u in [0, 1), so that q scale_b is x on average over calls (to 2^-16
+of the scale), at most one scale_b from it, and about 1.4x nearest's error in one call. Nearest rounding
+is a bias where contributions repeat: a value beside one 127x larger in its block rounds the same way on
+every rank at every step (0.003 beside 1.0 decodes to 0, always), and averaging over ranks or steps does
+not remove it; stochastic rounding's error averages out over steps, which is why it is the default of the
+all-reduce (docs/int8.md has the measurements).
 
 The dither is counter-based, so no random numbers are drawn on the device and a call is reproducible: u at
-position p of a message is ((base[p mod 2^16] + offset) mod 2^16) / 2^16, base a fixed hash of the position
-(``dither_base``) and offset a hash of the message's keys (the seed, the call's count, the sender, the shard:
-``dither_offset``), computed on the host. Every rank decodes the bytes the sender wrote, so ranks need not
-agree on the dither, only on the format (``format_name`` names the rounding).
+position p of a message is ((base[(p + shift) mod P] + offset) mod 2^16) / 2^16, base a fixed hash of the
+position (``dither_base``, P = 2^16 values, rounded down to whole blocks) and (offset, shift) a hash of the
+message's keys (the seed, the call's count, the sender, the shard: ``dither_key``), computed on the host.
+The offset makes every position's u uniform over calls; the shift gives each block new base values at each
+call, so that the dithers of one block are not the same pattern moved at every call (with a fixed pattern,
+a block's mean error over 40 calls reached 6.2 standard deviations of an independent dither's in a 2-rank
+test). The table of a call is built from them on the device (``dither_table``, at most P values) and read
+by the values' loop. Every rank decodes the bytes the sender wrote, so ranks need not agree on the dither,
+only on the format (``format_name``).
 
 Where absmax_b is below 127 x 2^-126 (1.5e-36) the scale is subnormal and 1 / scale would overflow, so
 such a block's values and scale are multiplied by 2^64 first (exact: a power of two), and q is held to
@@ -57,13 +63,10 @@ SCALE_DTYPE = torch.float32
 SCALE_BYTES = 4
 
 ROUNDINGS = ("nearest", "stochastic")
-DEFAULT_ROUNDING = "nearest"
+DEFAULT_ROUNDING = "stochastic"
 
 _FORMAT_STEM = "int8 absmax/127, one float32 scale per block, scales first, 2^64 prescale below 2^-126"
-_DITHER = " (dither: 16-bit mix32 table per position + per-message offset)"
-FORMAT = f"{_FORMAT_STEM}, {DEFAULT_ROUNDING} rounding"
-"""What ranks compare before the first round (with the block size): a rank that decodes another format
-refuses. ``format_name(rounding)`` for the other rounding."""
+_DITHER = " (dither: 16-bit mix32 table per position, shifted and offset per message)"
 
 TINY_SCALE = 2.0**-126
 """Below this scale (float32's least normal; absmax < 1.5e-36) 1 / scale may overflow (above 2^128 once the
@@ -128,6 +131,11 @@ def format_name(rounding: str = DEFAULT_ROUNDING) -> str:
     return f"{_FORMAT_STEM}, {rounding} rounding{dither}"
 
 
+FORMAT = format_name(DEFAULT_ROUNDING)
+"""What ranks compare before the first round (with the block size): a rank that decodes another format
+refuses. ``format_name(rounding)`` for the other rounding."""
+
+
 def _mix32(h):
     """A 32-bit integer hash (two multiply-xorshift rounds; constants below 2^31, so int64 never overflows).
     Works on Python ints and int64 tensors alike."""
@@ -137,38 +145,50 @@ def _mix32(h):
     return h ^ (h >> 16)
 
 
-def dither_offset(*keys: int) -> int:
-    """The per-message offset of the dither, in [0, 2^16): a hash of integer keys (the seed, the call's count,
-    the sender's rank, the shard), computed on the host, so no device work and the same on every device."""
+def dither_key(*keys: int) -> int:
+    """A message's dither key in [0, 2^32), a hash of integer keys (the seed, the call's count, the sender's
+    rank, the shard), computed on the host: the low 16 bits are the offset, the high 16 the shift
+    (``dither_table``). No device work, the same on every device."""
     h = 0x9E3779B9
     for key in keys:
         h = _mix32(h ^ _mix32(int(key) & 0xFFFFFFFF))
-    return int(h) & (DITHER_LEVELS - 1)
+    return int(h)
 
 
 _DITHER_BASE: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def dither_base(block: int, device) -> torch.Tensor:
-    """The fixed per-position part of the dither: int32 [K, B] (K = max(1, 2^16 // B) rows of blocks), a hash
-    of the position within the message, in [0, 2^16); cached per device and block size."""
+    """The fixed per-position part of the dither: int32 [K B] (K = max(1, 2^16 // B) blocks), a hash of the
+    index, in [0, 2^16); cached per device and block size."""
     device = torch.device(device)
-    key = (str(device), block)
-    base = _DITHER_BASE.get(key)
+    cached = (str(device), block)
+    base = _DITHER_BASE.get(cached)
     if base is None:
         K = max(1, DITHER_PERIOD // block)
         positions = torch.arange(K * block, dtype=torch.int64)
-        base = (_mix32(positions) & (DITHER_LEVELS - 1)).to(torch.int32).view(K, block).to(device)
-        _DITHER_BASE[key] = base
+        base = (_mix32(positions) & (DITHER_LEVELS - 1)).to(torch.int32).to(device)
+        _DITHER_BASE[cached] = base
     return base
 
 
-def dither_table(block: int, offset: int, device) -> torch.Tensor:
-    """The dither of one message, float32 [K, B]: u = ((base + offset) mod 2^16) / 2^16 in [0, 1), the value
-    at position p of the message being row (p // B) mod K, column p mod B. Over messages whose offsets are
+def dither_table(block: int, key: int, device, first_row: int = 0, rows: int | None = None) -> torch.Tensor:
+    """The dither of one message, float32 [R, B]: table entry e is u = ((base[(e + shift) mod KB] + offset) mod
+    2^16) / 2^16, in [0, 1), with offset = key mod 2^16 and shift = (key >> 16) mod KB; position p of the message
+    takes entry p mod KB (table row (p // B) mod K, column p mod B). Returned: the table rows first_row,
+    first_row + 1, ... (mod K), R = min(K, rows) of them (all K when ``rows`` is None), built from a slice of
+    ``base`` (at most K B values: a short message pays for its own rows only). Over messages whose keys are
     uniform, every position's u is uniform on the 2^16 levels, so floor(r + u) is r on average (to 2^-16)."""
+    key &= 0xFFFFFFFF  # dither_key's 32 bits: the offset below, the shift above
     base = dither_base(block, device)
-    return ((base + offset) & (DITHER_LEVELS - 1)).to(torch.float32).mul_(1.0 / DITHER_LEVELS)
+    KB = base.numel()
+    K = KB // block
+    n = K * block if rows is None else min(K, rows) * block
+    start = ((first_row % K) * block + (key >> 16)) % KB
+    end = start + n
+    part = base[start:end] if end <= KB else torch.cat([base[start:], base[: end - KB]])
+    table = ((part + (key & (DITHER_LEVELS - 1))) & (DITHER_LEVELS - 1)).to(torch.float32).mul_(1.0 / DITHER_LEVELS)
+    return table.view(-1, block)
 
 
 def _scales_into(scale: torch.Tensor, rows: torch.Tensor) -> None:
@@ -179,16 +199,13 @@ def _scales_into(scale: torch.Tensor, rows: torch.Tensor) -> None:
     scale.div_(QMAX)
 
 
-def _add_dither(ratio: torch.Tensor, first_row: int, table: torch.Tensor) -> None:
-    """ratio [n, B] (rows first_row.. of the message) += the dither table's rows (row r takes table row r mod K)."""
-    K = table.shape[0]
+def _add_dither(ratio: torch.Tensor, table: torch.Tensor) -> None:
+    """ratio [n, w] += the dither: row r takes ``table``'s row r mod R (the table starts at ratio's first row)."""
+    R = table.shape[0]
     n, width = ratio.shape
-    r = 0
-    while r < n:
-        t = (first_row + r) % K
-        take = min(K - t, n - r)
-        ratio[r : r + take].add_(table[t : t + take, :width])
-        r += take
+    for r in range(0, n, R):
+        take = min(R, n - r)
+        ratio[r : r + take].add_(table[:take, :width])
 
 
 def quantize_eager(
@@ -218,11 +235,12 @@ def quantize_rows(
     Per block: scale = absmax / 127 (float32), then r = (x p) (1 / (scale p)) with p = 2^64 where scale is
     below 2^-126 and 1 elsewhere (multiplying by a power of two is exact, so for every normal scale this is
     x times the scale's inverse, and a subnormal scale's inverse no longer overflows), and
-    q = round(r) (to nearest, ties to even) or floor(r + u) (stochastic, u the dither), held to [-127, 127].
+    q = round(r) (to nearest, ties to even) or floor(r + u) (stochastic, u the dither of key ``offset``:
+    ``dither_table``), held to [-127, 127].
     Traffic per value at nearest: absmax 8 (the largest and the least), r 8, rounded 8, stored 5: 29 bytes
     (the clamp, 8 more, only where a block's scale is subnormal); stochastic adds the dither, the floor and
     the clamp (24 more)."""
-    table = dither_table(block, offset, rows.device) if rounding == "stochastic" else None
+    table = dither_table(block, offset, rows.device, first_row, rows.shape[0]) if rounding == "stochastic" else None
     _scales_into(scale, rows)
     tiny = (scale < TINY_SCALE) & (scale > 0)
     prescale = bool(tiny.any()) if rows.device.type == "cpu" else True  # no host synchronisation on a device
@@ -236,7 +254,7 @@ def quantize_rows(
     if table is None:
         ratio.round_()
     else:
-        _add_dither(ratio, first_row, table)
+        _add_dither(ratio, table)
         ratio.floor_()
     if prescale or table is not None:  # nearest on normal scales stays within 127.5: no clamp needed
         ratio.clamp_(-QMAX, QMAX)
@@ -249,7 +267,7 @@ def quantize_into(
     """Write x (float32, s values, contiguous) into ``message`` in the block format (``quantize_eager`` says
     how), through the fused kernel of ``cerar.fused`` when it is enabled for x's device and s is large enough
     to pay for a call, else eagerly; the bytes are the same either way. ``offset``: the message's dither
-    offset (``dither_offset``), read only with ``rounding="stochastic"``."""
+    key (``dither_key``), read only with ``rounding="stochastic"``."""
     from cerar import fused
 
     if not fused.quantize(message, x, block, rounding, offset):

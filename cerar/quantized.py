@@ -67,7 +67,7 @@ from cerar.int8_blocks import (
     check_block,
     check_rounding,
     dequantize,
-    dither_offset,
+    dither_key,
     format_name,
     message_bytes,
     new_message,
@@ -82,7 +82,7 @@ QUANTIZED_PROTOCOL_VERSION = 2
 mix. 2: the rounding is chosen (nearest or stochastic) and tiny scales are prescaled (issues 33 and 35)."""
 
 _calls = itertools.count()
-"""This process's count of 8-bit all-reduces: a key of each message's dither (``int8_blocks.dither_offset``), so
+"""This process's count of 8-bit all-reduces: a key of each message's dither (``int8_blocks.dither_key``), so
 that stochastic rounding draws a new dither every call and the same sequence of calls gives the same bytes."""
 
 
@@ -183,7 +183,7 @@ def quantized_all_reduce(
     at = ring.global_rank
 
     def offset(shard: int, reduced: bool) -> int:
-        return dither_offset(seed, call, i, shard, reduced) if rounding == "stochastic" else 0
+        return dither_key(seed, call, i, shard, reduced) if rounding == "stochastic" else 0
 
     def encode(j: int) -> None:
         with timer.phase("encode"):

@@ -5,8 +5,8 @@ The reference works in float64 and Python integers, one block at a time. Every f
 (absmax / 127, 1 / (scale p), x p times the inverse, r + u) is a single correctly rounded operation on float32
 operands: computed exactly, or to 53 bits, in float64 and rounded once to float32, it gives the same float32 (for
 a division the double rounding is innocuous since 53 >= 2 x 24 + 2), so the bytes must match exactly. The dither
-is re-derived here from the words of the module docstring (a 32-bit multiply-xorshift hash of the position,
-plus the message's offset, modulo 2^16), not imported.
+is re-derived here from the words of the module docstring (a 32-bit multiply-xorshift hash of the position, shifted
+and offset by the message's key, modulo 2^16), not imported.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def f32(v) -> np.ndarray:
 
 
 def reference(x: torch.Tensor, B: int, rounding: str = "nearest", offset: int = 0):
-    """(scales float32 [nb], q int [s], finite block mask [nb]) as the format defines them."""
+    """(scales float32 [nb], q int [s], finite block mask [nb]) as the format defines them; ``offset``: the
+    message's dither key (low 16 bits the offset, high 16 the shift)."""
     v = x.double().numpy()
     s = v.size
     nb = -(-s // B)
@@ -56,9 +57,10 @@ def reference(x: torch.Tensor, B: int, rounding: str = "nearest", offset: int = 
         if rounding == "nearest":
             k = np.rint(r)  # ties to even
         else:
-            pos = b * B + np.arange(block.size)
-            base = np.array([mix32(int(((pp // B) % K) * B + pp % B)) & 0xFFFF for pp in pos])
-            u = ((base + offset) & 0xFFFF) / 2**16
+            entries = (b * B + np.arange(block.size)) % (K * B)  # table row (p // B) mod K, column p mod B
+            shifted = (entries + (offset >> 16)) % (K * B)
+            base = np.array([mix32(int(e)) & 0xFFFF for e in shifted])
+            u = ((base + (offset & 0xFFFF)) & 0xFFFF) / 2**16
             k = np.floor(f32(r + u).astype(np.float64))
         q[b * B : b * B + block.size] = np.clip(k, -127, 127)
     return scales, q, finite
@@ -103,8 +105,9 @@ def test_eager_quantizer_writes_the_format_byte_for_byte(rounding, B, s):
     NaN throughout (their integers are unspecified)."""
     x = adversarial(B, s)
     message = q8.new_message(s, B, "cpu")
-    q8.quantize_into(message, x, B, rounding, 4321)
-    check_bytes(message, x, B, rounding, 4321)
+    key = q8.dither_key(1, 2)  # both halves of the key in use
+    q8.quantize_into(message, x, B, rounding, key)
+    check_bytes(message, x, B, rounding, key)
     out = torch.empty(s)
     q8.dequantize(message, s, B, out)
     assert torch.isnan(out[7 * B : 8 * B]).all() and torch.isnan(out[8 * B : 9 * B]).all()
@@ -153,7 +156,7 @@ def mean_decoded(x: torch.Tensor, B: int, rounding: str, calls: int) -> torch.Te
     s = x.numel()
     message, out, total = q8.new_message(s, B, "cpu"), torch.empty(s), torch.zeros(s, dtype=torch.float64)
     for t in range(calls):
-        q8.quantize_into(message, x, B, rounding, q8.dither_offset(5, t))
+        q8.quantize_into(message, x, B, rounding, q8.dither_key(5, t))
         q8.dequantize(message, s, B, out)
         total += out.double()
     return total / calls
@@ -193,9 +196,12 @@ def test_stochastic_dither_is_reproducible_and_new_every_offset():
     q8.quantize_into(a, x, 128, "stochastic", 99)
     q8.quantize_into(b, x, 128, "stochastic", 99)
     q8.quantize_into(c, x, 128, "stochastic", 99 + 2**15)  # half a step apart
+    d = q8.new_message(x.numel(), 128, "cpu")
+    q8.quantize_into(d, x, 128, "stochastic", 99 + 2**20)  # the same offset, another shift
+    assert not torch.equal(a, d)
     assert torch.equal(a, b) and not torch.equal(a, c)
-    assert q8.dither_offset(1, 2, 3) == q8.dither_offset(1, 2, 3) != q8.dither_offset(1, 2, 4)
-    assert all(0 <= q8.dither_offset(k) < 2**16 for k in range(100))
+    assert q8.dither_key(1, 2, 3) == q8.dither_key(1, 2, 3) != q8.dither_key(1, 2, 4)
+    assert all(0 <= q8.dither_key(k) < 2**32 for k in range(100))
 
 
 @pytest.mark.quick

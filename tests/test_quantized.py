@@ -54,10 +54,20 @@ def _block_max(v: torch.Tensor, B: int) -> torch.Tensor:
     return _block_absmax(v, B)
 
 
-def oracle(contributions: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+STEP = {"nearest": 0.5, "stochastic": 1.0}
+"""The most one rounding errs, in steps (scales): to nearest, half a step; floor(r + u), u in [0, 1), one."""
+TYPICAL = {"nearest": 1 / 12, "stochastic": 1 / 6}
+"""Mean squared error of one rounding, in squared steps, for a fraction f uniform on [0, 1): f^2 .. to nearest
+averages 1/12; stochastically f (1 - f), averaging 1/6."""
+
+
+def oracle(
+    contributions: torch.Tensor, B: int, rounding: str = "stochastic"
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For contributions [n, m] reduced by the 8-bit all-reduce of n ranks (shard j of ceil(m/n) values owned by
     rank j, not quantized there): the exact mean (float64), the bound per value, and the typical squared error
     per value (uniform rounding)."""
+    step, typical_step = STEP[rounding], TYPICAL[rounding]
     n, m = contributions.shape
     x = contributions.double()
     mean = x.mean(dim=0)
@@ -68,18 +78,21 @@ def oracle(contributions: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Ten
         if lo >= hi:
             continue
         scales = [_block_absmax(x[i, lo:hi], B) / 127 for i in range(n) if i != j]
-        e1 = sum(sc / 2 for sc in scales) / n * (1 + 512 * U)
+        e1 = sum(sc * step for sc in scales) / n * (1 + 512 * U)
         add = n * U * x[:, lo:hi].abs().sum(dim=0) / n  # float32's additions and division
         reduced_scale = (_block_absmax(mean[lo:hi], B) + _block_max(e1 + add, B)) / 127
-        bound[lo:hi] = e1 + add + reduced_scale * (0.5 + 512 * U)
-        typical[lo:hi] = (sum(sc**2 for sc in scales) / n**2 + (_block_absmax(mean[lo:hi], B) / 127) ** 2) / 12
+        bound[lo:hi] = e1 + add + reduced_scale * (step + 512 * U)
+        reduced_typical = (_block_absmax(mean[lo:hi], B) / 127) ** 2
+        typical[lo:hi] = (sum(sc**2 for sc in scales) / n**2 + reduced_typical) * typical_step
     return mean, bound, typical
 
 
-def check_against_oracle(out: torch.Tensor, contributions: torch.Tensor, B: int, label: str) -> float:
+def check_against_oracle(
+    out: torch.Tensor, contributions: torch.Tensor, B: int, label: str, rounding: str = "stochastic"
+) -> float:
     """out within the bound of every value and, where blocks hold many values (a block of one value is sent
     exactly: q = +-127), its error at least a quarter of the typical one; returns the relative error."""
-    mean, bound, typical = oracle(contributions, B)
+    mean, bound, typical = oracle(contributions, B, rounding)
     error = (out.double() - mean).abs()
     worst = int(torch.argmax(error - bound))
     assert torch.all(error <= bound), (label, worst, float(error[worst]), float(bound[worst]))
@@ -210,23 +223,28 @@ def test_memory_traffic_is_what_the_cost_model_prices():
 SIZES = (3, 1, 389, 4099)  # d < N, d = 1, neither a multiple of N nor of B
 
 
-def _flat_worker(rank, N, B, stall_timeout):
+def _flat_worker(rank, N, B, stall_timeout, rounding):
     from cerar.quantized import quantized_all_reduce, quantized_bytes_sent
     from cerar.transport import CollectiveError
 
     results = {}
     for d in SIZES:
         x = heavy_tailed(rank, d)
-        stats = quantized_all_reduce(x, op="avg", timeout=30, block=B)
+        stats = quantized_all_reduce(x, op="avg", timeout=30, block=B, rounding=rounding)
         results[d] = (x, stats.bytes_sent, quantized_bytes_sent(d, N, B))
     strided = heavy_tailed(rank, 2 * 389).view(389, 2)[:, 0]  # not contiguous: written back in place
-    quantized_all_reduce(strided, op="sum", timeout=30, block=B)
+    quantized_all_reduce(strided, op="sum", timeout=30, block=B, rounding=rounding)
     results["sum, strided"] = strided.clone()
     try:  # rank 1 asks for another block size: refused on every rank, the field named
         quantized_all_reduce(torch.ones(10), op="avg", timeout=30, block=B + (rank == 1))
         results["disagreement"] = None
     except CollectiveError as error:
         results["disagreement"] = str(error)
+    try:  # rank 0 rounds the other way: another format, refused on every rank
+        quantized_all_reduce(torch.ones(10), timeout=30, block=B, rounding="nearest" if rank else "stochastic")
+        results["other rounding"] = None
+    except CollectiveError as error:
+        results["other rounding"] = str(error)
     if not stall_timeout:
         results["hook"] = _ddp_step(rank, B, None)
     if stall_timeout:  # the last rank stalls: every other rank raises within the timeout, naming it
@@ -236,29 +254,34 @@ def _flat_worker(rank, N, B, stall_timeout):
         else:
             start = time.monotonic()
             try:
-                quantized_all_reduce(torch.ones(389), op="avg", timeout=stall_timeout, block=B)  # agreed: to the rounds
+                quantized_all_reduce(
+                    torch.ones(389), timeout=stall_timeout, block=B, rounding=rounding
+                )  # agreed: rounds
                 results["stall"] = ("returned", 0.0)
             except CollectiveError as error:
                 results["stall"] = (str(error), time.monotonic() - start)
     return results
 
 
-@pytest.mark.parametrize(("contract", "N", "B"), [("gloo", 4, 16), ("nccl", 3, 128)])
-def test_flat_all_reduce_is_within_the_format_bound_and_the_same_on_every_rank(contract, N, B):
+@pytest.mark.parametrize(
+    ("contract", "N", "B", "rounding"), [("gloo", 4, 16, "stochastic"), ("nccl", 3, 128, "nearest")]
+)
+def test_flat_all_reduce_is_within_the_format_bound_and_the_same_on_every_rank(contract, N, B, rounding):
     stall = 1.5 if contract == "nccl" else 0.0
-    results = run_workers(_flat_worker, N, args=(B, stall), contract=contract, timeout_s=90)
+    results = run_workers(_flat_worker, N, args=(B, stall, rounding), contract=contract, timeout_s=90)
     for d in SIZES:
         outs = [r[d][0] for r in results]
         assert all(torch.equal(outs[0], o) for o in outs), (d, "ranks differ")
         contributions = torch.stack([heavy_tailed(r, d) for r in range(N)])
-        check_against_oracle(outs[0], contributions, B, f"{contract} N={N} d={d}")
+        check_against_oracle(outs[0], contributions, B, f"{contract} N={N} d={d}", rounding)
         s = math.ceil(d / N)
         assert all(r[d][1] == r[d][2] == 2 * (N - 1) * (s + 4 * math.ceil(s / B)) for r in results), d
         assert two_tier_features("int8", d, 1, N, block=B)[1] == results[0][d][1]  # the cost model's count
     strided = torch.stack([heavy_tailed(r, 2 * 389).view(389, 2)[:, 0] for r in range(N)])
-    check_against_oracle(results[0]["sum, strided"] / N, strided, B, "sum, strided")
+    check_against_oracle(results[0]["sum, strided"] / N, strided, B, "sum, strided", rounding)
     for r in results:
         assert "ranks disagree on block size B" in r["disagreement"], r["disagreement"]
+        assert "ranks disagree on format" in r["other rounding"], r["other rounding"]
     if not stall:  # the DDP hook on the same ranks
         grads = [r["hook"] for r in results]
         assert all(torch.equal(grads[0], g) for g in grads)
@@ -269,6 +292,52 @@ def test_flat_all_reduce_is_within_the_format_bound_and_the_same_on_every_rank(c
             message, seconds = r["stall"]
             assert f"rank {N - 1}" in message and "did not complete within the timeout" in message, message
             assert seconds < stall + 1.5, seconds
+
+
+def _repeated_worker(rank, N, calls, rounding):
+    """``calls`` all-reduces of the same contribution on every rank (data-parallel gradients correlate; here
+    they are equal): blocks of one 1.0 and 127 values of 0.002-0.0035, below half a step (1/254)."""
+    from cerar.quantized import quantized_all_reduce
+
+    g = torch.Generator().manual_seed(11)
+    x = 0.002 + 0.0015 * torch.rand(32 * 128, generator=g)
+    x[::128] = 1.0
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for _ in range(calls):
+        y = x.clone()
+        quantized_all_reduce(y, op="avg", timeout=30, block=128, rounding=rounding, seed=3)
+        total += y.double()
+    return x, total / calls
+
+
+@pytest.mark.parametrize("N", [2, 3])
+def test_identical_contributions_average_out_over_calls_with_stochastic_rounding(N):
+    """Issue 33: with every rank contributing the same values, nearest rounding loses a value beside one 127x
+    larger on every rank at every call, so the mean over calls keeps the error (a bias). Stochastic rounding's
+    mean over T calls converges to the true mean: per value, each of the two roundings is unbiased to
+    b = step (2^-16 + 2^-18 + 127 x 2^-23) (the dither's levels, float32's rounding of r + u and of r), the first
+    weighed (N-1)/N, and its spread within half a step each: sigma <= step/2 sqrt((N-1)/N^2 + 1) per call. Held
+    here: every block's mean error over its 127 small values within 2b + 5 sigma / sqrt(T 127), every value's
+    within 2b + 6 sigma / sqrt(T), step = (1 + 1/127) / 127 (the reduced block's absmax may exceed 1 by its
+    own error). Nearest fails the blocks' bound by far (over 5x): each small value decodes to 0."""
+    T = 40
+    step = (1 + 1 / 127) / 127
+    b = step * (2.0**-16 + 2.0**-18 + 127 * 2.0**-23)
+    sigma = step / 2 * math.sqrt((N - 1) / N**2 + 1)
+    for rounding in ("stochastic", "nearest"):
+        results = run_workers(_repeated_worker, N, args=(T, rounding), timeout_s=240)
+        x, mean = results[0]
+        assert all(torch.equal(mean, r[1]) for r in results)  # every rank, every call, the same bytes
+        small = torch.ones_like(x, dtype=torch.bool)
+        small[::128] = False
+        error = (mean - x.double())[small].view(-1, 127)
+        per_block, per_value = error.mean(dim=1).abs().max().item(), error.abs().max().item()
+        block_bound = 2 * b + 5 * sigma / math.sqrt(T * 127)
+        value_bound = 2 * b + 6 * sigma / math.sqrt(T)
+        if rounding == "stochastic":
+            assert per_block <= block_bound and per_value <= value_bound, (N, per_block, block_bound, per_value)
+        else:
+            assert per_block > 5 * block_bound, (N, per_block, block_bound)
 
 
 def _hierarchical_worker(rank, world_size, B, with_hook):

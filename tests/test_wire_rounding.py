@@ -90,3 +90,33 @@ def test_the_16_bit_defaults_are_admitted_where_the_codes_have_error_and_sit_nea
     default = total(cerar.default_kappa_max("float16"))
     assert default <= 1.15 * min(total(k) for k in (20.0, 32.0, 64.0, 100.0, 200.0))
     assert default < 0.5 * total(20.0)  # the bound-based default of before: 0.045 against 0.015
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_the_wire_writes_the_format_byte_for_byte(dtype):
+    """cerar.wire's encode (on a CPU its k is found on the host, issue 35) and its eager reference write what the
+    format says, computed here in float64: k = clamp(15 - e, +-126) where 2^(e-1) <= max|x| < 2^e (e = 0 for a
+    block of zeros), then x 2^k rounded once to the wire dtype (x 2^k is exact in float32 for these blocks, so
+    rounding it from float64 is rounding it from float32); blocks across float32's range, subnormal peaks,
+    zeros, values at fp16's largest; decoding gives back x~ = wire value x 2^-k."""
+    from cerar.wire import Wire
+
+    wire = Wire(dtype)
+    g = torch.Generator().manual_seed(5)
+    blocks = [torch.randn(40, generator=g) * 2.0**e for e in range(-120, 121, 7)]
+    blocks += [torch.zeros(7), torch.tensor([2.0**-149, 0.0, -(2.0**-149)]), torch.tensor([1e-40, 3e-41]),
+               torch.tensor([65504.0, -1.0]), torch.tensor([3e38, 1.0])]  # fmt: skip
+    for x in blocks:
+        peak = float(x.abs().max())
+        k = int(np.clip(15 - np.frexp(peak)[1], -126, 126))
+        want = torch.cat(
+            [torch.tensor([float(k)]).to(dtype), torch.from_numpy(np.ldexp(x.double().numpy(), k)).to(dtype)]
+        )
+        for encode in (wire.encode, wire.encode_eager):
+            got = wire.empty(x.numel(), x)
+            encode(x, got)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (dtype, peak, encode.__name__)
+        out = torch.empty_like(x)
+        wire.decode(want, out)
+        assert torch.equal(out.double(), torch.from_numpy(np.ldexp(want[1:].double().numpy(), -k))), (dtype, peak)
