@@ -40,9 +40,12 @@ def test_the_table_names_each_aggregators_worst_tensor_against_nccls_band(tmp_pa
     before, after = summary["before"]["fp16"], summary["after"]["fp16"]
     assert before["worst"] == "b" and before["rho"] == {"w": 2e-4, "b": 0.5}  # medians over the steps
     assert after["worst"] == "b" and after["rho"]["b"] == 2e-3 and before["whole"] == 1e-4
+    summary["before"]["int8"] = {**before, "final": {1: 3.96}}
     text = tensors_report.report(summary, ["=== T start; load: 1 2 3"])
+    assert "| before | int8 | 0.0001 | b | 0.5 | 1 of 2 | 3.9600 | -1.00 % |" in text  # below the band's bottom
     assert "4.0000 to 4.0200 over 2 seed(s)" in text
-    assert "| before | fp16 | 0.0001 | b | 0.5 | 1 of 2 | 4.1000 | +1.99 % |" in text
+    assert "| before | fp16 | 0.0001 | b | 0.5 | 1 of 2 | 4.1000 | +1.99 % |" in text  # above the band's top
+    assert "| after | nccl | 0 | - | 0 | 0 of 2 | 4.0000 | inside |" in text  # exact: no worst tensor
     assert "| after | fp16 | 0.0001 | b | 0.002 | 0 of 2 | 4.0100 | inside |" in text
     assert "=== T start; load: 1 2 3" in text
     assert tensors_report.figure(summary, tmp_path / "f.png").stat().st_size > 0

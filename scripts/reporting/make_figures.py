@@ -29,6 +29,8 @@ Figures (into ``reports/figures/``)
   (``scripts/reporting/costmodel/two_tier.py``);
 * ``aggregators_gap_vs_bytes.png``: the 1,500-step aggregators study under ``reports/runs/aggregators-1500/``
   (``scripts/reporting/aggregators_report.figure``);
+* ``tensors_error_to_noise.png``: each aggregator's error against each parameter tensor's noise, before and after
+  the per-tensor fixes (``reports/runs/tensors-1500/``; ``scripts/reporting/tensors_report.figure``);
 * ``time_to_loss_<setting>.png``: validation loss against wall clock per setting of the time-to-loss study
   (``reports/data/time_to_loss.csv``, ``reports/runs/time_to_loss/``; ``scripts/studies/ttl/report.figures``);
 * ``two_tier_lab_<where>_<rate>.png`` from ``reports/data/hierarchical_lab.csv``
@@ -299,7 +301,8 @@ def saving_vs_n(allreduce_csv: Path, out: Path, size_mb: float = 64.0, c_mult: i
 # --------------------------------------------------------------------------- main
 
 
-GROUPS = ["training", "allreduce", "design", "fidelity", "costmodel", "hierarchical", "aggregators", "time_to_loss"]
+GROUPS = ["training", "allreduce", "design", "fidelity", "costmodel", "hierarchical", "aggregators", "tensors",
+          "time_to_loss"]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -314,6 +317,7 @@ def main(argv=None) -> int:
     ap.add_argument("--hierarchical-csv", type=Path, default=ROOT / "reports" / "data" / "hierarchical_lab.csv")
     ap.add_argument("--hierarchical-runs-dir", type=Path, default=ROOT / "reports" / "runs" / "training_hierarchical")
     ap.add_argument("--aggregators-dir", type=Path, default=ROOT / "reports" / "runs" / "aggregators-1500")
+    ap.add_argument("--tensors-dir", type=Path, default=ROOT / "reports" / "runs" / "tensors-1500")
     ap.add_argument("--time-to-loss-csv", type=Path, default=ROOT / "reports" / "data" / "time_to_loss.csv")
     ap.add_argument("--time-to-loss-dir", type=Path, default=ROOT / "reports" / "runs" / "time_to_loss")
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "figures")
@@ -394,6 +398,14 @@ def main(argv=None) -> int:
             written.append(drawn)
         else:
             missing.append(f"aggregators study runs ({args.aggregators_dir})")
+    if "tensors" in groups:  # issue 33's per-tensor study (scripts/studies/run_fidelity.sh T to W)
+        from scripts.reporting import tensors_report
+
+        summary = tensors_report.summarise(args.tensors_dir)
+        if summary:
+            written.append(tensors_report.figure(summary, args.out / "tensors_error_to_noise.png"))
+        else:
+            missing.append(f"per-tensor study runs ({args.tensors_dir})")
     if "time_to_loss" in groups:  # issue 34's study (scripts/studies/time_to_loss.py), once it has rows
         from scripts.studies.ttl import report as time_to_loss
 

@@ -52,7 +52,7 @@ def summarise(runs_dir: Path) -> dict[str, dict[str, dict]]:
         for setting, runs in load_runs(runs_dir / phase).items():
             run = min(runs, key=lambda r: r["seed"])
             rho = tensor_medians(run)
-            worst = max(rho, key=rho.get) if rho else None
+            worst = max(rho, key=rho.get) if rho and max(rho.values()) > 0 else None  # exact: no worst tensor
             out.setdefault(phase, {})[setting] = {
                 "rho": rho,
                 "worst": worst,
@@ -63,10 +63,10 @@ def summarise(runs_dir: Path) -> dict[str, dict[str, dict]]:
 
 
 def load_lines(log: Path) -> list[str]:
-    """The study's start and end lines (halves T and U), with their load averages."""
+    """The study's start and end lines (halves T to W), with their load averages."""
     if not log.exists():
         return []
-    return [line for line in log.read_text().splitlines() if " half T " in line or " half U " in line]
+    return [line for line in log.read_text().splitlines() if any(f" half {h} " in line for h in "TUVW")]
 
 
 def figure(summary: dict, out: Path) -> Path:
@@ -86,7 +86,7 @@ def figure(summary: dict, out: Path) -> Path:
         ax.set_yscale("log")
         ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
         ax.set_title(f"{phase} the per-tensor fixes")
-        ax.set_ylabel("error / the tensor's noise (median over steps)")
+        ax.set_ylabel("error / noise, per tensor")
         ax.legend(fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -113,7 +113,7 @@ def report(summary: dict, loads: list[str]) -> str:
         "at the fidelity study's shape (N=4, corpus v2, seed 1), beside the whole gradient's error / noise "
         "that the autos used before. The autos now take a candidate only if every tensor's rho_t + 2 "
         f"standard errors is within the budget ({BUDGET:g}). Runs: `scripts/studies/run_fidelity.sh T` "
-        "(before, from a checkout of commit 7ab460a) and `U` (after); this page: "
+        "(before, from a checkout of commit 7ab460a) and `U`, `V`, `W` (after, side by side); this page: "
         "`scripts/reporting/tensors_report.py`. Figure: `figures/tensors_error_to_noise.png`.",
         "",
     ]
@@ -128,8 +128,9 @@ def report(summary: dict, loads: list[str]) -> str:
         for setting, v in sorted(summary.get(phase, {}).items()):
             final = v["final"].get(1)
             gap = ""
-            if band and final is not None:
-                gap = "inside" if band[0] <= final <= band[1] else f"{100 * (final - band[1]) / band[1]:+.2f} %"
+            if band and final is not None:  # the gap to the nearer edge of nccl's band
+                edge = min(max(final, band[0]), band[1])
+                gap = "inside" if final == edge else f"{100 * (final - edge) / edge:+.2f} %"
             over = sum(r > BUDGET for r in v["rho"].values())
             worst = v["worst"] or "-"
             lines.append(
