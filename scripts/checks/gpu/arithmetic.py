@@ -6,7 +6,11 @@
   own error (``judge.judge_coded``);
 - tf32: the same with TF32 switched on (``torch.set_float32_matmul_precision("high")``): inside
   ``cerar.full_fp32_products`` within the bound and the caller's settings restored; the unguarded
-  products reported next to it.
+  products reported next to it;
+- fused: ``cerar.fused`` (issue 35) compiled for the device (Triton on a GPU; on the CPU dry run
+  traced only, backend "eager"), every kernel switched on after ``enable``'s byte-for-byte check,
+  its bytes again equal to the eager reference's on 64 MiB of float32 (int8 quantize, nearest and
+  stochastic; the 16-bit wire's encode), and its time against a device copy of the same tensor.
 
 One device, no transfer: proves the device's arithmetic, nothing about NCCL. Expected time on one
 H200: about 20 s (two processes, each a few seconds of CUDA start-up)."""
@@ -14,7 +18,6 @@ H200: about 20 s (two processes, each a few seconds of CUDA start-up)."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from unittest import mock
 
 import torch
@@ -32,6 +35,8 @@ PROVES = {
     "oracle": "the device's encode/decode arithmetic gives every construction's exact-arithmetic result within "
     "float32's rounding bound",
     "tf32": "with TF32 switched on, CERAR's products still run in full float32 and the caller's settings come back",
+    "fused": "the fused int8 quantizer and 16-bit encode compile for the device, write the eager bytes, and run at "
+    "a measured multiple of a device copy",
 }
 
 
@@ -47,6 +52,7 @@ def cases(ctx: Context) -> list[Case]:
             {"device": ctx.device, "d": d, **({"N": 4, "c": 8} if ctx.small else {})},
             300,
         ),
+        Case(SECTION, "fused", "arithmetic:fused_kernels", {"device": ctx.device, "small": ctx.small}, 900),
     ]
 
 
@@ -99,9 +105,10 @@ def oracle_agreement(device: str, d: int, shapes, out: str) -> dict:  # noqa: AR
 def simulate_unguarded(G: torch.Tensor, code: cerar.Code) -> torch.Tensor:
     """``cerar.simulate`` without its TF32 guard: the products run under the process's own matmul
     settings, to measure what the guard prevents (``cerar.simulate`` always runs guarded)."""
-    simulate_module = sys.modules["cerar.simulate"]  # the module: the attribute ``cerar.simulate`` is the function
-    with mock.patch.object(simulate_module, "full_fp32_products", contextlib.nullcontext):
-        return simulate_module.simulate(G, code)
+    import cerar.oracle
+
+    with mock.patch.object(cerar.oracle, "full_fp32_products", contextlib.nullcontext):
+        return cerar.simulate(G, code)
 
 
 def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict:  # noqa: ARG001
@@ -109,17 +116,17 @@ def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict: 
     code = cerar.make_code(N, c, "perturbation")
     G = torch.randn(N, d, generator=torch.Generator().manual_seed(8))
     cpu_error = worst_error(cerar.simulate(G, code), G)
-    before = cerar.precision.matmul_precision_settings()
+    before = cerar.fp32_products.matmul_precision_settings()
     torch.set_float32_matmul_precision("high")  # TF32 on, as a model might want it
     try:
         unguarded = judge_coded(simulate_unguarded(G.to(device), code), G, code, torch.float32)
         with cerar.full_fp32_products(device):
-            inside = cerar.precision.matmul_precision_settings()
+            inside = cerar.fp32_products.matmul_precision_settings()
             guarded = judge_coded(cerar.simulate(G.to(device), code), G, code, torch.float32)
-        after = cerar.precision.matmul_precision_settings()
+        after = cerar.fp32_products.matmul_precision_settings()
     finally:
         torch.set_float32_matmul_precision(before[0] or "highest")
-    ok = guarded["ok"] and after == ("high", "tf32") and not cerar.precision.reduced_precision_allowed(inside)
+    ok = guarded["ok"] and after == ("high", "tf32") and not cerar.fp32_products.reduced_precision_allowed(inside)
     return {
         "N": N,
         "c": c,
@@ -133,6 +140,83 @@ def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict: 
         "bound": guarded["bound"],
         "restored": after == ("high", "tf32"),
         "status": PASS if ok else FAIL,
+    }
+
+
+def _timed(fn, device: torch.device, reps: int = 7) -> float:
+    """Median seconds of ``fn`` (CUDA events on a GPU, the thread's CPU time elsewhere), after one warm call."""
+    import statistics
+    import time
+
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.thread_time()
+            fn()
+            times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
+def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
+    from cerar import fused
+    from cerar import int8_blocks as q8
+    from cerar.wire import Wire
+
+    device = _device(device)
+    backend = "eager" if device.type == "cpu" and small else "inductor"
+    lines: list[str] = []
+    seconds = fused.enable(device, q8.DEFAULT_BLOCK, backend=backend, say=lines.append)
+    on = {name for name, kind, _ in fused.enabled() if kind == device.type}
+    n = 2**16 if small else 2**24  # 64 MiB of float32 on a GPU
+    B = q8.DEFAULT_BLOCK
+    g = torch.Generator().manual_seed(35)
+    x = torch.randn(n, generator=g) * torch.exp(3 * torch.randn(n // B, generator=g)).repeat_interleave(B)
+    x[:B] = 0.0
+    x[B : 2 * B] *= 1e-40 / x[B : 2 * B].abs().max()  # a subnormal scale
+    x = x.to(device)
+    y = torch.empty_like(x)
+    copy_s = _timed(lambda: y.copy_(x), device)
+    rows = []
+    for rounding in ("nearest", "stochastic"):
+        got, want = q8.new_message(n, B, device), q8.new_message(n, B, device)
+        q8.quantize_into(got, x, B, rounding, 12345)
+        q8.quantize_eager(want, x, B, rounding, 12345)
+        equal = bool(torch.equal(got, want))
+        rows.append({
+            "kernel": f"int8 quantize, {rounding}", "on": f"quantize_{rounding}" in on, "equal": equal,
+            "fused": _timed(lambda got=got, r=rounding: q8.quantize_into(got, x, B, r, 7), device) / copy_s,
+            "eager": _timed(lambda want=want, r=rounding: q8.quantize_eager(want, x, B, r, 7), device) / copy_s,
+        })  # fmt: skip
+    for dtype in ("float16", "bfloat16"):
+        wire = Wire(dtype)
+        got, want = wire.empty(n, x), wire.empty(n, x)
+        wire.encode(x, got)
+        wire.encode_eager(x, want)
+        rows.append({
+            "kernel": f"wire encode, {dtype}", "on": "wire_encode" in on,
+            "equal": bool(torch.equal(got.view(torch.int16), want.view(torch.int16))),
+            "fused": _timed(lambda w=wire, got=got: w.encode(x, got), device) / copy_s,
+            "eager": _timed(lambda w=wire, want=want: w.encode_eager(x, want), device) / copy_s,
+        })  # fmt: skip
+    fused.disable()
+    ok = all(r["on"] and r["equal"] for r in rows)
+    return {
+        "status": PASS if ok else FAIL,
+        "backend": backend,
+        "values": n,
+        "copy_s": copy_s,
+        "copy_gbps": 8 * n / copy_s / 1e9,
+        "compile_s": seconds,
+        "log": lines,
+        "rows": rows,
     }
 
 
@@ -175,6 +259,22 @@ def report(results) -> list[str]:
                 "| --- | --- | --- | --- | --- |",
                 f"| {v['cpu_error']:.2e} | {v['unguarded']:.2e} ({v['unguarded_deviation']:.1e}) "
                 f"| {v['guarded']:.2e} ({v['guarded_deviation']:.1e}) | {v['restored']} | {v['status']} |",
+                "",
+            ]
+        if r.case.name == "fused" and "rows" in v:
+            compiled = ", ".join(f"{k} {s:.1f} s" for k, s in v["compile_s"].items()) or "nothing compiled"
+            lines += [
+                f"**fused** (`cerar.fused`, torch.compile backend {v['backend']}; {compiled}): {v['values']} float32 "
+                f"values; a device copy of them took {1e3 * v['copy_s']:.3f} ms ({v['copy_gbps']:.0f} GB/s counting "
+                "4 bytes read and 4 written per value). Times as multiples of that copy; bytes compared with the "
+                "eager reference's.",
+                "",
+                "| kernel | switched on | bytes equal | fused x copy | eager x copy |",
+                "| --- | --- | --- | --- | --- |",
+                *(
+                    f"| {row['kernel']} | {row['on']} | {row['equal']} | {row['fused']:.2f} | {row['eager']:.2f} |"
+                    for row in v["rows"]
+                ),
                 "",
             ]
     return lines
