@@ -196,7 +196,7 @@ FAULTS = [
     ),
     Fault(
         name="tf32-guard-dropped",
-        file="cerar/simulate.py",
+        file="cerar/oracle.py",
         original="    with torch.no_grad(), full_fp32_products(G.device):",
         replacement="    with torch.no_grad():",
         tests=("tests/test_tf32.py::test_the_guard_keeps_tf32_out_of_cerars_products_when_the_process_allows_it",),
@@ -499,8 +499,8 @@ FAULTS = [
     Fault(
         name="cast-one-scale-flat",
         file="train/aggregation.py",
-        original="        sizes = [flat.numel()] if scales is not None else self.segments(flat)\n",
-        replacement="        sizes = [flat.numel()]\n",
+        original="        sizes = [flat.numel()] if scales is not None else self.segments(flat)\n        stats = cast_all_reduce(",
+        replacement="        sizes = [flat.numel()]\n        stats = cast_all_reduce(",
         tests=("tests/test_low_precision.py -k errs_within",),
         why="aggregator=fp16 scales the whole gradient by one power of two: a tensor 1e-10 below the largest underflows",
         quick=True,
