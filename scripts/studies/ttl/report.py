@@ -36,6 +36,9 @@ TARGET = 1.10
 """Issue 34: on the flat lab at tiny, auto reaches nccl's loss in at most 1.10x the time of the fastest fixed
 aggregator that ends inside nccl's seed band."""
 PROBE_CSV = ROOT / "reports" / "data" / "probe_under_load.csv"
+LOAD_MIX = 1.5
+"""A run whose load (the mean of its 1-minute load at start and end) is more than this many times nccl's at the
+same seed, or less than its inverse, has its wall ratio marked: the ratio mixes the aggregator with the load."""
 
 
 def _f(x) -> float | None:
@@ -98,6 +101,7 @@ def summarize(rows: list[dict], folder: Path | None = None) -> dict:
                 one["gap"] = _ratio(r["final_val_loss"], base["final_val_loss"])
                 one["gap"] = None if one["gap"] is None else one["gap"] - 1
                 one["ttt"] = _ratio(r["time_to_target_s"], base["time_to_target_s"])
+                one["load"] = _ratio(_load1(r), _load1(base))  # this run's load over nccl's, both at their start
             per_seed.append(one)
         gaps = [s["gap"] for s in per_seed]
         inside = None if band is None or any(g is None for g in gaps) else all(g <= band + 1e-12 for g in gaps)
@@ -109,10 +113,17 @@ def summarize(rows: list[dict], folder: Path | None = None) -> dict:
             "loss": _mean(_f(s["row"]["final_val_loss"]) for s in per_seed),
             "bytes": _mean(_f(s["row"]["bytes_per_step"]) for s in per_seed),
             "agg_s": _mean(s["agg_s"] for s in per_seed), "agg_ratio": _mean(s["agg_ratio"] for s in per_seed),
+            "load": _mean(s.get("load") for s in per_seed),
             "chosen": "; ".join(dict.fromkeys(s["row"]["chosen"] for s in per_seed if s["row"]["chosen"])),
             "fallback": any(s["row"]["chosen"].startswith("fallback") for s in per_seed),
         }  # fmt: skip
     return {"band": band, "nccl_losses": losses, "aggregators": out}
+
+
+def _load1(row: dict) -> float | None:
+    """A row's 1-minute load at the run's start and end, averaged (None when not recorded)."""
+    values = [_f(row[k].split()[0]) for k in ("load_before", "load_after") if row.get(k, "").strip()]
+    return _mean(values)
 
 
 def _ratio(a, b) -> float | None:
@@ -381,7 +392,9 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
                               for s in a["seeds"] if s["row"]["load_before"])  # fmt: skip
             inside = {None: "-", True: "yes", False: "**no**"}[a["inside"]]
             ttt = _x(a["ttt"]) if a["reached"] else "never (at some seed)"
-            lines.append(f"| {name} | {len(a['seeds'])} | {a['chosen'] or '-'} | {_x(a['wall'])} | {_x(a['steps'])} | "
+            wall = _x(a["wall"]) + (f" (at {a['load']:.1f}x nccl's load)" if a["load"] and not
+                                    1 / LOAD_MIX < a["load"] < LOAD_MIX else "")  # fmt: skip
+            lines.append(f"| {name} | {len(a['seeds'])} | {a['chosen'] or '-'} | {wall} | {_x(a['steps'])} | "
                          f"{_x(a['loss'], 4)} | {_pct(a['gap'])} | {inside} | {ttt} | {_x(a['share'], 3)} | "
                          f"{_x(a['agg_s'])} ({_x(a['agg_ratio'])}) | {_mb(a['bytes'])} | {loads} |")  # fmt: skip
         loads = [_f(r[k].split()[0]) for r in srows for k in ("load_before", "load_after") if r[k].strip()]
