@@ -9,17 +9,17 @@ reference: every kernel computes the same float32 operations in the same order (
 semantics: no fast-math, no contraction into fused multiply-adds), so the bytes are the same, and
 ``enable`` checks that on a sample before it switches a kernel on.
 
-Compiling is not free: about a minute per kernel set on a small, busy CPU the first time (inductor's C++
-build), a few seconds per kernel from its cache afterwards (``TORCHINDUCTOR_CACHE_DIR``, shared by the
-ranks of a machine and kept across runs). So nothing compiles inside a collective: a rank that compiled
-there would hold its peers past their round deadlines. A caller enables the kernels before its first
-collective (``enable``: it says, in one logged line, what it compiles and why it may take a minute; the
-trainer's warm-up, or a script's set-up), and until then, or where compiling fails (no C++ compiler, no
-Triton), every call takes the eager path, after one logged line saying so. Shapes are dynamic
-(``dynamic=True``): the number of blocks is symbolic, so DDP's buckets of many sizes share one compiled
-kernel; the block size B is a constant of the kernel. Calls below ``MIN_VALUES`` values stay eager (a
-compiled call's overhead is tens of microseconds). ``CERAR_FUSED=0`` in the environment keeps everything
-eager (``enable`` then returns at once, saying so).
+Compiling is not free: on this 2-core machine the three kernels took 76 s the first time at load 10 and 519
+s at load 30-37 (inductor's C++ build), 11-92 s from its cache afterwards at load 10-40
+(``TORCHINDUCTOR_CACHE_DIR``, shared by the ranks of a machine and kept across runs). So nothing compiles
+inside a collective: a rank that compiled there would hold its peers past their round deadlines. A caller
+enables the kernels before its first collective (``enable``: it says, in one logged line, what it compiles
+and why it may take minutes; the trainer's warm-up, or a script's set-up), and until then, or where
+compiling fails (no C++ compiler, no Triton), every call takes the eager path, after one logged line saying
+so. Shapes are dynamic (``dynamic=True``): the number of blocks is symbolic, so DDP's buckets of many sizes
+share one compiled kernel; the block size B is a constant of the kernel. Calls below ``MIN_VALUES`` values
+stay eager (a compiled call's overhead is tens of microseconds). ``CERAR_FUSED=0`` in the environment keeps
+everything eager (``enable`` then returns at once, saying so).
 
 Measured (``scripts/bench/bench_arithmetic.py``, ``reports/arithmetic.md``): the decision to fuse each
 operation, or to keep it eager, is made there from the ratios against a copy.
@@ -215,8 +215,8 @@ def enable(
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the default inductor cache")
     say(
         f"cerar.fused: compiling {len(todo)} fused kernels ({', '.join(todo)}) for {device.type}, B={block}, "
-        f"with torch.compile ({backend}): up to a minute or two on a small CPU the first time, seconds once cached "
-        f"in {cache}"
+        f"with torch.compile ({backend}): on a small busy CPU minutes the first time (76-519 s measured on 2 cores "
+        f"at load 10-35), seconds once cached in {cache}"
     )
     seconds = {}
     for name in todo:

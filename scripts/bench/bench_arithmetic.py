@@ -29,6 +29,7 @@ recorded in the report. Writes reports/arithmetic.md and reports/data/arithmetic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import platform
@@ -237,11 +238,13 @@ def cerar_call(d: int, N: int, c: int, transport: str | None):
 
 def cerar_cases(n: int) -> tuple[list[Case], dict]:
     cases, rounds = [], {}
+    wire_fused = any(name == "wire_encode" for name, _, _ in fused.enabled())
     for transport in (None, "float16"):
         run, L = cerar_call(n, 4, 8, transport)
         label = f"one call, N=4 c=8, {transport or 'float32'} messages"
         rounds[label] = L
-        cases.append(Case("cerar", label, "eager", run, bytes_per_value=None, note=f"{L} rounds"))
+        variant = "eager, fused encode" if transport and wire_fused else "eager"
+        cases.append(Case("cerar", label, variant, run, bytes_per_value=None, note=f"{L} rounds"))
     return cases, rounds
 
 
@@ -254,17 +257,32 @@ def ring_cases(n: int) -> list[Case]:
     ]
 
 
-def host_seconds_per_round(transport: str | None, reps: int = 30) -> float:
+def host_seconds_per_round(reps: int = 30) -> dict[str, float]:
     """Seconds per round of one rank's CERAR arithmetic at d = 16 c (c = 8) (the tensors are tiny: the host's
-    Python and dispatch time)."""
-    run, L = cerar_call(16 * 8, 4, 8, transport)
-    run()
-    times = []
+    Python and dispatch time), over float32 and float16 messages, and over float16 with the wire's k kept in
+    tensors (``encode_eager`` and the decode before issue 35: eight small tensor operations a message); the
+    three interleaved."""
+    from unittest import mock
+
+    variants = {
+        "float32 messages": (cerar_call(16 * 8, 4, 8, None), False),
+        "float16 messages": (cerar_call(16 * 8, 4, 8, "float16"), False),
+        "float16 messages, k in tensors (before)": (cerar_call(16 * 8, 4, 8, "float16"), True),
+    }
+    times = {name: [] for name in variants}
     for _ in range(reps):
-        t0 = time.thread_time()
-        run()
-        times.append(time.thread_time() - t0)
-    return statistics.median(times) / L
+        for name, ((run, L), before) in variants.items():
+            with (
+                mock.patch.object(Wire, "_encode_host", staticmethod(lambda b, o: encode_before(b, o))) if before
+                else contextlib.nullcontext(),
+                mock.patch.object(Wire, "decode", lambda self, m, o: decode_before(m, o)) if before
+                else contextlib.nullcontext(),
+            ):  # fmt: skip
+                run()
+                t0 = time.thread_time()
+                run()
+                times[name].append((time.thread_time() - t0) / L)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,7 +359,7 @@ def main() -> None:
     cases += more + ring_cases(n)
     with torch.no_grad():
         rows, copy_ms = measure(cases, n, args.reps)
-        host = {t or "float32": host_seconds_per_round(t) for t in (None, "float16")}
+        host = host_seconds_per_round()
     load_after = os.getloadavg()
 
     copy_gpu_us = 8 * n / (args.hbm_tbps * 1e12) * 1e6
@@ -409,7 +427,7 @@ def write_md(args, table, n, copy_ms, copy_gpu_us, before, after, compile_second
         + "; ".join(f"{k}: {v} rounds" for k, v in rounds.items())
         + ". Per round, divide the ratio by the rounds. Host time per round (Python and dispatch, measured at "
         "d = 128 where the arithmetic is nothing): "
-        + ", ".join(f"{k} messages {1e6 * v:.0f} us" for k, v in host.items())
+        + ", ".join(f"{k} {1e6 * v:.0f} us" for k, v in host.items())
         + ".",
         "",
     ]
