@@ -42,9 +42,10 @@ from train.distributed import watchdog_timeout_s
 T_S = 3.0  # trainer.collective_timeout_s: the trainer's deadline
 WATCHDOG_S = watchdog_timeout_s(T_S)  # the NCCL groups' own timeout (torch's watchdog): 3T
 HOST_S = 2 * T_S  # the host watchdog's deadline for a collective (train.watchdog.Deadlines.collective): T + T
+PHASE_S = 4 * T_S  # its deadline between collectives (Deadlines.step_s)
 SLACK_S = 6.0  # the rest of a step before the survivors reach the stuck collective, and the abort, on a loaded host
 PEERS_S = 5.0  # the host watchdog's look-up of the missing peers, at most (train.watchdog._peers_within)
-LAUNCH_S = {"poll": 240, "host": 60}  # the launches' limits: a case the host watchdog ends that hangs fails at 60 s
+LAUNCH_S = {"poll": 240, "host": 240}  # each launch's limit, its start-up included (over 200 s at a load of 30)
 STALL_STEP = 2
 JOB = [
     "model=tiny",
@@ -274,7 +275,7 @@ def _launch(case, cache, tmp):
         results = f"{type(error).__name__}: {str(error)[-2000:]}"
     ended = time.time()
     stalled = float(store.get("stalled_at").decode()) if store.check(["stalled_at"]) else None
-    lines = {r: store.get(f"line/{r}").decode() for r in survivors if store.check([f"line/{r}"])}
+    lines = {r: store.get(f"line/{r}").decode() for r in range(world) if store.check([f"line/{r}"])}
     fired = {r: store.get(f"{WATCHDOG_KEY}{r}").decode() for r in survivors if store.check([f"{WATCHDOG_KEY}{r}"])}
     return results, stalled, ended, fired, lines
 
@@ -296,27 +297,29 @@ def stalls(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)  # the module fixture: 27 launches, three at a time; 415 s at a load average of 26
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_watchdog(stalls, case):
     world, _, phase, operation = CASES[case]
     victim, ender = victim_of(case), ENDED_BY.get(case, "poll")
     results, stalled, ended, fired, lines = stalls[case]
     survivors = [r for r in range(world) if r != victim]
-    assert stalled is not None, f"rank {victim} never entered phase {phase!r}"
     assert not isinstance(results, str), results  # the launch itself failed: hung to its limit, or an error
+    assert stalled is not None, (f"rank {victim} never entered phase {phase!r}", results, lines)
     assert not fired, f"the emulated watchdog fired first: {fired}"
     assert [results[r] for r in survivors] == [ProcessExit(3)] * len(survivors), results
-    bound = T_S + SLACK_S if ender == "poll" else HOST_S + SLACK_S + PEERS_S
-    assert ended - stalled < bound, (ended - stalled, bound)
+    in_phase = any(" in phase '" in line for line in lines.values())  # held between collectives: the phase's 4T
+    bound = T_S + SLACK_S if ender == "poll" else (PHASE_S if in_phase else HOST_S) + SLACK_S + PEERS_S
+    assert ended - stalled < bound, (ended - stalled, bound, lines)
     for r in survivors:
         line = lines[r]
         by_host = line.startswith(f"error: host watchdog: rank {r} held ")
         assert by_host == (ender == "host") or ender == "any", (ender, line)
         if by_host:  # the collective it was held in (or, between collectives, its phase) and past which deadline
             where = HOST_PHASE.get(case, phase)
-            assert f"collective '{operation}" in line or f"in phase '{where}'" in line, line
-            assert f"(phase: {where})" in line and f"past its deadline of {HOST_S:g}s" in line, line
+            held = f"collective '{operation}" in line and f"past its deadline of {HOST_S:g}s" in line
+            held = held or f"in phase '{where}'" in line and f"past its deadline of {PHASE_S:g}s" in line
+            assert held and f"(phase: {where})" in line, line
             peers = line.split("past its deadline", 1)[1]
         else:
             assert line.startswith(f"error: collective '{operation}") and f"failed on rank {r} " in line, line

@@ -46,9 +46,12 @@ class Deadlines:
       (2T for the trainer's own deadline): the poll ends a stall at T with its better line; the host watchdog ends
       what the poll cannot see (a connect or a split inside the call, a host read), T later, and T before torch's
       watchdog (the NCCL groups' timeout, 3T) would time the work out;
-    - a phase of a step (data, forward, backward, aggregation, optimizer, the checks, logging, drift, resync,
-      and the interval after each): 2T; a phase waits for no peer longer than its collectives' T;
-    - evaluation: 2T per micro-batch it may run (``trainer.eval_batches`` x N: replicas that differ each evaluate
+    - a phase of a step, or of the start-up, between its collectives (data, forward, backward, the checks,
+      aggregation, optimizer, logging, drift, resync, and the interval after each; building the aggregator's codes):
+      4T, twice a collective's: there the host waits for no peer (every collective it made has been waited for, so
+      no work of it is left for torch's watchdog to time), and the deadline only ends a rank whose own work hangs,
+      with room for a slow but live one;
+    - evaluation: 4T per micro-batch it may run (``trainer.eval_batches`` x N: replicas that differ each evaluate
       the whole set);
     - a checkpoint, and reading one at start: ``checkpoint.write_timeout_s`` + T (the others wait that long for it);
     - creating the process group: the group's own timeout + T (its rendezvous waits that long for late ranks);
@@ -67,7 +70,7 @@ class Deadlines:
 
         T = float(self.T)
         self.collective_s = 2 * T
-        self.step_s = 2 * T
+        self.step_s = 4 * T
         self.exit_s = ABORT_WAIT_S + 10.0
         self.phases = {
             "start-up: process group": self.group_timeout_s + T,
@@ -76,7 +79,7 @@ class Deadlines:
             "start-up: logger": None,
             "end: closing the logger": None,
             "start-up: reading the checkpoint": self.write_timeout_s + T,
-            "eval": 2 * T * max(1, self.eval_micro_batches),
+            "eval": 4 * T * max(1, self.eval_micro_batches),
             "checkpoint": self.write_timeout_s + T,
             "exit after a collective failure": self.exit_s,
         }
@@ -93,7 +96,7 @@ class Deadlines:
         )
 
     def phase(self, name: str) -> float | None:
-        """A phase's deadline (None: not watched); any phase not named above is a phase of a step (2T)."""
+        """A phase's deadline (None: not watched); any phase not named above is a phase of a step (4T)."""
         return self.phases.get(name, self.step_s)
 
     def collective(self, poll_timeout_s: float | None = None) -> float:
