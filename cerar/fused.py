@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -194,12 +195,13 @@ def enable(
     device="cpu", block: int = q8.DEFAULT_BLOCK, kernels=KERNELS, *, say=None, backend: str = "inductor"
 ) -> dict[str, float]:
     """Compile ``kernels`` for ``device`` and block size ``block``, check each against its eager reference
-    and switch it on; returns the seconds each took (0 for one already on). Call it before the first
-    collective (module docstring). A kernel that fails to compile or to match stays eager, said in one
-    line. ``say``: where the lines go (default: this module's logger at INFO, warnings at WARNING).
-    ``backend``: torch.compile's; "eager" traces the kernels with dynamo but runs torch's own operations,
-    in seconds, which the tests use to check the kernels' arithmetic and the dispatch without a C++ build."""
-    say = say or log.info
+        and switch it on; returns the seconds each took (0 for one already on). Call it before the first
+        collective (module docstring). A kernel that fails to compile or to match stays eager, said in one
+        line. ``say``: where the lines go (default: this module's logger at INFO where logging shows it, else
+    stderr; a kernel left eager is also logged at WARNING).
+        ``backend``: torch.compile's; "eager" traces the kernels with dynamo but runs torch's own operations,
+        in seconds, which the tests use to check the kernels' arithmetic and the dispatch without a C++ build."""
+    say = say or _announce
     device = torch.device(device)
     ok, why = available()
     if not ok:
@@ -236,6 +238,15 @@ def enable(
         + ", ".join(f"{k} {'on' if _on(k, device, block) else 'eager'} ({v:.1f} s)" for k, v in seconds.items())
     )
     return seconds
+
+
+def _announce(line: str) -> None:
+    """A line the user must see before a wait of minutes: to this module's logger at INFO where logging is set
+    up to show it, else to stderr (Python's default handler would drop an INFO line)."""
+    if log.isEnabledFor(logging.INFO) and (log.handlers or logging.getLogger().handlers):
+        log.info(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def _on(name: str, device, block: int) -> bool:
