@@ -26,7 +26,7 @@ Public API:
 
 from cerar.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, Code, make_code
 from cerar.equilibrate import agreed_scales, apply_scales, cast_all_reduce, equilibrated
-from cerar.precision import PrecisionError, full_fp32_products
+from cerar.fp32_products import PrecisionError, full_fp32_products
 from cerar.protocol import PROTOCOL_VERSION, AllReduceStats, all_reduce, ring_all_reduce
 from cerar.quantized import quantized_all_reduce
 from cerar.simulate import simulate

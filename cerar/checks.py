@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from cerar.codes import Code
-from cerar.matrices import check_transport_dtype
+from cerar.precision import check_transport_dtype
 from cerar.rounds import check_storage
 from cerar.transport import CollectiveError, _Ring
 from cerar.wire import transport_dtype, transport_name

@@ -20,18 +20,8 @@ import numpy as np
 import torch
 
 from cerar.codes import Code, real_to_points
-from cerar.precision import check_admissible
 
 TRANSPORT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
-
-
-def check_transport_dtype(dtype: torch.dtype, code: Code, name: str = "tensor", wire=None) -> None:
-    """Refuse dtypes the protocol cannot carry: integers always, and a 16-bit tensor (all arithmetic
-    16-bit) or 16-bit messages (``wire``) where the code's rounding there would exceed its own error
-    (``cerar.precision.check_admissible``, the derived rule)."""
-    if dtype not in TRANSPORT_DTYPES:
-        raise ValueError(f"{name} must be a floating-point tensor (float32 or float64), got dtype {dtype}")
-    check_admissible(code, dtype, wire, what=name)
 
 
 def encoder_inverse(code: Code, i: int) -> np.ndarray:

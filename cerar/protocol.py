@@ -33,8 +33,8 @@ import torch
 
 from cerar.checks import _check_op, _check_tensor, check_agreement, check_coded_call, check_transport
 from cerar.codes import Code
+from cerar.fp32_products import check_no_tf32_override, full_fp32_products
 from cerar.matrices import device_matrices
-from cerar.precision import check_no_tf32_override, full_fp32_products
 from cerar.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer
 from cerar.transport import _bytes, _Ring, _Rounds
 from cerar.wire import transport_name, wire_for

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cerar
-from cerar.precision import (
+from cerar.fp32_products import (
     TF32_OVERRIDE_VARIABLE,
     PrecisionError,
     check_no_tf32_override,

@@ -18,7 +18,6 @@ H200: about 20 s (two processes, each a few seconds of CUDA start-up)."""
 from __future__ import annotations
 
 import contextlib
-import sys
 from unittest import mock
 
 import torch
@@ -106,9 +105,10 @@ def oracle_agreement(device: str, d: int, shapes, out: str) -> dict:  # noqa: AR
 def simulate_unguarded(G: torch.Tensor, code: cerar.Code) -> torch.Tensor:
     """``cerar.simulate`` without its TF32 guard: the products run under the process's own matmul
     settings, to measure what the guard prevents (``cerar.simulate`` always runs guarded)."""
-    simulate_module = sys.modules["cerar.simulate"]  # the module: the attribute ``cerar.simulate`` is the function
-    with mock.patch.object(simulate_module, "full_fp32_products", contextlib.nullcontext):
-        return simulate_module.simulate(G, code)
+    import cerar.oracle
+
+    with mock.patch.object(cerar.oracle, "full_fp32_products", contextlib.nullcontext):
+        return cerar.simulate(G, code)
 
 
 def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict:  # noqa: ARG001
@@ -116,17 +116,17 @@ def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict: 
     code = cerar.make_code(N, c, "perturbation")
     G = torch.randn(N, d, generator=torch.Generator().manual_seed(8))
     cpu_error = worst_error(cerar.simulate(G, code), G)
-    before = cerar.precision.matmul_precision_settings()
+    before = cerar.fp32_products.matmul_precision_settings()
     torch.set_float32_matmul_precision("high")  # TF32 on, as a model might want it
     try:
         unguarded = judge_coded(simulate_unguarded(G.to(device), code), G, code, torch.float32)
         with cerar.full_fp32_products(device):
-            inside = cerar.precision.matmul_precision_settings()
+            inside = cerar.fp32_products.matmul_precision_settings()
             guarded = judge_coded(cerar.simulate(G.to(device), code), G, code, torch.float32)
-        after = cerar.precision.matmul_precision_settings()
+        after = cerar.fp32_products.matmul_precision_settings()
     finally:
         torch.set_float32_matmul_precision(before[0] or "highest")
-    ok = guarded["ok"] and after == ("high", "tf32") and not cerar.precision.reduced_precision_allowed(inside)
+    ok = guarded["ok"] and after == ("high", "tf32") and not cerar.fp32_products.reduced_precision_allowed(inside)
     return {
         "N": N,
         "c": c,
