@@ -268,10 +268,14 @@ def quantize_into(
     how), through the fused kernel of ``cerar.fused`` when it is enabled for x's device and s is large enough
     to pay for a call, else eagerly; the bytes are the same either way. ``offset``: the message's dither
     key (``dither_key``), read only with ``rounding="stochastic"``."""
-    from cerar import fused
-
-    if not fused.quantize(message, x, block, rounding, offset):
+    if FUSED_QUANTIZE is None or not FUSED_QUANTIZE(message, x, block, rounding, offset):
         quantize_eager(message, x, block, rounding, offset)
+
+
+FUSED_QUANTIZE = None
+"""The fused quantizer's dispatch, put here by ``cerar.fused`` when it is imported (the kernels depend on this
+format, never the other way): (message, x, block, rounding, offset) -> True when a fused kernel enabled for x's
+device wrote the message; None, or False, and the eager path writes it."""
 
 
 def dequantize(message: torch.Tensor, s: int, block: int, out: torch.Tensor, *, add: bool = False) -> None:

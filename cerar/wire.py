@@ -35,6 +35,11 @@ import torch
 
 from cerar.closed_forms import DEFAULT_KAPPA_MAX
 
+FUSED_ENCODE = None
+"""The fused encoder's dispatch, put here by ``cerar.fused`` when it is imported (the kernel depends on this
+wire, never the other way): (block, out) -> True when a kernel enabled for the block's device wrote the message;
+None, or False, and ``Wire.encode`` writes it."""
+
 TRANSPORTS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 """The wire dtypes, by the names the trainer's config and the agreement check use."""
 
@@ -110,9 +115,7 @@ class Wire:
         """out = [k, block 2^k cast to the wire dtype], k = T - e where the block's largest magnitude
         lies in [2^(e-1), 2^e) (``TARGET_EXPONENT``), clamped to +-126. No host synchronisation. Through
         the fused kernel of ``cerar.fused`` when it is enabled (the same bytes), else ``encode_eager``."""
-        from cerar import fused
-
-        if fused.wire_encode(block, out):
+        if FUSED_ENCODE is not None and FUSED_ENCODE(block, out):
             return
         if block.device.type == "cpu":
             self._encode_host(block, out)

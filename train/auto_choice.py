@@ -113,8 +113,6 @@ def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
     return {cand.name: cand for cand in pool}
 
 
-
-
 def fastest_within(seconds: dict[str, float], bound: dict[str, float], allowed: float) -> str:
     """The candidate with the fewest predicted seconds whose error bound is at most `allowed` (ties: the smaller
     bound, then the name); when none fits, the one with the smallest bound. A non-finite bound never fits."""

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from train import checkpoint as ckpt
 from train import watchdog
-from train.aggregation import build_aggregator
+from train.build_aggregator import build_aggregator
 from train.config import (
     ConfigError,
     code_fingerprint,

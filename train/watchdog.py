@@ -33,6 +33,16 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+RUN = {
+    "abort_wait_s": 10.0,
+    "step": lambda: 0,
+    "peers": lambda: "peers: unknown",
+    "fail": None,
+}
+"""What the watchdog asks of the run it watches, put here by `train.distributed` when it is imported (it imports this
+module, never the other way): the exit path's own bound, the step, which peers never joined, and the way out
+(`exit_after_collective_failure`, looked up when it fires: tests record the line there)."""
+
 
 class HostWatchdogError(RuntimeError):
     """The main thread held a phase past its deadline: the message is the line the process exits with."""
@@ -66,12 +76,10 @@ class Deadlines:
     phases: dict[str, float | None] = field(init=False)
 
     def __post_init__(self):
-        from train.distributed import ABORT_WAIT_S
-
         T = float(self.T)
         self.collective_s = 2 * T
         self.step_s = 4 * T
-        self.exit_s = ABORT_WAIT_S + 10.0
+        self.exit_s = RUN["abort_wait_s"] + 10.0
         self.phases = {
             "start-up: process group": self.group_timeout_s + T,
             "start-up: data": None,
@@ -146,15 +154,13 @@ class HostWatchdog:
             self._fire(name, kind, time.monotonic() - since, deadline, phase)
 
     def _fire(self, name: str, kind: str, held_s: float, deadline_s: float, phase: str) -> None:
-        from train import distributed
-
         what = f"collective '{name}'" if kind == "collective" else f"phase '{name}'"
         error = HostWatchdogError(
-            f"host watchdog: rank {self.rank} held {held_s:.1f}s in {what} at step {distributed.current_step()} "
+            f"host watchdog: rank {self.rank} held {held_s:.1f}s in {what} at step {RUN['step']()} "
             f"(phase: {phase}), past its deadline of {deadline_s:g}s (T = trainer.collective_timeout_s = "
             f"{self.deadlines.T:g}s; docs/failures.md): {_peers_within(5.0)}"
         )
-        distributed.exit_after_collective_failure(error, code=3)  # looked up now: tests record the line there
+        RUN["fail"](error, 3)
 
     def start(self) -> None:
         self._thread.start()
@@ -163,13 +169,11 @@ class HostWatchdog:
 def _peers_within(seconds: float) -> str:
     """Which peers never joined (the heartbeat keys), asked on a thread of its own: a dead store host must not
     hold the way out."""
-    from train import distributed
-
     answer = ["peers: unknown (the rendezvous store did not answer)"]
 
     def ask() -> None:
         with contextlib.suppress(Exception):
-            answer[0] = distributed.missing_ranks()
+            answer[0] = RUN["peers"]()
 
     asking = threading.Thread(target=ask, name="host-watchdog-peers", daemon=True)
     asking.start()

@@ -113,7 +113,7 @@ def flat_gradient(model) -> torch.Tensor:
 
 def measure_flat(steps: int, every: int) -> tuple[dict[str, list], dict[str, int]]:
     """Train with exact all-reduce; every `every` steps run every flat aggregator on the same gradients."""
-    from train.aggregation import build_aggregator
+    from train.build_aggregator import build_aggregator
     from train.data import build_data
     from train.loop import lm_loss
     from train.model import build_model
