@@ -69,11 +69,12 @@ def build_candidate(cand: Candidate, cfg, world_size: int, layout, flat_group) -
         return agg.QuantizedAggregator(world_size, timeout, int(a.block), group=flat_group)
     if cand.kind == "cerar":
         return agg.CerarAggregator(world_size, timeout, cand.c, a.construction, a.eps, kappa, exact_ring=False,
-                                   transport=cand.transport, group=flat_group)  # fmt: skip
+                                   transport=cand.transport, group=flat_group,
+                                   equilibrate=a.equilibrate)  # fmt: skip
     if cand.kind in ("hier_ring", "hier_cerar"):
         return agg.HierarchicalAggregator(world_size, timeout, layout, cand.c or layout.nodes, a.construction, a.eps,
                                           kappa, cand.kind == "hier_ring", False, transport=cand.transport,
-                                          describe=False)  # fmt: skip
+                                          describe=False, equilibrate=a.equilibrate)  # fmt: skip
     if cand.kind == "hier_int8":
         return agg.HierarchicalQuantizedAggregator(world_size, timeout, layout, int(a.block), describe=False)
     raise ValueError(f"aggregator=auto: no builder for candidate kind {cand.kind!r}")
