@@ -80,12 +80,13 @@ def default_bucket_cap_mb(N: int, c: int) -> float:
 def transport_group(process_group: dist.ProcessGroup | None = None, timeout=None) -> dist.ProcessGroup:
     """A new process group over the ranks of ``process_group`` (default: all ranks) for CERAR's
     point-to-point traffic. A collective call: every rank of the default group must make it, in the
-    same order. Its own timeout (NCCL's watchdog: it aborts the communicator, and with
-    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` tears the process down) is twice CERAR's timeout (at least
-    a minute), so CERAR's own deadline (per round on gloo, per look-behind round on NCCL) reports a
-    stalled peer first, leaving the caller time to abort the group and exit; the watchdog is the backstop."""
+    same order. Its own timeout (NCCL's watchdog: past it torch aborts the communicator and, in its default
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3``, takes the process down) is three times CERAR's timeout T (at least
+    a minute): CERAR's own deadline (per round on gloo, per look-behind round on NCCL) reports a stalled peer
+    at T, a caller's host watchdog (train/watchdog.py) ends a host held inside a call at 2T, and torch's
+    watchdog is the backstop after both."""
     ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-    backstop = 2 * _as_timedelta(timeout)
+    backstop = 3 * _as_timedelta(timeout)
     return dist.new_group(ranks=ranks, timeout=max(backstop, timedelta(seconds=60)))
 
 

@@ -39,7 +39,7 @@ rounds stop (a peer died or stalled) raises within about ``timeout`` of the stal
 CollectiveError on NCCL the communicator still holds kernels that wait for the missing peer: the
 group must not be used again. Abort it (``torch.distributed.distributed_c10d._abort_process_group``)
 before the process exits, as the trainer does; otherwise NCCL's watchdog aborts it at the group's
-own timeout (and with ``TORCH_NCCL_ASYNC_ERROR_HANDLING=1`` takes the process down).
+own timeout (and in torch's default ``TORCH_NCCL_ASYNC_ERROR_HANDLING=3`` takes the process down).
 
 The first operation on an NCCL communicator must involve every rank of the group: each call
 starts with an all-gather (the agreement check, cached per group and length), and every round

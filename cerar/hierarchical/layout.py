@@ -152,7 +152,8 @@ def tier_groups(layout: NodeLayout | None = None, timeout=None) -> TierGroups:
     """The layout's process groups, made on the first call in this process and cached (per layout and
     default process group). The first call is collective: every rank must make it, with the same
     layout. ``timeout`` (seconds or timedelta; default cerar's 5 minutes) sets the groups' own backstop
-    timeout to twice it, at least 60 s; the rounds keep their own per-call deadlines."""
+    timeout to three times it, at least 60 s (past the rounds' own per-call deadlines at T and a host watchdog
+    at 2T)."""
     layout = NodeLayout.from_env() if layout is None else layout
     world = dist.group.WORLD if dist.is_initialized() else None
     key = (layout, layout.from_launcher)  # a launcher's layout is checked for placement, a declared one is not
@@ -189,7 +190,7 @@ def new_tier_groups(layout: NodeLayout | None = None, timeout=None) -> TierGroup
             f"{operation}: the layout ({layout}) has {layout.world_size} ranks but the default process group "
             f"has {ring.size}"
         )
-    backstop = max(2 * round_timeout, timedelta(seconds=60))
+    backstop = max(3 * round_timeout, timedelta(seconds=60))  # past T (the rounds) and 2T (a host watchdog)
     rank, node, local_rank = ring.rank, layout.node_of(ring.rank), layout.local_rank_of(ring.rank)
 
     def new_group(ranks: list[int], description: str):
