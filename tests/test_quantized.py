@@ -24,15 +24,22 @@ tests (by editing the code, then restoring it): report in docs/int8.md and the b
 from __future__ import annotations
 
 import math
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from cerar import int8_blocks
 from cerar.costmodel import two_tier_features
 from tests.distributed import run_workers
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from scripts.bench.bench_arithmetic import Traffic as TrafficCounter  # noqa: E402 (the benchmark's own counter)
 
 U = 2.0**-24
 
@@ -156,34 +163,6 @@ def test_non_finite_values_stay_non_finite_and_bad_blocks_are_refused():
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="block must be an integer >= 1"):
             int8_blocks.check_block(bad, "test")
-
-
-class TrafficCounter(TorchDispatchMode):
-    """Bytes the dispatched operations read and write, counting only tensors of at least ``least`` values (the
-    per-block scales are not traffic); views move nothing; an in-place op reads and writes its first operand,
-    except a copy, which only writes it."""
-
-    def __init__(self, least: int):
-        super().__init__()
-        self.least, self.bytes = least, 0
-
-    def _bytes(self, t) -> int:
-        return t.numel() * t.element_size() if isinstance(t, torch.Tensor) and t.numel() >= self.least else 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if func.is_view:
-            return out
-        name = func.overloadpacket.__name__
-        reads = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if name == "copy_":
-            reads = reads[1:]
-        written = kwargs.get("out", out)
-        self.bytes += sum(self._bytes(a) for a in reads) + sum(
-            self._bytes(w) for w in (written if isinstance(written, (tuple, list)) else [written])
-        )
-        return out
 
 
 @pytest.mark.quick

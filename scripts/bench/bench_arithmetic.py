@@ -96,7 +96,7 @@ def decode_before(message, out):
 
 class Traffic(TorchDispatchMode):
     """Bytes the dispatched operations read and write, over tensors of at least ``least`` values; an
-    in-place op reads and writes its first operand, a copy only writes it (tests/test_quantized.py)."""
+    in-place op reads and writes its first operand, a copy only writes it (tests/test_quantized.py counts with it)."""
 
     def __init__(self, least: int):
         super().__init__()
