@@ -204,14 +204,14 @@ def enable(
         in seconds, which the tests use to check the kernels' arithmetic and the dispatch without a C++ build."""
     say = say or _announce
     device = torch.device(device)
-    ok, why = available()
-    if not ok:
-        say(f"cerar.fused: the eager arithmetic is used ({why})")
-        return {}
     unknown = [k for k in kernels if k not in KERNELS]
     if unknown:
         raise ValueError(f"cerar.fused.enable: unknown kernels {unknown}; the kernels are {KERNELS}")
     q8.check_block(block, "cerar.fused.enable")
+    ok, why = available()
+    if not ok:
+        say(f"cerar.fused: the eager arithmetic is used ({why})")
+        return {}
     todo = [k for k in kernels if (k, device.type, 0 if k == "wire_encode" else block) not in _enabled]
     if not todo:
         return dict.fromkeys(kernels, 0.0)

@@ -35,6 +35,21 @@ def cache_dir(run_folder) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def eager_arithmetic():
+    """The suite's runs use the eager arithmetic (CERAR_FUSED=0, inherited by spawned ranks): inductor's C++ build of
+    the fused kernels takes minutes on a 2-core machine, per fresh cache. The fused kernels are held to the eager
+    bytes by tests/test_int8_format.py (traced by dynamo, run by torch's operations), by ``cerar.fused.enable``'s
+    own check before it switches one on, and by scripts/bench/bench_arithmetic.py and the GPU check."""
+    previous = os.environ.get("CERAR_FUSED")
+    os.environ["CERAR_FUSED"] = "0"
+    yield
+    if previous is None:
+        os.environ.pop("CERAR_FUSED", None)
+    else:
+        os.environ["CERAR_FUSED"] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
 def cerar_code_cache(request, tmp_path_factory):
     """The suite's own optimized-code cache: tests must not read or write the user's ~/.cache/cerar.
     $CERAR_CACHE_DIR points at a directory of the pytest cache (a temporary one when the cache plugin is

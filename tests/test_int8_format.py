@@ -214,11 +214,12 @@ def test_bad_rounding_is_refused_naming_it():
 
 
 @pytest.fixture
-def traced_kernels():
+def traced_kernels(monkeypatch):
     """The fused kernels traced by dynamo and run by torch's own operations (backend "eager": seconds, no C++
     build): their arithmetic and the dispatch, checked against the eager reference. The inductor build itself
     is checked the same way by ``enable`` (every kernel against the eager bytes before it is switched on), by
     the GPU check and by scripts/bench/bench_arithmetic.py."""
+    monkeypatch.delenv("CERAR_FUSED", raising=False)  # the suite's runs are eager (tests/conftest.py); not here
     fused.disable()
     seconds = fused.enable("cpu", 128, backend="eager", say=lambda line: None)
     yield seconds
@@ -260,3 +261,29 @@ def test_enable_refuses_unknown_kernels_and_respects_cerar_fused_0(monkeypatch):
     lines = []
     assert fused.enable("cpu", 128, say=lines.append) == {}
     assert lines == ["cerar.fused: the eager arithmetic is used (CERAR_FUSED=0)"] and fused.enabled() == []
+
+
+def test_the_trainer_compiles_the_kernels_its_aggregator_calls(monkeypatch):
+    """train/run.py enables, before the process group, exactly the kernels the configured aggregator calls: the
+    stochastic quantizer for the 8-bit all-reduce, the 16-bit encode for 16-bit messages, both for auto, none for
+    the float32 paths or with aggregator.fused=false; enabling goes through cerar.fused (here its CERAR_FUSED=0
+    line)."""
+    from tests.runs import composed
+    from train.build_aggregator import enable_fused, fused_kernels
+
+    def kernels(*overrides):
+        return fused_kernels(composed(*overrides).aggregator)
+
+    assert kernels("aggregator=int8") == ("quantize_stochastic",) == kernels("aggregator=hier_int8")
+    assert kernels("aggregator=cerar", "c=5", "aggregator.transport=float16") == ("wire_encode",)
+    assert kernels("aggregator=hier_ring", "aggregator.transport=bfloat16") == ("wire_encode",)
+    assert kernels("aggregator=auto") == ("quantize_stochastic", "wire_encode")
+    for plain in (["aggregator=nccl"], ["aggregator=cerar", "c=16"], ["aggregator=fp16"], ["aggregator=ring"]):
+        assert kernels(*plain) == (), plain
+    assert kernels("aggregator=int8", "aggregator.fused=false") == ()
+    lines = []
+    monkeypatch.setattr(fused, "_announce", lines.append)
+    monkeypatch.setenv("CERAR_FUSED", "0")
+    assert enable_fused(composed("aggregator=int8").aggregator, "cpu") == {}
+    assert lines == ["cerar.fused: the eager arithmetic is used (CERAR_FUSED=0)"]
+    assert enable_fused(composed("aggregator=nccl").aggregator, "cpu") == {} and len(lines) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from cerar.int8_blocks import DEFAULT_ROUNDING
 from train.aggregation import (
     Aggregator,
     AllReduceAggregator,
@@ -59,6 +60,35 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
     if a.kind == "auto":  # every candidate built now, on every rank; the links measured by Trainer (prepare)
         return AutoAggregator(cfg, world_size)
     raise ValueError(f"aggregator.kind={a.kind!r} is unknown")
+
+
+def fused_kernels(a) -> tuple[str, ...]:
+    """The `cerar.fused` kernels aggregator config ``a`` calls: the 8-bit quantizer (int8, hier_int8, auto's int8
+    candidates; stochastic rounding, `cerar.int8_blocks.DEFAULT_ROUNDING`) and the 16-bit wire's encode (a 16-bit
+    transport, or auto, whose candidates include CERAR and the rings over 16-bit messages). () when
+    ``aggregator.fused`` is false or the aggregator uses neither."""
+    if not getattr(a, "fused", True):
+        return ()
+    quantize = f"quantize_{DEFAULT_ROUNDING}"
+    if a.kind in ("int8", "hier_int8"):
+        return (quantize,)
+    if a.kind == "auto":
+        return (quantize, "wire_encode")
+    if a.kind in ("cerar", "ring", "hier_cerar", "hier_ring") and a.transport != "float32":
+        return ("wire_encode",)
+    return ()
+
+
+def enable_fused(a, device, say_it: bool = True) -> dict[str, float]:
+    """Compile and switch on `fused_kernels(a)` for ``device`` (`cerar.fused.enable`, which says in one line what
+    it compiles and how long that may take; ``say_it`` false: rank 0 says it for all); before the first
+    collective, so no rank compiles inside one. A kernel left eager is logged at WARNING on every rank."""
+    kernels = fused_kernels(a)
+    if not kernels:
+        return {}
+    import cerar.fused
+
+    return cerar.fused.enable(device, int(a.block), kernels, say=None if say_it else lambda line: None)
 
 
 def build_quantized_aggregator(cfg, world_size: int) -> Aggregator:

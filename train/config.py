@@ -146,6 +146,11 @@ class AggregatorConfig:
     # tensor's error is relative to its own size: CERAR mixes the components of a column, and a tensor 100x smaller
     # than its column-mates otherwise takes 100x its share (issue 33). false: one scale for all, as before.
     equilibrate: bool = True
+    # int8 / hier_int8 / 16-bit transport (and aggregator=auto, whose candidates use both): compile the fused
+    # quantize and 16-bit encode kernels (cerar.fused, docs/arithmetic.md) at start, before the process group,
+    # and use them where they match the eager reference byte for byte; false, or CERAR_FUSED=0: the eager
+    # arithmetic. Compiling takes seconds from inductor's cache, minutes the first time on a small CPU (said).
+    fused: bool = True
     # auto (train/auto_aggregator.py, docs/auto.md): the fastest candidate whose worst-rank error on the run's own
     # gradients is at most error_budget x the noise, on the links measured at start (or declared in auto_links:
     # intra_alpha_s, intra_gbit_s, inter_alpha_s, inter_gbit_s, memory_gbyte_s, nics_per_node); warm-up, checks

@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from train import checkpoint as ckpt
 from train import watchdog
-from train.build_aggregator import build_aggregator
+from train.build_aggregator import build_aggregator, enable_fused
 from train.config import (
     ConfigError,
     code_fingerprint,
@@ -74,6 +74,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
     write_pid_file(run_dir, launch.rank)
     T = cfg.trainer.collective_timeout_s
     watchdog.start(watchdog.Deadlines.of(cfg, launch.world_size, group_timeout_s(device, T)), launch.rank)
+    set_phase("start-up: fused kernels")  # local work, before any collective: no rank compiles inside one
+    enable_fused(cfg.aggregator, device, say_it=launch.rank == 0)
     set_phase("start-up: process group")
     if not dist.is_initialized():  # train/sweep.py starts the group once for several runs
         init_process_group(launch, device, T)

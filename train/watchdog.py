@@ -65,8 +65,9 @@ class Deadlines:
       the whole set);
     - a checkpoint, and reading one at start: ``checkpoint.write_timeout_s`` + T (the others wait that long for it);
     - creating the process group: the group's own timeout + T (its rendezvous waits that long for late ranks);
-    - building data, the model and the logger at start, closing the logger at the end: not watched (local work,
-      or W&B's service; a peer stalled there is ended by the others' deadlines, and torchrun then stops it);
+    - compiling the fused kernels (before the group: its rendezvous bounds the wait), building data, the model and
+      the logger at start, closing the logger at the end: not watched (local work, or W&B's service; a peer
+      stalled there is ended by the others' deadlines, and torchrun then stops it);
     - the way out after a failure: ``ABORT_WAIT_S`` + 10 s (the exit path bounds itself; this only backs it)."""
 
     T: float
@@ -82,6 +83,7 @@ class Deadlines:
         self.exit_s = RUN["abort_wait_s"] + 10.0
         self.phases = {
             "start-up: process group": self.group_timeout_s + T,
+            "start-up: fused kernels": None,
             "start-up: data": None,
             "start-up: model": None,
             "start-up: logger": None,
