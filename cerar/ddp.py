@@ -11,15 +11,15 @@ is the code's approximation error, which differs between ranks and makes replica
 slowly (the last rank receives the exact average under the closed-form constructions): trainers
 should measure the drift and re-synchronise parameters now and then. With ``exact_ring=True`` the
 hook runs ``cerar.ring_all_reduce`` instead: the exact baseline on the same transport. With
-``transport_dtype="float16"`` (or ``"bfloat16"``) the messages travel in 16 bits (``cerar.wire``:
+``transport_dtype="float16"`` (or ``"bfloat16"``) the messages travel in 16 bits (``cerar.formats.wire``:
 float32 arithmetic, each block cast with a power-of-two scale), and a code built here without an
 explicit kappa_max gets the 16-bit default (``cerar.default_kappa_max``). With ``equilibrate=True``
 each parameter tensor of the bucket (``bucket.gradients()``) is first scaled by a power of two agreed
 across the ranks so that every tensor has about the same root mean square, and unscaled after the
-decoding (``cerar.equilibrate``): CERAR mixes the components of a column, so without it a tensor much
+decoding (``cerar.ring.equilibrate``): CERAR mixes the components of a column, so without it a tensor much
 smaller than its bucket's others takes an error relative to theirs, not to its own.
 
-``Cast16HookState`` / ``cast16_hook``: the 16-bit all-reduce (``cerar.equilibrate.cast_all_reduce``), each
+``Cast16HookState`` / ``cast16_hook``: the 16-bit all-reduce (``cerar.ring.equilibrate.cast_all_reduce``), each
 tensor of the bucket scaled by its own agreed power of two before the cast, in place of torch's
 ``fp16_compress_hook`` / ``bf16_compress_hook`` (which cast ``bucket / N`` with no scale: a tensor near
 1e-7 underflows float16). It runs like the CERAR hook, on a thread and a process group of its own, every
@@ -37,7 +37,7 @@ How it runs, so that communication overlaps the rest of backward:
   the future carries the bucket's device and its result is set on the hook's stream, so DDP's
   reads of the result wait for that stream (torch's CUDA-aware futures), not for the host;
 - the per-phase timers are off (on CUDA their read-out would synchronise once per bucket); the
-  rounds' deadlines are kept on the hook's thread (``cerar.transport``), never on backward's. On
+  rounds' deadlines are kept on the hook's thread (``cerar.ring.transport``), never on backward's. On
   NCCL that thread enqueues a bucket's rounds on the hook's stream without waiting for them (the
   streams order round t+1 after round t) and polls one round's completion per look-behind window
   and the last one; a stalled peer raises ``CollectiveError`` there, which DDP surfaces from
@@ -54,11 +54,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from cerar.codes import Code, make_code
-from cerar.equilibrate import cast_all_reduce, equilibrated
-from cerar.protocol import AllReduceStats, all_reduce, ring_all_reduce
-from cerar.transport import _as_timedelta
-from cerar.wire import default_kappa_max, transport_name
+from cerar.coding.codes import Code, make_code
+from cerar.formats.wire import default_kappa_max, transport_name
+from cerar.ring.equilibrate import cast_all_reduce, equilibrated
+from cerar.ring.protocol import AllReduceStats, all_reduce, ring_all_reduce
+from cerar.ring.transport import _as_timedelta
 
 DDP_DEFAULT_BUCKET_CAP_MB = 25.0
 
@@ -97,8 +97,8 @@ class CerarHookState:
     process_group: DDP's group (whose ranks CERAR reduces over); transport: the group CERAR's
     messages travel on (made by ``transport_group`` when not given: creating a state is then a
     collective call on every rank); transport_dtype: the dtype on the wire ("float32", "float16",
-    "bfloat16"; ``cerar.wire``). equilibrate: scale each parameter tensor of a bucket to a common root mean
-    square before CERAR and back after (``cerar.equilibrate``; the exact ring needs none). ``last_stats``
+    "bfloat16"; ``cerar.formats.wire``). equilibrate: scale each parameter tensor of a bucket to a common root mean
+    square before CERAR and back after (``cerar.ring.equilibrate``; the exact ring needs none). ``last_stats``
     collects each bucket's AllReduceStats (with equilibration, the scales' all-reduce counted in bytes_sent).
     """
 
@@ -248,5 +248,5 @@ class Cast16HookState(CerarHookState):
 
 def cast16_hook(state: Cast16HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket in 16 bits, each of its tensors scaled by its own agreed
-    power of two before the cast (``cerar.equilibrate.cast_all_reduce``)."""
+    power of two before the cast (``cerar.ring.equilibrate.cast_all_reduce``)."""
     return state.submit(bucket.buffer(), bucket_sizes(bucket))

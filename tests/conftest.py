@@ -38,7 +38,8 @@ def cache_dir(run_folder) -> Path:
 def eager_arithmetic():
     """The suite's runs use the eager arithmetic (CERAR_FUSED=0, inherited by spawned ranks): inductor's C++ build of
     the fused kernels takes minutes on a 2-core machine, per fresh cache. The fused kernels are held to the eager
-    bytes by tests/test_int8_format.py (traced by dynamo, run by torch's operations), by ``cerar.fused.enable``'s
+    bytes by tests/test_int8_format.py (traced by dynamo, run by torch's operations), by
+    ``cerar.formats.fused.enable``'s
     own check before it switches one on, and by scripts/bench/bench_arithmetic.py and the GPU check."""
     previous = os.environ.get("CERAR_FUSED")
     os.environ["CERAR_FUSED"] = "0"

@@ -65,7 +65,7 @@ either way; only the contract around it changes:
     wait on the host), while DDP's broadcasts and gathers hold the host until their data is there, as the host
     reads that follow them in DDP do; on the CPU the reducer copies a bucket before its transfer lands, so such
     runs show who ends a stall, not the numbers;
-  - cerar's calls follow their stream-ordered contract (``cerar.transport.set_transport_contract``)
+  - cerar's calls follow their stream-ordered contract (``cerar.ring.transport.set_transport_contract``)
     with an ``EmulatedStream`` as the device queue: their device work runs in order on a thread of
     its own, as a CUDA stream runs kernels, so the host only enqueues and is held up only where the
     code polls a work's completion, as on a GPU.
@@ -624,9 +624,9 @@ def install(contract: str, group_timeout_s: float, store) -> None:
     _install_collectives(group_timeout_s)
 
     try:
-        from cerar import transport
+        from cerar.ring import transport
     except ImportError:  # a checkout from before the transport had a module of its own
-        from cerar import protocol as transport
+        from cerar.ring import protocol as transport
 
     if hasattr(transport, "set_transport_contract"):  # (absent before issue 17: the old NCCL path ran as it was)
         transport.set_transport_contract(

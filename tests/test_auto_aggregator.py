@@ -1,4 +1,5 @@
-"""aggregator=auto (train/auto_choice.py, train/auto_aggregator.py, cerar/link_probe.py): the fastest candidate
+"""aggregator=auto (train/aggregation/auto_choice.py, train/aggregation/auto_aggregator.py,
+cerar/planning/link_probe.py): the fastest candidate
 aggregator whose error fits the run's own noise, on the links the run measured.
 
 The story: the decision is the arithmetic's (the fastest that fits; only ever more accurate afterwards); the
@@ -24,7 +25,7 @@ KAPPA_MAX = 50  # the codes err ~0.05-0.08 (perturbation), their float32 roundin
 
 
 def fake_candidates(*names):
-    from train.auto_choice import EXACT, Candidate
+    from train.aggregation.auto_choice import EXACT, Candidate
 
     return {EXACT: Candidate(EXACT, "nccl", "ring", exact=True), **{n: Candidate(n, "x", "ring16") for n in names}}
 
@@ -34,7 +35,7 @@ def fake_candidates(*names):
 
 @pytest.mark.quick
 def test_the_fastest_that_fits_is_taken_and_only_more_accurate_ones_replace_it():
-    from train.auto_choice import AutoChoice, fastest_within
+    from train.aggregation.auto_choice import AutoChoice, fastest_within
 
     seconds = {"nccl": 1.0, "fast": 0.2, "mid": 0.5, "slow": 0.9}
     assert fastest_within(seconds, {"nccl": 0.0, "fast": 0.1, "mid": 0.01, "slow": 0.001}, 0.02) == "mid"
@@ -72,7 +73,7 @@ def test_the_model_ranks_and_the_timed_calls_decide():
     """Where the model's fastest is slow in fact (gloo's 16-bit arithmetic on a CPU prices as half the bytes),
     the timed calls overrule it: the shortlist is the `trials` fitting candidates the model ranks fastest and the
     exact one, and the fastest timed of them is taken; a choice that still fits is not timed again."""
-    from train.auto_choice import AutoChoice
+    from train.aggregation.auto_choice import AutoChoice
 
     seconds = {"nccl": 1.0, "a": 0.2, "b": 0.3, "c": 0.4, "d": 0.5, "loose": 0.1}
     bounds = {"a": (0.01, 0.0), "b": (0.02, 0.0), "c": (0.03, 0.0), "d": (0.04, 0.0), "loose": (5.0, 0.0)}
@@ -111,8 +112,8 @@ def hand_int8_seconds(d, n, alpha, bandwidth, block=128):
 @pytest.mark.quick
 def test_prices_follow_the_links_so_the_choice_moves_where_they_differ():
     from cerar.hierarchical import NodeLayout
-    from train.auto_aggregator import cluster_from_declared
-    from train.auto_choice import fastest_within
+    from train.aggregation.auto_aggregator import cluster_from_declared
+    from train.aggregation.auto_choice import fastest_within
 
     d, flat = 1_000_003, NodeLayout(1, N)
     slow = {"intra_alpha_s": 1e-4, "intra_gbit_s": 0.2, "memory_gbyte_s": 1e12}  # 200 Mbit/s, free arithmetic
@@ -140,7 +141,7 @@ def test_prices_follow_the_links_so_the_choice_moves_where_they_differ():
 
 @pytest.mark.quick
 def test_a_probe_that_describes_no_link_is_refused():
-    from cerar.link_probe import LinkProbeError, NicSharing, fit_tier, ring_features
+    from cerar.planning.link_probe import LinkProbeError, NicSharing, fit_tier, ring_features
 
     alpha, bandwidth, memory = 2e-4, 1e8, 1e10
     sizes = [4096, 32768, 262144, 2097152]
@@ -169,11 +170,11 @@ def _sample_worker(rank, world_size, d):
     at the sampled positions, and the measured error with every unit sampled against the whole call's."""
     from cerar.ddp import transport_group
     from cerar.hierarchical import NodeLayout
-    from train.auto_aggregator import build_candidate, measure_candidate
-    from train.auto_c import sample_indices
-    from train.auto_choice import candidates
+    from train.aggregation.auto_aggregator import build_candidate, measure_candidate
+    from train.aggregation.auto_c import sample_indices
+    from train.aggregation.auto_choice import candidates
+    from train.aggregation.tensor_errors import TensorLayout, tensor_noise
     from train.loop import exact_mean
-    from train.tensor_errors import TensorLayout, tensor_noise
 
     cfg = auto_config(
         "aggregator.local_size=2",
@@ -261,7 +262,7 @@ def _decide_worker(rank, world_size, rho):
     """A real AutoAggregator on declared links: one check on gradients mu + noise of known size; then the link
     probe run on the same groups (its all-reduced timings, whatever the machine's load makes of them), and a
     check on a run left unpriced."""
-    from train.auto_aggregator import AutoAggregator, measure_links
+    from train.aggregation.auto_aggregator import AutoAggregator, measure_links
 
     cfg = auto_config("aggregator.auto_warmup_steps=1", "aggregator.auto_aggregators=[ring16,int8,cerar]", *DECLARED)
     auto = AutoAggregator(cfg, world_size)

@@ -1,4 +1,5 @@
-"""c=auto (train/auto_c.py and its measurement in train/loop.py): the c with the fewest bytes whose worst-rank
+"""c=auto (train/aggregation/auto_c.py and its measurement in train/loop.py): the c with the fewest bytes whose
+worst-rank
 error stays within error_budget x the SGD noise of the averaged gradient, tensor by tensor (here the gradient is
 one tensor; tests/test_tensor_errors.py holds the per-tensor estimate to a model of several).
 
@@ -30,7 +31,7 @@ ROUNDING = 4 * KAPPA_MAX * 2.0**-24  # the float32 transport's share of a measur
 
 
 def codes():
-    from train.auto_c import candidate_codes
+    from train.aggregation.auto_c import candidate_codes
 
     return candidate_codes(N, "perturbation", None, KAPPA_MAX, CANDIDATES)
 
@@ -67,7 +68,7 @@ def right_c(allowed: float, errors: dict[int, float]) -> int:
 
 
 def test_choose_c_takes_the_fewest_bytes_that_fit():
-    from train.auto_c import choose_c
+    from train.aggregation.auto_c import choose_c
 
     bytes_by_c = {4: 600, 8: 500, 12: 466, 16: 450}
     errors = {4: 0.0, 8: 0.0005, 12: 0.01, 16: 0.04}
@@ -92,7 +93,7 @@ def test_choose_c_takes_the_fewest_bytes_where_padding_makes_them_rise_with_c():
     """At small d the padding to a multiple of c breaks "more c, fewer bytes": N=4, d=100, c=15 sends 17 blocks
     of 7 values (119), c=16 18 of 7 (126). Every code fits: the fewest bytes is c=15, not the largest c."""
     import cerar
-    from train.auto_c import bytes_per_call, choose_c
+    from train.aggregation.auto_c import bytes_per_call, choose_c
 
     d = 100
     values = {c: (c + N - 2) * -(-d // c) for c in range(N + 1, 4 * N + 1)}
@@ -109,7 +110,7 @@ def test_the_default_error_budget_is_0_01_everywhere_it_is_set():
     """The README's and reports/fidelity.md's budget: the library's default, the config schema's and the composed
     configuration's, and what a c=auto run is built with."""
     from tests.runs import composed
-    from train.auto_c import DEFAULT_ERROR_BUDGET, AutoC, build_auto_c
+    from train.aggregation.auto_c import DEFAULT_ERROR_BUDGET, AutoC, build_auto_c
     from train.config import AggregatorConfig
 
     assert DEFAULT_ERROR_BUDGET == 0.01
@@ -124,13 +125,13 @@ def test_the_default_error_budget_is_0_01_everywhere_it_is_set():
 def test_the_default_candidates_at_n4_are_5_6_8_12_16():
     """The README's list: at N=4 (optimized, the default construction and kappa_max) c=auto weighs the exact
     code and c = 5, 6, 8, 12, 16."""
-    from train.auto_c import candidate_codes
+    from train.aggregation.auto_c import candidate_codes
 
     assert sorted(candidate_codes(N, "optimized", None, None)) == [N, 5, 6, 8, 12, 16]
 
 
 def test_candidates_bytes_and_the_schedule():
-    from train.auto_c import AutoC, bytes_per_call, candidate_codes
+    from train.aggregation.auto_c import AutoC, bytes_per_call, candidate_codes
 
     by_c = codes()
     assert sorted(by_c) == [N, *CANDIDATES] and by_c[N].is_exact
@@ -213,7 +214,7 @@ def test_training_identity_keeps_c_auto_whatever_it_chose():
 def _decide_worker(rank, world_size, plan, sample_values):
     """For each (step, rho, budget, fresh) of the plan: this rank's gradient, one check, the decision (with a
     fresh AutoC where asked: a first choice; else with the running one: a re-check)."""
-    from train.auto_c import AutoC, bytes_per_call
+    from train.aggregation.auto_c import AutoC, bytes_per_call
     from train.loop import measure_auto_c
 
     by_c = codes()

@@ -16,7 +16,7 @@ import pytest
 import cerar
 
 try:  # cerar.all_reduce, or the protocol module before cerar/__init__ exports it
-    import cerar.protocol as _proto
+    import cerar.ring.protocol as _proto
 
     HAVE_PROTOCOL = hasattr(_proto, "all_reduce") and hasattr(_proto, "ring_all_reduce")
 except ImportError:
@@ -113,7 +113,7 @@ def test_bench_measures_storages_and_another_checkout_side_by_side(tmp_path):
 
     other = tmp_path / "other"
     shutil.copytree(ROOT / "cerar", other / "cerar", ignore=shutil.ignore_patterns("__pycache__"))
-    rounds = other / "cerar" / "rounds.py"
+    rounds = other / "cerar" / "ring" / "rounds.py"
     rounds.write_text(rounds.read_text().replace('DEFAULT_STORAGE = "spec"', 'DEFAULT_STORAGE = "messages"'))
     old = tmp_path / "allreduce.csv"
     old.write_text(",".join(REQUIRED) + "\nloopback,,nccl,,2,,64,0.1,0.1,0.1,1\n")

@@ -81,7 +81,7 @@ def test_hierarchical_rows_on_loopback_hosts(tmp_path):
     for agg, c, itemsize in (("hier_ring", None, 4), ("hier_cerar", 6, 4), ("hier_ring16", None, 2)):
         r = by[agg]
         rounds_intra, bytes_intra, rounds_inter, bytes_inter = _tiers(d, 3, 2, c, itemsize)
-        if agg == "hier_ring16":  # cerar.wire: one 2-byte scale per message
+        if agg == "hier_ring16":  # cerar.formats.wire: one 2-byte scale per message
             bytes_intra, bytes_inter = bytes_intra + 2 * rounds_intra, bytes_inter + 2 * rounds_inter
         assert (int(r["rounds_intra"]), int(r["bytes_sent_intra"])) == (rounds_intra, bytes_intra), agg
         assert (int(r["rounds_inter"]), int(r["bytes_sent_inter"])) == (rounds_inter, bytes_inter), agg

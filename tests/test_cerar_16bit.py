@@ -1,4 +1,4 @@
-"""CERAR and the exact collectives over 16-bit messages (``transport=``, ``cerar.wire``), held to
+"""CERAR and the exact collectives over 16-bit messages (``transport=``, ``cerar.formats.wire``), held to
 references independent of the code under test, with bounds derived here from the formats.
 
 What the bounds come from (u16 = 2^-11 for float16, 2^-8 for bfloat16; u32 = 2^-24):
@@ -29,14 +29,14 @@ import pytest
 import torch
 
 import cerar
+from cerar.formats.wire import Wire
 from cerar.hierarchical import (
     HierarchicalHookState,
     NodeLayout,
     hierarchical_all_reduce,
     hierarchical_ring_all_reduce,
 )
-from cerar.precision import admissible_kappa, check_admissible
-from cerar.wire import Wire
+from cerar.ring.precision import admissible_kappa, check_admissible
 from tests.distributed import run_workers
 from tests.nccl_emulation import transport_log
 from tests.spec_reference import spec_all_reduce, spec_matrices

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cerar
-from cerar.codes import real_to_points, ring_rounds
+from cerar.coding.codes import real_to_points, ring_rounds
 from tests.spec_reference import spec_all_reduce
 
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
@@ -204,7 +204,7 @@ def test_simulate_on_cuda_matches_the_cpu():
 def test_codes_are_cached_and_bit_identical_when_rebuilt():
     first = cerar.make_code(4, 12, "perturbation", kappa_max=1e3)
     assert cerar.make_code(4, 12, "perturbation", kappa_max=1e3) is first
-    cerar.codes._make_code_cached.cache_clear()
+    cerar.coding.codes._make_code_cached.cache_clear()
     again = cerar.make_code(4, 12, "perturbation", kappa_max=1e3)
     assert again is not first
     assert np.array_equal(again.A, first.A) and np.array_equal(again.D, first.D)
@@ -235,7 +235,7 @@ def test_searched_codes_are_kept_in_the_suites_cache_under_the_search_codes_vers
     code's version and its parameters' digest (tests/test_shipped_codes.py checks what changes them),
     so an edited search never reads its predecessor's codes. (3, 5) at kappa_max 2e3 is outside the
     shipped table: searched."""
-    from cerar import optimize, stored_codes
+    from cerar.coding import optimize, stored_codes
 
     assert (3, 5, 2e3) not in stored_codes.shipped_entries()
     cerar.make_code(3, 5, "optimized", kappa_max=2e3)
@@ -249,11 +249,12 @@ def test_the_optimiser_and_the_closed_forms_do_not_import_each_other_in_a_circle
     import sys
 
     script = (
-        "import sys, cerar.closed_forms; "
-        "assert 'cerar.optimize' not in sys.modules and 'cerar.codes' not in sys.modules, sorted(sys.modules); "
-        "import cerar.optimize; assert 'cerar.codes' not in sys.modules; print('ok')"
+        "import sys, cerar.coding.closed_forms; "
+        "assert 'cerar.coding.optimize' not in sys.modules and 'cerar.coding.codes' not in sys.modules, "
+        "sorted(sys.modules); "
+        "import cerar.coding.optimize; assert 'cerar.coding.codes' not in sys.modules; print('ok')"
     )
-    # cerar/__init__ imports the package's public API (which includes cerar.codes); load the modules
+    # cerar/__init__ imports the package's public API (which includes cerar.coding.codes); load the modules
     # as files under a stub package so that only what they import themselves gets loaded.
     stub = (
         "import importlib.util, sys, types, pathlib; root = pathlib.Path(cerar_path); "

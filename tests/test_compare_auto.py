@@ -16,7 +16,7 @@ from tests.runs import composed
 @pytest.mark.quick
 def test_each_fixed_run_is_the_candidate_auto_measured():
     from scripts.bench.compare_auto import candidate_overrides
-    from train.auto_choice import candidates
+    from train.aggregation.auto_choice import candidates
     from train.config import code_kappa_max, validate
 
     N, nodes, G = 6, 3, 2  # n >= 3 nodes: the two-tier CERAR candidates too

@@ -1,4 +1,4 @@
-"""Tests of cerar/costmodel.py (closed forms, the measured arithmetic count, fitting, monotonicity,
+"""Tests of cerar/planning/costmodel.py (closed forms, the measured arithmetic count, fitting, monotonicity,
 the crossover) and of scripts/reporting/costmodel_report.py, which renders it."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cerar
-from cerar import costmodel as cm
+from cerar.planning import costmodel as cm
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -483,7 +483,7 @@ def test_hierarchical_cerar_over_fp16_messages_is_priced_at_two_bytes_on_the_wir
     rail; inside, 2 (G-1) = 2 rounds of s 2-byte values; between, L = c + n - 2 = 10 rounds of ceil(s/c) 2-byte
     values on each of the G rails sharing the NIC; the arithmetic's traffic that of hier_cerar at 4 bytes a value
     (the float32 model) plus 12 bytes per value of casts."""
-    from cerar.costmodel import two_tier_features
+    from cerar.planning.costmodel import two_tier_features
 
     d, n, G, c = 2**20, 4, 2, 8
     s = d // G

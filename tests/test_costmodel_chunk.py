@@ -1,4 +1,4 @@
-"""The cost model per chunk (cerar/costmodel.py): a one-chunk call (d < 2^17 c) exposes every round's
+"""The cost model per chunk (cerar/planning/costmodel.py): a one-chunk call (d < 2^17 c) exposes every round's
 addition and makes round 2's post wait for the rest of the encoding; on NVLink the transfers share
 HBM with the arithmetic. Held to what the protocol's worker code dispatches between its posts
 (counted by ``tests/test_costmodel.py``'s counter) and to a computation by hand."""
@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 
 import cerar
-import cerar.costmodel as cm
+import cerar.planning.costmodel as cm
+from cerar.coding.matrices import device_matrices
 from cerar.ddp import DDP_DEFAULT_BUCKET_CAP_MB, default_bucket_cap_mb
-from cerar.matrices import device_matrices
-from cerar.rounds import CodedRingRank, pipeline_chunks
+from cerar.ring.rounds import CodedRingRank, pipeline_chunks
 from tests.test_costmodel import ArithmeticCounter
 
 

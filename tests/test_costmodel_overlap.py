@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import cerar
-import cerar.costmodel as cm
-from cerar.matrices import device_matrices
-from cerar.rounds import CodedRingRank, pipeline_chunks
+import cerar.planning.costmodel as cm
+from cerar.coding.matrices import device_matrices
+from cerar.ring.rounds import CodedRingRank, pipeline_chunks
 from tests.test_costmodel import ArithmeticCounter
 
 

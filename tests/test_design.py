@@ -1,4 +1,4 @@
-"""Tests of ``python -m cerar.design`` (the per-construction table, flag validation) and of the
+"""Tests of ``python -m cerar.planning.design`` (the per-construction table, flag validation) and of the
 reduced sweep that ``scripts/reporting/design_report.py`` renders.
 
 The CLI runs as a subprocess, as a user would run it. Codes are kept small (N=4, c<=8) so the
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from cerar.design import DesignRow, evaluate, format_table, main
+from cerar.planning.design import DesignRow, evaluate, format_table, main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def run_design(*args: str, cache_dir: Path, script: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "CERAR_CACHE_DIR": str(cache_dir)}
     return subprocess.run(
-        [sys.executable, *(["-m", "cerar.design"] if script is None else [script]), *args],
+        [sys.executable, *(["-m", "cerar.planning.design"] if script is None else [script]), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,

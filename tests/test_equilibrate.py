@@ -1,4 +1,5 @@
-"""CERAR with each parameter tensor equilibrated (issue 33; `cerar.equilibrate`, aggregator.equilibrate): a tensor 100x
+"""CERAR with each parameter tensor equilibrated (issue 33; `cerar.ring.equilibrate`, aggregator.equilibrate): a
+tensor 100x
 and one 10,000x below their column-mates keep an error relative to THEIR OWN norm within the code's, flat, as a DDP
 hook and on two tiers; without equilibration the small ones err far above it where the code mixes components
 (an optimized code with truncation error; the closed forms err component by component).
@@ -105,8 +106,8 @@ def tensor_errors(results: np.ndarray, G: np.ndarray, sizes: list[int], scale: f
 
 
 def _flat_worker(rank, world_size):
-    from cerar.equilibrate import per_position
-    from train.aggregation import CerarAggregator
+    from cerar.ring.equilibrate import per_position
+    from train.aggregation.aggregators import CerarAggregator
 
     torch.set_num_threads(1)
     out = {}
@@ -179,7 +180,7 @@ def _hook_worker(rank, world_size):
 
     from cerar.ddp import CerarHookState, cerar_hook
     from cerar.hierarchical import HierarchicalHookState, NodeLayout, hierarchical_hook
-    from train.aggregation import HierarchicalAggregator
+    from train.aggregation.aggregators import HierarchicalAggregator
 
     torch.set_num_threads(1)
     c, construction, kappa_max = HOOK_CODE

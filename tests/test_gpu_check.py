@@ -35,6 +35,9 @@ def gpu_check(tmp_path, *extra, timeout=1500):
         capture_output=True,
         text=True,
         timeout=timeout,
+        # the check's fused case switches the kernels on itself (traced, backend "eager", on the CPU): not the
+        # suite's CERAR_FUSED=0 (tests/conftest.py)
+        env={k: v for k, v in os.environ.items() if k != "CERAR_FUSED"},
     )
     return run, out.read_text() if out.exists() else ""
 

@@ -8,7 +8,7 @@ here or in ``tests/spec_reference.py``, not taken from ``cerar.hierarchical``:
 - the node sums of each shard, in float64 from the ranks' inputs, then the spec's protocol
   (``spec_all_reduce``) on them with the code's A_j and D_i for n workers (rail rank i = node i);
 - how far float32 rounding may move a result from it, written here from the spec's "Numerics"
-  (``spec_rounding_bound``, kappa from the spec's A_j), not taken from ``cerar.precision``; the coded
+  (``spec_rounding_bound``, kappa from the spec's A_j), not taken from ``cerar.ring.precision``; the coded
   cases use codes whose error is far above that (kappa_max = 100: error about 2e-2 against a bound
   near 3e-5), and every node but the last must sit far from the exact sum, the last within it, so
   that an exact result, or one rounded through a coarser dtype, fails;

@@ -9,7 +9,7 @@ sqrt(sum_r ||g_r - g_bar||^2 / (N (N-1))) / ||g_bar||), sum_r ||g_r|| <= N ||g_b
 a float32 sum of N terms errs by at most (N-1) u sum_r |g_r| (u = 2^-24), the exact hierarchy and the
 loop's reference all-reduce alike; and CERAR's node 0 errs by at most eps ||the later nodes' sum|| (the
 spec's "Why it works": (a^n - 1) times the wrapped nodes' sum, |a^n - 1| <= eps for the perturbation
-construction), plus its rounding, ``cerar.precision.rounding_bound`` times the norm of the rail's inputs.
+construction), plus its rounding, ``cerar.ring.precision.rounding_bound`` times the norm of the rail's inputs.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cerar.precision import rounding_bound
+from cerar.ring.precision import rounding_bound
 from tests import runs
 from tests.distributed import c10d_rendezvous_options, held_store
 from tests.runs import composed

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 import cerar
-from cerar.rounds import pipeline_chunks
+from cerar.ring.rounds import pipeline_chunks
 from tests.distributed import run_workers
 from tests.spec_reference import spec_all_reduce, spec_least_squares_decoders, spec_matrices
 
@@ -234,7 +234,7 @@ def _overlap_trainer_worker(rank, world_size, corpus, cache, run_dir, c):
         given = bucket.buffer().clone()
         return hook(state, bucket).then(lambda f: pairs.append((given, f.value().clone())) or f.value())
 
-    cerar.ddp.cerar_hook = recording_hook  # train.aggregation imports it when it registers the hook
+    cerar.ddp.cerar_hook = recording_hook  # train.aggregation.aggregators imports it when it registers the hook
     overrides = [
         "model=tiny",
         "data=local",

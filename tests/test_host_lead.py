@@ -18,15 +18,15 @@ import threading
 import torch
 
 import cerar
-from cerar.rounds import pipeline_chunks
-from cerar.transport import LOOK_BEHIND_POSTS
+from cerar.ring.rounds import pipeline_chunks
+from cerar.ring.transport import LOOK_BEHIND_POSTS
 from tests.distributed import run_workers
 
 HOST_LEAD_ROUNDS = 16  # the README's figure
 
 
 def _host_lead_worker(rank, N, c, d):
-    from cerar import transport
+    from cerar.ring import transport
 
     queue = transport.transport_contract().device_queue  # the emulated CUDA stream
     lock, count = threading.Lock(), {"ahead": 0, "most_ahead": 0, "posts": 0, "tasks": 0}

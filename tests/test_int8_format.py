@@ -1,4 +1,5 @@
-"""The 8-bit block format (cerar.int8_blocks) against a reference written here from its description, byte for byte,
+"""The 8-bit block format (cerar.formats.int8_blocks) against a reference written here from its description, byte for
+byte,
 and its two fixes of issue 33: tiny scales, and stochastic rounding that is unbiased where nearest is not.
 
 The reference works in float64 and Python integers, one block at a time. Every float32 operation of the format
@@ -17,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from cerar import fused
-from cerar import int8_blocks as q8
+from cerar.formats import fused
+from cerar.formats import int8_blocks as q8
 
 TINY = 2.0**-126
 
@@ -227,7 +228,7 @@ def traced_kernels(monkeypatch):
 
 
 def test_fused_kernels_write_the_eager_bytes(traced_kernels):
-    from cerar.wire import Wire
+    from cerar.formats.wire import Wire
 
     assert sorted(k for k, _, _ in fused.enabled()) == sorted(fused.KERNELS), traced_kernels
     s = 128 * 300 + 41  # above MIN_VALUES, with a short last block
@@ -260,16 +261,16 @@ def test_enable_refuses_unknown_kernels_and_respects_cerar_fused_0(monkeypatch):
     monkeypatch.setenv("CERAR_FUSED", "0")
     lines = []
     assert fused.enable("cpu", 128, say=lines.append) == {}
-    assert lines == ["cerar.fused: the eager arithmetic is used (CERAR_FUSED=0)"] and fused.enabled() == []
+    assert lines == ["cerar.formats.fused: the eager arithmetic is used (CERAR_FUSED=0)"] and fused.enabled() == []
 
 
 def test_the_trainer_compiles_the_kernels_its_aggregator_calls(monkeypatch):
     """train/run.py enables, before the process group, exactly the kernels the configured aggregator calls: the
     stochastic quantizer for the 8-bit all-reduce, the 16-bit encode for 16-bit messages, both for auto, none for
-    the float32 paths or with aggregator.fused=false; enabling goes through cerar.fused (here its CERAR_FUSED=0
+    the float32 paths or with aggregator.fused=false; enabling goes through cerar.formats.fused (here its CERAR_FUSED=0
     line)."""
     from tests.runs import composed
-    from train.build_aggregator import enable_fused, fused_kernels
+    from train.aggregation.build import enable_fused, fused_kernels
 
     def kernels(*overrides):
         return fused_kernels(composed(*overrides).aggregator)
@@ -285,5 +286,5 @@ def test_the_trainer_compiles_the_kernels_its_aggregator_calls(monkeypatch):
     monkeypatch.setattr(fused, "_announce", lines.append)
     monkeypatch.setenv("CERAR_FUSED", "0")
     assert enable_fused(composed("aggregator=int8").aggregator, "cpu") == {}
-    assert lines == ["cerar.fused: the eager arithmetic is used (CERAR_FUSED=0)"]
+    assert lines == ["cerar.formats.fused: the eager arithmetic is used (CERAR_FUSED=0)"]
     assert enable_fused(composed("aggregator=nccl").aggregator, "cpu") == {} and len(lines) == 1

@@ -1,4 +1,5 @@
-"""The link probe's robustness rule (cerar/link_probe.py, issue 34): contention only adds time, so one size that
+"""The link probe's robustness rule (cerar/planning/link_probe.py, issue 34): contention only adds time, so one size
+that
 met a loaded moment is timed again or left out, never a size faster than the line, and timings that describe no
 link are still refused.
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from cerar.link_probe import (
+from cerar.planning.link_probe import (
     LinkProbeError,
     fit_tier,
     misfits,
@@ -34,7 +35,7 @@ def test_one_slow_size_is_left_out_and_the_link_is_fitted():
     slow = [(d, 20 * t) if d == 4096 else (d, t) for d, t in timings]  # all of one size's calls met a loaded moment
     # the plain fit on every size (the probe before the rule) carries the slow size as a 36 % RMS miss, most of
     # the way to the 50 % at which the probe gives up; a second slow size takes it there (below)
-    from cerar.link_probe import _rms, _solve
+    from cerar.planning.link_probe import _rms, _solve
 
     assert _rms(_solve(slow, N, MEMORY)[2], slow) > 0.3
     tier, rmse = fit_tier(slow, N, MEMORY)

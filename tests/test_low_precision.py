@@ -71,7 +71,7 @@ def tensor_errors(result: np.ndarray, G: np.ndarray) -> list[float]:
 
 
 def _flat_worker(rank, world_size, dtype_name):
-    from train.aggregation import LowPrecisionAllReduce
+    from train.aggregation.aggregators import LowPrecisionAllReduce
 
     dtype = getattr(torch, dtype_name)
     G = torch.from_numpy(contributions(world_size))
@@ -83,7 +83,7 @@ def _flat_worker(rank, world_size, dtype_name):
     sent = agg.aggregate(flat)
     scales = agg.tensor_scales(G[rank].clone())
     positions = G[rank].clone()
-    from cerar.equilibrate import per_position
+    from cerar.ring.equilibrate import per_position
 
     agg.aggregate(positions, scales=per_position(scales, SIZES))
     return {"flat": flat.numpy(), "untold": untold.numpy(), "sent": sent, "scales": scales.numpy(),

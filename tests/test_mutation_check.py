@@ -37,7 +37,7 @@ def test_every_faults_snippet_occurs_once_and_a_stale_one_is_named(tmp_path):
         "look-behind-poll-dropped",
     }  # fmt: skip  (issue 27's table)
     assert table <= {f.name for f in faults}
-    stale = type(faults[0])(name="moved", file="cerar/precision.py", original="no such line", replacement="x",
+    stale = type(faults[0])(name="moved", file="cerar/ring/precision.py", original="no such line", replacement="x",
                             tests=("tests/test_precision.py",), why="a snippet the code no longer has")  # fmt: skip
-    said = "moved: its original snippet occurs 0 times in cerar/precision.py, not once"
+    said = "moved: its original snippet occurs 0 times in cerar/ring/precision.py, not once"
     assert mutation.check_snippets([stale], ROOT) == [said]

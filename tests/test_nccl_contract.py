@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 
 import cerar
-from cerar.precision import rounding_bound
-from cerar.rounds import pipeline_chunks
-from cerar.transport import LOOK_BEHIND_POSTS
+from cerar.ring.precision import rounding_bound
+from cerar.ring.rounds import pipeline_chunks
+from cerar.ring.transport import LOOK_BEHIND_POSTS
 from tests.distributed import ProcessExit, WorkerError, run_workers, shared_store
 from tests.nccl_emulation import ABORTED_KEY, transport_log
 from tests.spec_reference import spec_all_reduce

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import cerar
-from cerar.fp32_products import (
+from cerar.ring.fp32_products import (
     TF32_OVERRIDE_VARIABLE,
     PrecisionError,
     check_no_tf32_override,
@@ -164,7 +164,7 @@ def test_rounding_bound_is_kappa_times_u_times_sqrt_c_plus_L_plus_N_and_is_what_
 
     import numpy as np
 
-    from cerar.precision import rounding_bound, sum_rounding_bound
+    from cerar.ring.precision import rounding_bound, sum_rounding_bound
     from tests.spec_reference import spec_all_reduce
     from tests.test_spec_reference import spec_code_matrices
 
@@ -218,7 +218,7 @@ def test_the_rules_ring_rounding_is_what_a_16bit_ring_rounds(N, wire):
     (measured 0.95-1.05); the worst-case bound the rule used before is 10-20 x it."""
     import math
 
-    from cerar.precision import ROUNDING_RMS_PER_UNIT, expected_ring_rounding, sum_rounding_bound
+    from cerar.ring.precision import ROUNDING_RMS_PER_UNIT, expected_ring_rounding, sum_rounding_bound
 
     u = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}[wire]
     assert pytest.approx(math.sqrt((1 / 3) * (3 / 8) / math.log(2)), rel=1e-12) == ROUNDING_RMS_PER_UNIT
@@ -238,7 +238,7 @@ def test_a_kappa_max_whose_rounding_swamps_the_codes_error_is_refused_on_bf16():
     the code's error and the ring's rounding (25 % for the two measurements)."""
     import math
 
-    from cerar.precision import admissible_kappa, check_admissible, sum_rounding_bound
+    from cerar.ring.precision import admissible_kappa, check_admissible, sum_rounding_bound
     from tests.test_wire_rounding import spec_rounding
 
     N, c, wire = 8, 9, torch.bfloat16

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import cerar
-from cerar.precision import rounding_bound, sum_rounding_bound
+from cerar.ring.precision import rounding_bound, sum_rounding_bound
 from tests.distributed import WorkerError, run_workers
 from tests.nccl_emulation import CONTRACTS, transport_log
 
@@ -36,7 +36,7 @@ def code_for(N: int, c: int) -> cerar.Code:
 
 def close(result: torch.Tensor, expected: torch.Tensor, G: torch.Tensor, bound: float) -> bool:
     """Whether ``result`` lies within ``bound`` x ||G||_F of ``expected``: the bounds come from
-    ``cerar.precision`` (kappa times the dtype's rounding), so that they hold whichever BLAS kernel
+    ``cerar.ring.precision`` (kappa times the dtype's rounding), so that they hold whichever BLAS kernel
     (AVX2, AVX-512) rounded each side; two correct computations differ by at most the sum of theirs."""
     return (result.double() - expected.double()).norm().item() <= bound * G.double().norm().item()
 
@@ -100,7 +100,7 @@ def _pipelined_worker(rank, N, c, d):
 
 
 def test_large_blocks_travel_in_pipelined_chunks_with_the_same_result(contract):
-    from cerar.rounds import pipeline_chunks
+    from cerar.ring.rounds import pipeline_chunks
 
     N, c = 3, 7
     d = c * 2 * 2**16 + 5  # m just over two chunks' worth, and d not a multiple of c

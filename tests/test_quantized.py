@@ -1,9 +1,9 @@
-"""The 8-bit all-reduce (cerar.quantized, cerar.hierarchical.quantized, their DDP hooks) against a float64 oracle,
+"""The 8-bit all-reduce (cerar.int8.all_reduce, cerar.int8.two_tier, their DDP hooks) against a float64 oracle,
 with the error bound that follows from the format.
 
 The bound. A block of B values with absmax a is sent as scale s = a/127 and integers q = round(x/s) in [-127, 127]:
 round-to-nearest errs by at most s/2 per value (plus float32's rounding of s, of x/s and of q s: 2^-24 of 128 s
-each, ``cerar.int8_blocks.error_bound`` counts them twice). The mean's shard j (s = ceil(d/N) values, blocks
+each, ``cerar.formats.int8_blocks.error_bound`` counts them twice). The mean's shard j (s = ceil(d/N) values, blocks
 starting at the shard's first value) is formed by rank j as
 
     R_j = (x_j^(j) + sum_{i != j} Q(x_j^(i))) / N        then sent, and kept, as Q(R_j)
@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cerar import int8_blocks
-from cerar.costmodel import two_tier_features
+from cerar.formats import int8_blocks
+from cerar.planning.costmodel import two_tier_features
 from tests.distributed import run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,10 +170,10 @@ def test_memory_traffic_is_what_the_cost_model_prices():
     """The bytes the eager format's operations dispatch per value, counted here from their list: quantize reads
     the values for the block's largest and least value (4 + 4), multiplies by the inverse (read 4, write 4),
     rounds in place (4 + 4) and stores int8 (read 4, write 1): 29; dequantize 13 and dequantize-and-add 17, as
-    cerar.costmodel prices them (INT8_DEQUANTIZE_BYTES, INT8_DEQUANTIZE_ADD_BYTES). cerar.costmodel's
+    cerar.planning.costmodel prices them (INT8_DEQUANTIZE_BYTES, INT8_DEQUANTIZE_ADD_BYTES). cerar.planning.costmodel's
     INT8_QUANTIZE_BYTES (25) is the quantizer before issue 35, whose one-read absmax (an inf-norm) cost 12x a
-    copy's time; the fused kernel (cerar.fused) moves 9."""
-    from cerar import costmodel as cm
+    copy's time; the fused kernel (cerar.formats.fused) moves 9."""
+    from cerar.planning import costmodel as cm
 
     B, s = 128, 128 * 64 + 5
     x, out = heavy_tailed(0, s), torch.zeros(s)
@@ -203,8 +203,8 @@ SIZES = (3, 1, 389, 4099)  # d < N, d = 1, neither a multiple of N nor of B
 
 
 def _flat_worker(rank, N, B, stall_timeout, rounding):
-    from cerar.quantized import quantized_all_reduce, quantized_bytes_sent
-    from cerar.transport import CollectiveError
+    from cerar.int8.all_reduce import quantized_all_reduce, quantized_bytes_sent
+    from cerar.ring.transport import CollectiveError
 
     results = {}
     for d in SIZES:
@@ -276,7 +276,7 @@ def test_flat_all_reduce_is_within_the_format_bound_and_the_same_on_every_rank(c
 def _repeated_worker(rank, N, calls, rounding):
     """``calls`` all-reduces of the same contribution on every rank (data-parallel gradients correlate; here
     they are equal): blocks of one 1.0 and 127 values of 0.002-0.0035, below half a step (1/254)."""
-    from cerar.quantized import quantized_all_reduce
+    from cerar.int8.all_reduce import quantized_all_reduce
 
     g = torch.Generator().manual_seed(11)
     x = 0.002 + 0.0015 * torch.rand(32 * 128, generator=g)
@@ -321,7 +321,7 @@ def test_identical_contributions_average_out_over_calls_with_stochastic_rounding
 
 def _hierarchical_worker(rank, world_size, B, with_hook):
     from cerar.hierarchical import NodeLayout
-    from cerar.hierarchical.quantized import hierarchical_quantized_all_reduce, hierarchical_quantized_bytes
+    from cerar.int8.two_tier import hierarchical_quantized_all_reduce, hierarchical_quantized_bytes
 
     layout = NodeLayout(nodes=2, local_size=world_size // 2)
     results = {}
@@ -340,7 +340,7 @@ def _ddp_step(rank, B, layout):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from cerar.quantized_hook import (
+    from cerar.int8.hook import (
         HierarchicalQuantizedHookState,
         QuantizedHookState,
         hierarchical_quantized_hook,

@@ -1,4 +1,4 @@
-"""The optimized codes shipped in cerar/data/optimized_codes.json, held to the search and to the spec.
+"""The optimized codes shipped in cerar/coding/data/optimized_codes.json, held to the search and to the spec.
 
 A sample (the cheapest shapes) is searched again and must come out as shipped; every shipped code is
 rebuilt by make_code's path and checked for what the specification requires, against
@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cerar
-from cerar import optimize, stored_codes
+from cerar.coding import optimize, stored_codes
 from scripts.codes import build_shipped_codes
 from tests.spec_reference import spec_all_reduce, spec_least_squares_decoders, spec_matrices
 
@@ -42,9 +42,9 @@ def no_stored_codes(monkeypatch, tmp_path):
     """An empty host cache and make_code's in-process memo cleared, so only the table or a search
     can answer."""
     monkeypatch.setenv("CERAR_CACHE_DIR", str(tmp_path / "empty-cache"))
-    cerar.codes._make_code_cached.cache_clear()
+    cerar.coding.codes._make_code_cached.cache_clear()
     yield
-    cerar.codes._make_code_cached.cache_clear()
+    cerar.coding.codes._make_code_cached.cache_clear()
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def test_the_table_was_searched_by_the_current_search_code():
 
 
 @pytest.mark.quick
-def test_the_search_codes_version_ignores_comments_and_docstrings_only():
+def test_the_search_codes_version_ignores_comments_docstrings_and_imports_only():
     sources = [path.read_text(encoding="utf-8") for path in optimize.SEARCH_CODE_MODULES]
     search, closed_forms = sources
     assert optimize.search_code_digest(sources) == optimize.SEARCH_CODE_VERSION
@@ -83,6 +83,7 @@ def test_the_search_codes_version_ignores_comments_and_docstrings_only():
         ('"""The condition-number-constrained', '"""Reworded. The condition-number-constrained'),
         ("    return min(candidates, key", "    # a new comment\n\n    return min(candidates, key"),
         ('DECODER_KINDS = ("polynomial", "least_squares")', 'DECODER_KINDS = (\n    "polynomial",  "least_squares"\n)'),
+        ("from cerar.coding import closed_forms\n", "from cerar import closed_forms\n"),  # a module moved (issue 37)
     ]
     meaningful = [
         ('"pattern_iterations": 120', '"pattern_iterations": 121'),
@@ -294,7 +295,7 @@ def test_a_shape_outside_the_table_is_searched_once_then_read_from_the_cache(no_
     shape = (3, 5, 2e3)
     assert shape not in stored_codes.shipped_entries()
     first = cerar.make_code(3, 5, "optimized", kappa_max=2e3)
-    cerar.codes._make_code_cached.cache_clear()
+    cerar.coding.codes._make_code_cached.cache_clear()
     again = cerar.make_code(3, 5, "optimized", kappa_max=2e3)
     assert counted_searches == [shape]
     assert np.array_equal(first.A, again.A) and np.array_equal(first.D, again.D)
@@ -308,7 +309,7 @@ search fails at once (0.1 s) and the test can run it several times."""
 
 
 def _refusal(N, c, kappa_max) -> optimize.UnreachableBudgetError:
-    cerar.codes._make_code_cached.cache_clear()
+    cerar.coding.codes._make_code_cached.cache_clear()
     with pytest.raises(optimize.UnreachableBudgetError) as refusal:
         cerar.make_code(N, c, "optimized", kappa_max=kappa_max)
     return refusal.value

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import cerar
-from cerar.precision import rounding_bound
-from cerar.rounds import STORAGE_CHOICES, pipeline_chunks
+from cerar.ring.precision import rounding_bound
+from cerar.ring.rounds import STORAGE_CHOICES, pipeline_chunks
 from tests.distributed import run_workers
 from tests.spec_reference import spec_all_reduce, spec_least_squares_decoders, spec_matrices
 
@@ -21,7 +21,7 @@ from tests.spec_reference import spec_all_reduce, spec_least_squares_decoders, s
 def tolerance(code: cerar.Code, dtype: torch.dtype) -> float:
     """Relative error allowed between the fast code and the float64 reference: the transport's
     rounding bound, kappa times its unit roundoff times sqrt(c + L) + N
-    (``cerar.precision.rounding_bound``, which says why; measured: 0.1 to 0.3 of it on long
+    (``cerar.ring.precision.rounding_bound``, which says why; measured: 0.1 to 0.3 of it on long
     gradients). Relative to the reference worker's result, which for these independent Gaussian
     gradients is about ||G||_F."""
     return rounding_bound(code, dtype)

@@ -1,4 +1,4 @@
-"""Errors judged per parameter tensor, as Adam sees them (train/tensor_errors.py).
+"""Errors judged per parameter tensor, as Adam sees them (train/aggregation/tensor_errors.py).
 
 The story: a small tensor beside a large one carries an aggregation error that the whole gradient's figure
 cannot see, and the trainer's per-tensor figures name it, each held to a float64 reference computed here from
@@ -26,7 +26,7 @@ SCALES = (1.0, 1e-3, 0.3, 1e-2, 1.0)  # decades apart, as a model's tensors are
 
 
 def layout():
-    from train.tensor_errors import TensorLayout
+    from train.aggregation.tensor_errors import TensorLayout
 
     return TensorLayout(tuple(f"t{i}" for i in range(len(SIZES))), SIZES)
 
@@ -65,8 +65,8 @@ def reference_ratios(G: np.ndarray, aggregated: np.ndarray) -> np.ndarray:
 
 
 def _figures_worker(rank, world_size, aggregated):
+    from train.aggregation.tensor_errors import per_tensor_figures
     from train.loop import error_and_noise
-    from train.tensor_errors import per_tensor_figures
 
     local = torch.from_numpy(per_rank_gradients()[rank])
     exact = local.clone()
@@ -112,8 +112,8 @@ def draws(G: np.ndarray, code, seeds: int, uniform: bool = False) -> list[tuple[
     """(rho, standard error) of the worst rank's worst tensor, from `seeds` samples (a TensorSample, or a
     uniform sample of as many columns, estimated without standard error)."""
     import cerar
-    from train.auto_c import sample_indices
-    from train.tensor_errors import TensorSample, _grid, stacked_noise, worst_rank_tensor_error
+    from train.aggregation.auto_c import sample_indices
+    from train.aggregation.tensor_errors import TensorSample, _grid, stacked_noise, worst_rank_tensor_error
 
     Gt = torch.from_numpy(G)
     d, c = Gt.shape[1], code.c
@@ -165,7 +165,7 @@ def test_the_sample_covers_the_worst_tensor(heavy):
 def test_every_unit_drawn_gives_each_tensor_exactly():
     """per_tensor = 0 draws every unit: each tensor's estimate is its error summed, with no variance."""
     import cerar
-    from train.tensor_errors import TensorSample, _grid, stacked_noise, worst_rank_tensor_error
+    from train.aggregation.tensor_errors import TensorSample, _grid, stacked_noise, worst_rank_tensor_error
 
     G = per_rank_gradients(seed=2)
     code = cerar.make_code(N, 5, construction="perturbation", kappa_max=50)
@@ -180,7 +180,7 @@ def test_every_unit_drawn_gives_each_tensor_exactly():
 
 @pytest.mark.quick
 def test_nan_evidence_is_not_a_ratio():
-    from train.tensor_errors import ratio_to_noise, worst_tensor
+    from train.aggregation.tensor_errors import ratio_to_noise, worst_tensor
 
     assert ratio_to_noise(torch.tensor([0.0, 4.0, 4.0]), torch.tensor([0.0, 0.0, 1.0])).tolist() == [0, math.inf, 2]
     rho, _, _ = worst_tensor(torch.tensor([1.0, math.nan]), torch.zeros(2), torch.ones(2))

@@ -1,4 +1,4 @@
-"""The claim behind ``cerar.full_fp32_products`` (README, ``cerar/fp32_products.py``), measured: "TF32 would
+"""The claim behind ``cerar.full_fp32_products`` (README, ``cerar/ring/fp32_products.py``), measured: "TF32 would
 take N=8, c=16 from about 7e-4 to about 1 relative error".
 
 TensorFloat-32 rounds the inputs of a float32 matrix product to 10 mantissa bits and accumulates in

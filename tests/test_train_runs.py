@@ -104,7 +104,8 @@ def cerar_error_bound(code, record: dict) -> float:
 
 
 def sixteen_bit_error_bound(kind: str, record: dict, N: int, d: int) -> float:
-    """The worst rank's ||g_hat - g_bar|| / ||g_bar|| for the cast-to-16-bit all-reduce (train/aggregation.py:
+    """The worst rank's ||g_hat - g_bar|| / ||g_bar|| for the cast-to-16-bit all-reduce
+    (train/aggregation/aggregators.py:
     g_r / N cast, summed in 16 bits, cast back): N roundings of each value (the cast and N-1 additions), each
     at most the unit roundoff u of a partial sum (|partial| <= sum_r |g_r| / N) or, below the normal range,
     half a subnormal spacing. So ||error|| <= u (1 + N u) sum_r ||g_r|| + N half_spacing sqrt(d), and
@@ -115,7 +116,8 @@ def sixteen_bit_error_bound(kind: str, record: dict, N: int, d: int) -> float:
 
 
 def int8_error_bound(record: dict, N: int, block: int = 128) -> float:
-    """The worst rank's ||g_hat - g_bar|| / ||g_bar|| for aggregator=int8 (cerar.quantized, tests/test_quantized.py
+    """The worst rank's ||g_hat - g_bar|| / ||g_bar|| for aggregator=int8 (cerar.int8.all_reduce,
+    tests/test_quantized.py
     derives it value by value): per value of block b of shard j, at most sum_{i != j} a_b(g_i) / (254 N) +
     a_b(R_j) / 254 with a_b the block's absmax, a_b(R_j) <= a_b(g_bar) + sum_i a_b(g_i) / (254 N), and a_b(x) <=
     ||x_b||_2. By Minkowski, ||error|| <= sqrt(B)/254 ((1 + sqrt(B)/254) sum_r ||g_r|| / N + ||g_bar||), with
@@ -181,7 +183,9 @@ def test_every_aggregator_trains(sweep, N, label):
     assert records[-1]["time/aggregate"] > 0
     errors = [r["agg/rel_error_max"] for r in records]
     names = tiny_parameter_names()
-    for r in records:  # per tensor (train/tensor_errors.py): every tensor has its figure, and the worst tensor's
+    for r in (
+        records
+    ):  # per tensor (train/aggregation/tensor_errors.py): every tensor has its figure, and the worst tensor's
         # error/noise is never below the whole gradient's (a sum of ratios' numerators over denominators)
         tensors = {k.removeprefix("tensor/"): v for k, v in r.items() if k.startswith("tensor/")}
         assert set(tensors) == names and r["agg/worst_tensor"] in names

@@ -385,7 +385,7 @@ def test_non_finite_gradients_skip_the_step(tmp_path):
     (A small local corpus: the step does not depend on the text, and it needs no embedded token cache.)"""
     import torch.distributed as dist
 
-    from train.build_aggregator import build_aggregator
+    from train.aggregation.build import build_aggregator
     from train.loop import Trainer
     from train.model import build_model
     from train.schedule import build_scheduler

@@ -1,8 +1,8 @@
 """CERAR over 16-bit messages: the rounding the wire adds, and the rule that admits a code on a 16-bit wire.
 
-The rule (``cerar.precision.admissible_kappa``) admits a code while the rounding its messages add on the wire,
+The rule (``cerar.ring.precision.admissible_kappa``) admits a code while the rounding its messages add on the wire,
 on Gaussian gradients, does not exceed the code's own error on them (``code.predicted_error()``). The package
-measures that rounding with its own simulator (``cerar.precision.expected_rounding``). Here it is measured
+measures that rounding with its own simulator (``cerar.ring.precision.expected_rounding``). Here it is measured
 again, independently: the spec's protocol in float64 (tests/spec_reference.py) with every message delivered as
 a 16-bit wire would deliver it, the wire written here from the format (scale the block by a power of two so that
 its largest magnitude lies in [2^14, 2^15), round to the 16-bit format, scale back)."""
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cerar
-from cerar.precision import admissible_kappa, check_admissible, expected_rounding
+from cerar.ring.precision import admissible_kappa, check_admissible, expected_rounding
 from tests.spec_reference import spec_all_reduce, spec_matrices
 
 COLUMNS = 256
@@ -81,7 +81,7 @@ def test_the_16_bit_defaults_are_admitted_where_the_codes_have_error_and_sit_nea
         for c in (N + 1, 2 * N):
             for transport in ("float16", "bfloat16"):
                 code = cerar.make_code(N, c, "optimized", kappa_max=cerar.default_kappa_max(transport))
-                check_admissible(code, torch.float32, cerar.wire.transport_dtype(transport))
+                check_admissible(code, torch.float32, cerar.formats.wire.transport_dtype(transport))
 
     def total(kappa_max):
         code = cerar.make_code(4, 5, "optimized", kappa_max=kappa_max)
@@ -95,12 +95,13 @@ def test_the_16_bit_defaults_are_admitted_where_the_codes_have_error_and_sit_nea
 @pytest.mark.quick
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_the_wire_writes_the_format_byte_for_byte(dtype):
-    """cerar.wire's encode (on a CPU its k is found on the host, issue 35) and its eager reference write what the
+    """cerar.formats.wire's encode (on a CPU its k is found on the host, issue 35) and its eager reference write what
+    the
     format says, computed here in float64: k = clamp(15 - e, +-126) where 2^(e-1) <= max|x| < 2^e (e = 0 for a
     block of zeros), then x 2^k rounded once to the wire dtype (x 2^k is exact in float32 for these blocks, so
     rounding it from float64 is rounding it from float32); blocks across float32's range, subnormal peaks,
     zeros, values at fp16's largest; decoding gives back x~ = wire value x 2^-k."""
-    from cerar.wire import Wire
+    from cerar.formats.wire import Wire
 
     wire = Wire(dtype)
     g = torch.Generator().manual_seed(5)

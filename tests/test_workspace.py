@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import cerar
-from cerar.precision import rounding_bound
-from cerar.workspace import WorkspacePool
+from cerar.ring.precision import rounding_bound
+from cerar.ring.workspace import WorkspacePool
 from tests.distributed import run_workers
 
 PAGE = resource.getpagesize()
@@ -23,7 +23,7 @@ def _minor_faults() -> int:
 
 
 def _reuse_worker(rank, N, c, d):
-    from cerar.workspace import POOL
+    from cerar.ring.workspace import POOL
 
     code = cerar.make_code(N, c, "optimized")
     G = torch.randn(N, d, generator=torch.Generator().manual_seed(3))

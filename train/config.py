@@ -107,7 +107,7 @@ class AggregatorConfig:
     ring (cerar's exact ring), cerar (coded approximate ring), powersgd, fp16, bf16; on nodes of several
     ranks, hier_cerar (cerar.hierarchical: exact inside each node, CERAR with a code for the nodes between
     them) and hier_ring (the same tiers with the exact ring between the nodes).
-    int8 (cerar.quantized: 8-bit messages, one float32 scale per `block` values, every rank the same
+    int8 (cerar.int8.all_reduce: 8-bit messages, one float32 scale per `block` values, every rank the same
     result) and hier_int8 (exact inside each node, int8 between the nodes).
     """
 
@@ -118,7 +118,8 @@ class AggregatorConfig:
     kappa_max: float | None = None
     powersgd_rank: int = 1
     powersgd_start_iter: int = 2
-    # c=auto (cerar, overlap=false; train/auto_c.py): the c with the fewest bytes whose worst-rank error on the
+    # c=auto (cerar, overlap=false; train/aggregation/auto_c.py): the c with the fewest bytes whose worst-rank error
+    # on the
     # run's own gradients is at most error_budget x the SGD noise of the averaged gradient. Chosen at step
     # auto_warmup_steps (exact aggregation, c=N, until then), re-checked every auto_check_every steps (0: never),
     # moving only to smaller c. Candidates: auto_candidates, or null: every c in (N, 4N] that saves bytes and is
@@ -134,24 +135,25 @@ class AggregatorConfig:
     # the same d bytes per node and add its error) unless coded_on_two_nodes=true.
     local_size: int | None = None
     coded_on_two_nodes: bool = False
-    # int8 / hier_int8 (cerar.quantized, docs/int8.md): values per float32 scale of the 8-bit messages (>= 1);
+    # int8 / hier_int8 (cerar.int8.all_reduce, docs/int8.md): values per float32 scale of the 8-bit messages (>= 1);
     # 128: the scales cost 3% of the int8 payload, the messages 0.258 of float32's bytes
     block: int = 128
-    # cerar, ring, hier_cerar, hier_ring: the dtype their messages travel in (cerar.wire; docs/cerar-16bit.md):
+    # cerar, ring, hier_cerar, hier_ring: the dtype their messages travel in (cerar.formats.wire; docs/cerar-16bit.md):
     # float32, or float16 / bfloat16: 16-bit messages (each with a power-of-two scale), float32 arithmetic.
     # With 16 bits, kappa_max null means cerar.default_kappa_max(transport), and the code must be admissible.
     transport: str = "float32"
     # cerar, hier_cerar (and aggregator=auto's CERAR candidates): scale each parameter tensor to a common root mean
-    # square by powers of two agreed across ranks before coding, and back after (cerar.equilibrate), so that each
+    # square by powers of two agreed across ranks before coding, and back after (cerar.ring.equilibrate), so that each
     # tensor's error is relative to its own size: CERAR mixes the components of a column, and a tensor 100x smaller
     # than its column-mates otherwise takes 100x its share (issue 33). false: one scale for all, as before.
     equilibrate: bool = True
     # int8 / hier_int8 / 16-bit transport (and aggregator=auto, whose candidates use both): compile the fused
-    # quantize and 16-bit encode kernels (cerar.fused, docs/arithmetic.md) at start, before the process group,
+    # quantize and 16-bit encode kernels (cerar.formats.fused, docs/arithmetic.md) at start, before the process group,
     # and use them where they match the eager reference byte for byte; false, or CERAR_FUSED=0: the eager
     # arithmetic. Compiling takes seconds from inductor's cache, minutes the first time on a small CPU (said).
     fused: bool = True
-    # auto (train/auto_aggregator.py, docs/auto.md): the fastest candidate whose worst-rank error on the run's own
+    # auto (train/aggregation/auto_aggregator.py, docs/auto.md): the fastest candidate whose worst-rank error on the
+    # run's own
     # gradients is at most error_budget x the noise, on the links measured at start (or declared in auto_links:
     # intra_alpha_s, intra_gbit_s, inter_alpha_s, inter_gbit_s, memory_gbyte_s, nics_per_node); warm-up, checks
     # and sample as c=auto's fields above. auto_aggregators: the candidate families to keep (null: all;
@@ -240,16 +242,16 @@ AGGREGATOR_KINDS = ("nccl", "ring", "cerar", "powersgd", "fp16", "bf16", "hier_c
 HIERARCHICAL_KINDS = ("hier_cerar", "hier_ring")
 HIERARCHICAL_FIELDS = ("local_size", "coded_on_two_nodes")  # in a run's identity only for the hierarchical kinds
 HOOK_ONLY_AGGREGATORS = ("powersgd",)
-AUTO_C = "auto"  # c=auto: train/auto_c.py
+AUTO_C = "auto"  # c=auto: train/aggregation/auto_c.py
 AUTO_C_FIELDS = ("error_budget", "auto_warmup_steps", "auto_check_every", "auto_candidates", "auto_sample_values")
 CERAR_CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
 TRANSPORT_KINDS = ("ring", "cerar", "hier_cerar", "hier_ring")  # the aggregators that take aggregator.transport
-TRANSPORT_DTYPES = ("float32", "float16", "bfloat16")  # cerar.wire.TRANSPORTS
+TRANSPORT_DTYPES = ("float32", "float16", "bfloat16")  # cerar.formats.wire.TRANSPORTS
 PRESET_TRANSPORTS = {"hier_fp16": "float16", "hier_bf16": "bfloat16"}  # presets whose name says their transport
 DATA_KINDS = ("embedded", "pile", "local")
 INIT_METHODS = ("small_init", "wang_init", "normal")  # GPT-NeoX's names (init_functions.py); train/model.py
 
-# The 8-bit all-reduce (cerar.quantized, issue 25): int8 flat, hier_int8 on the two tiers (layout as hier_ring)
+# The 8-bit all-reduce (cerar.int8.all_reduce, issue 25): int8 flat, hier_int8 on the two tiers (layout as hier_ring)
 QUANTIZED_KINDS = ("int8", "hier_int8")
 QUANTIZED_FIELDS = ("block",)  # in a run's identity only for the quantized kinds (older runs' identities unchanged)
 AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, *QUANTIZED_KINDS)
@@ -260,7 +262,7 @@ AUTO_KIND = "auto"
 # in a run's identity only for aggregator=auto
 FAMILIES = ("ring16", "int8", "cerar", "cerar16", "hier_ring16", "hier_int8", "hier_cerar", "hier_cerar16")
 """What aggregator.auto_aggregators may keep: the cost model's names of aggregator=auto's candidate families
-(train/auto_choice.py builds them; the exact ones are always kept)."""
+(train/aggregation/auto_choice.py builds them; the exact ones are always kept)."""
 
 AUTO_FIELDS = ("auto_aggregators", "auto_links", "auto_trials", "auto_trial_calls")
 EQUILIBRATE_KINDS = ("cerar", "hier_cerar", "auto")  # the aggregators aggregator.equilibrate acts on
@@ -438,14 +440,16 @@ def code_kappa_max(a, transport: str | None = None) -> float | None:
 
 def checked_code(a, N: int, c: int):
     """cerar.make_code for the aggregator, refused (ValueError) where its transport cannot carry it
-    (cerar.precision.check_admissible: the derived rule)."""
+    (cerar.ring.precision.check_admissible: the derived rule)."""
     import torch
 
     import cerar
-    from cerar.precision import check_admissible
+    from cerar.ring.precision import check_admissible
 
     code = cerar.make_code(N, c, construction=a.construction, eps=a.eps, kappa_max=code_kappa_max(a))
-    check_admissible(code, torch.float32, cerar.wire.transport_dtype(a.transport), what=f"transport={a.transport}")
+    check_admissible(
+        code, torch.float32, cerar.formats.wire.transport_dtype(a.transport), what=f"transport={a.transport}"
+    )
     return code
 
 
@@ -496,13 +500,13 @@ def _validate_auto_aggregator(cfg) -> None:
 
 def _validate_cerar_code(cfg, world_size: int) -> None:
     """Let cerar judge (N, c, construction, eps, kappa_max) before any process group starts; for c=auto, every
-    candidate (train/auto_c.py)."""
+    candidate (train/aggregation/auto_c.py)."""
     if world_size < 2:
         return  # a single process aggregates nothing
 
     a = cfg.aggregator
     if cfg.c == AUTO_C:
-        from train.auto_c import candidate_codes
+        from train.aggregation.auto_c import candidate_codes
 
         try:
             codes = candidate_codes(world_size, a.construction, a.eps, a.kappa_max, a.auto_candidates)

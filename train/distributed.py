@@ -5,7 +5,7 @@ Backend: NCCL when the job runs on GPUs, gloo on CPU. A plain `python train/main
 The trainer's deadline (`trainer.collective_timeout_s`, T) bounds every host-blocking point of a step
 (`bounded`): each collective is posted with ``async_op=True`` and the host polls ``Work.is_completed()``
 until it completes or T has passed since the post, then calls ``Work.wait()`` (as CERAR's rounds do,
-`cerar.transport._Rounds`). On gloo this is the same bound as gloo's own timeout. On NCCL it is the only
+`cerar.ring.transport._Rounds`). On gloo this is the same bound as gloo's own timeout. On NCCL it is the only
 bound the trainer has before torch's: a collective's ``wait()`` (``WorkNCCL::wait`` -> ``synchronize()``)
 only orders the current stream after the NCCL stream, so without the poll the host would block later,
 in a ``.item()`` or ``torch.cuda.synchronize`` that nothing bounds, until torch's watchdog
@@ -361,7 +361,7 @@ def _abort_quietly() -> None:
 
 
 _deadline = {"timeout_s": 300.0}
-_FIRST_POLL_PAUSE, _LAST_POLL_PAUSE = 20e-6, 2e-4  # s between polls, doubling (cerar.transport's): <= 0.2 ms late
+_FIRST_POLL_PAUSE, _LAST_POLL_PAUSE = 20e-6, 2e-4  # s between polls, doubling (cerar.ring.transport's): <= 0.2 ms late
 
 
 def set_deadline(timeout_s: float) -> None:

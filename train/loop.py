@@ -20,19 +20,19 @@ says which; docs/cerar-16bit.md):
   ||g_hat_r - g_bar|| / ||g_bar|| against an exact all-reduce, beside the SGD noise the step already
   carries: `noise/rel_std_mean`, the estimated standard deviation of the averaged gradient g_bar
   around its expectation, sqrt(sum_r ||g_r - g_bar||^2 / (N (N-1))) / ||g_bar||; and the same per
-  parameter tensor, as Adam sees it (train/tensor_errors.py): `tensor/<name>`, each tensor's error against
-  its own noise (worst rank), `agg/tensor_error_to_noise_max` and `agg/worst_tensor` (the worst of them and
+  parameter tensor, as Adam sees it (train/aggregation/tensor_errors.py): `tensor/<name>`, each tensor's error
+  against its own noise (worst rank), `agg/tensor_error_to_noise_max` and `agg/worst_tensor` (the worst of them and
   its name), `agg/tensor_rel_error_max`, and `agg/tensor_error_to_adam_max`, the worst tensor's error
   against the root of Adam's second moment.
 
-c=auto (train/auto_c.py): at its checks, before aggregating, `measure_auto_c` measures each tensor's noise and each
-candidate code's worst rank's worst tensor's error against it on the step's own gradients, and the aggregator
-switches to the code the decision names for this step on; every step logs `auto_c/c`, the c it aggregated with, and
-a check logs its evidence (`auto_c/noise`, `auto_c/allowed_error`, `auto_c/error_c<c>`, their standard errors) and
-its cost (`time/auto_c`). The choice is checkpointed and restored with the run.
+c=auto (train/aggregation/auto_c.py): at its checks, before aggregating, `measure_auto_c` measures each tensor's
+noise and each candidate code's worst rank's worst tensor's error against it on the step's own gradients, and the
+aggregator switches to the code the decision names for this step on; every step logs `auto_c/c`, the c it aggregated
+with, and a check logs its evidence (`auto_c/noise`, `auto_c/allowed_error`, `auto_c/error_c<c>`, their standard
+errors) and its cost (`time/auto_c`). The choice is checkpointed and restored with the run.
 
-aggregator=auto (train/auto_aggregator.py) the same way, one level up: at its checks `check` measures each
-tensor's noise and every candidate aggregator's worst tensor's error against it and switches to the fastest
+aggregator=auto (train/aggregation/auto_aggregator.py) the same way, one level up: at its checks `check` measures
+each tensor's noise and every candidate aggregator's worst tensor's error against it and switches to the fastest
 that fits; every step logs `auto/choice` and `auto/predicted_s`, a check its evidence (`auto/noise`,
 `auto/error/<candidate>`) and its cost (`time/auto`).
 """
@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
 from train import checkpoint as ckpt
+from train.aggregation.tensor_errors import TensorLayout, per_tensor_figures
 from train.distributed import (
     all_reduce_mean,
     bounded,
@@ -60,7 +61,6 @@ from train.distributed import (
     set_step,
 )
 from train.loss_scale import build_loss_scaler
-from train.tensor_errors import TensorLayout, per_tensor_figures
 
 log = logging.getLogger(__name__)
 
@@ -198,12 +198,13 @@ def measure_auto_c(
     auto_c, local: torch.Tensor, step: int, seed: int, sample_values: int, layout=None, scales=None
 ) -> dict:
     """One c=auto check on this step's per-rank gradients `local` (every rank calls it): each parameter tensor's
-    noise (train/tensor_errors.py, `layout`: the model's tensors, one tensor when None), each candidate's worst
+    noise (train/aggregation/tensor_errors.py, `layout`: the model's tensors, one tensor when None), each candidate's
+    worst
     rank's worst tensor's error against its noise on a seeded `TensorSample` of columns gathered from every
     rank, computed for candidate k by rank k mod N and summed so every rank holds the same numbers, then the
     decision. `scales` (per tensor, the aggregator's equilibration, `tensor_scales`; None: none) are applied as
     the call applies them. Returns the record to log."""
-    from train import tensor_errors as te
+    from train.aggregation import tensor_errors as te
 
     N, rank = dist.get_world_size(), dist.get_rank()
     layout = layout or te.TensorLayout.single(local.numel())
@@ -290,7 +291,8 @@ class Trainer:
         self.rank, self.world_size, self.run_dir, self.overlap = rank, world_size, run_dir, overlap
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.numel = sum(p.numel() for p in self.params)
-        # the parameter tensors, in the flat gradient's order: errors are judged per tensor (train/tensor_errors.py)
+        # the parameter tensors, in the flat gradient's order: errors are judged per tensor
+        # (train/aggregation/tensor_errors.py)
         self.tensors = TensorLayout.of(self.model.named_parameters())
         aggregator.use_tensors(list(self.tensors.sizes))  # those that scale per tensor scale each apart
         self.state = TrainState()
@@ -311,7 +313,7 @@ class Trainer:
         self._val_all: list[torch.Tensor] | None = None
         self.auto_c = None  # c=auto: which CERAR code aggregates, chosen from the run's gradients (auto_c.py)
         if cfg.c == "auto" and cfg.aggregator.kind == "cerar" and world_size > 1:
-            from train.auto_c import build_auto_c
+            from train.aggregation.auto_c import build_auto_c
 
             self.auto_c = build_auto_c(world_size, self.numel, cfg.aggregator)
             aggregator.use_code(self.auto_c.code)
@@ -451,50 +453,79 @@ class Trainer:
         self.scaler.update()
 
     def train_step(self) -> dict:
+        """One optimizer step, as a table of contents: each phase is a method below, timed by `self.timer`."""
+        step = self._begin_step()
+        loss = self._forward_backward()
+        self._maybe_inject_nonfinite(step)
+        record: dict = {"lr": self.scheduler.get_last_lr()[0]}  # the lr this step's update uses
+        if self.overlap:  # DDP's buckets have aggregated during the backward pass (the aggregator's hook)
+            bytes_sent, finite = self._after_hook_aggregation()
+        else:
+            bytes_sent, finite = self._aggregate_flat(step, record)
+        self._optimizer_step(step, finite, record)
+        return self._end_step(step, loss, bytes_sent, record)
+
+    def _begin_step(self) -> int:
+        """The step now starting: timers reset, its number published (error lines, the watchdog), gradients
+        zeroed (flat mode: the one buffer every parameter's gradient views)."""
         self.timer.reset()
         step = self.state.step + 1
         set_step(step)
         if self.grads is not None:
             self.grads.zero_()
-        loss = self._forward_backward()
-        self._maybe_inject_nonfinite(step)
-        record: dict = {"lr": self.scheduler.get_last_lr()[0]}  # the lr this step's update uses
-        measure = (
-            not self.overlap
-            and self.t.measure_error_every > 0
-            and step % self.t.measure_error_every == 0
-            and self.world_size > 1
-        )
-        if self.overlap:
-            bytes_sent = self.aggregator.bytes_sent_by_hook(self.numel)
-            finite = self._grads_finite_everywhere(None)
-            self._rebuild_ddp_buckets()
-        else:
-            flat = self.grads.flat
-            finite = self._grads_finite_everywhere(flat)  # before aggregation
-            bytes_sent = 0
-            if finite:
-                if self.scaler is not None:  # aggregate true gradients, not scaled ones (in place, in flat)
-                    self.scaler.unscale_(self.optimizer)
-                if self.auto_c is not None and self.auto_c.due(step):  # before aggregating: it may switch the code
-                    with self.timer.phase("auto_c"):
-                        a = self.cfg.aggregator
-                        scales = self.aggregator.tensor_scales(flat)  # CERAR's equilibration (None: none)
-                        record.update(measure_auto_c(self.auto_c, flat, step, self.cfg.seed, a.auto_sample_values,
-                                                     self.tensors, scales))  # fmt: skip
-                        self.aggregator.use_code(self.auto_c.code)
-                if self.chooses and self.aggregator.due(step):  # before aggregating: it may switch aggregators
-                    with self.timer.phase("auto"):
-                        record.update(self.aggregator.check(flat, step, self.cfg.seed, self.tensors))
-                local = exact = None
-                if measure:
-                    local, exact = flat.clone(), exact_mean(flat)
-                with self.timer.phase("aggregate"), guarded(f"aggregate ({self.aggregator.name})"):
-                    bytes_sent = self.aggregator.aggregate(flat)
-                if exact is not None:
-                    record.update(error_and_noise(local, flat, exact, self.rank))
-                    record.update(per_tensor_figures(local, flat, exact, self.tensors, self.optimizer, self.params))
-                    record["noise/sequences_per_step"] = self.t.micro_batch_size * self.t.grad_accum * self.world_size
+        return step
+
+    def _after_hook_aggregation(self) -> tuple[int, bool]:
+        """Overlapped mode: the bytes the hook sent, whether the gradients are finite on every rank, and DDP's
+        buckets rebuilt where the aggregator asks (its bucket size depends on the code)."""
+        bytes_sent = self.aggregator.bytes_sent_by_hook(self.numel)
+        finite = self._grads_finite_everywhere(None)
+        self._rebuild_ddp_buckets()
+        return bytes_sent, finite
+
+    def _aggregate_flat(self, step: int, record: dict) -> tuple[int, bool]:
+        """Flat mode: skip everywhere if any rank's gradients are not finite; else unscale (fp16), let the autos
+        choose before aggregating, aggregate the flat gradient in place, and measure the aggregate's error
+        where due. Returns the bytes sent and whether the step may update."""
+        flat = self.grads.flat
+        if not self._grads_finite_everywhere(flat):  # before aggregation
+            return 0, False
+        if self.scaler is not None:  # aggregate true gradients, not scaled ones (in place, in flat)
+            self.scaler.unscale_(self.optimizer)
+        self._choose(step, flat, record)
+        local = exact = None
+        if self._measures_error(step):
+            local, exact = flat.clone(), exact_mean(flat)
+        with self.timer.phase("aggregate"), guarded(f"aggregate ({self.aggregator.name})"):
+            bytes_sent = self.aggregator.aggregate(flat)
+        if exact is not None:
+            record.update(error_and_noise(local, flat, exact, self.rank))
+            record.update(per_tensor_figures(local, flat, exact, self.tensors, self.optimizer, self.params))
+            record["noise/sequences_per_step"] = self.t.micro_batch_size * self.t.grad_accum * self.world_size
+        return bytes_sent, True
+
+    def _choose(self, step: int, flat: torch.Tensor, record: dict) -> None:
+        """c=auto and aggregator=auto, at their checks: measured on this step's gradients before aggregating,
+        since either may switch what aggregates them (train/aggregation/auto_c.py, auto_aggregator.py)."""
+        if self.auto_c is not None and self.auto_c.due(step):
+            with self.timer.phase("auto_c"):
+                a = self.cfg.aggregator
+                scales = self.aggregator.tensor_scales(flat)  # CERAR's equilibration (None: none)
+                record.update(measure_auto_c(self.auto_c, flat, step, self.cfg.seed, a.auto_sample_values,
+                                             self.tensors, scales))  # fmt: skip
+                self.aggregator.use_code(self.auto_c.code)
+        if self.chooses and self.aggregator.due(step):
+            with self.timer.phase("auto"):
+                record.update(self.aggregator.check(flat, step, self.cfg.seed, self.tensors))
+
+    def _measures_error(self, step: int) -> bool:
+        """Whether this step measures its aggregate against an exact all-reduce of the same gradients."""
+        every = self.t.measure_error_every
+        return not self.overlap and every > 0 and step % every == 0 and self.world_size > 1
+
+    def _optimizer_step(self, step: int, finite: bool, record: dict) -> None:
+        """Clip, step and schedule where every rank's gradients were finite; else skip the step on every rank
+        alike (fp16: every rank's scaler backs off)."""
         with self.timer.phase("optimizer"):
             if finite:
                 if self.scaler is not None and self.overlap:
@@ -516,6 +547,9 @@ class Trainer:
                 record["amp/scale"] = self.scaler.get_scale()
             if self.grads is None:
                 self.optimizer.zero_grad(set_to_none=True)
+
+    def _end_step(self, step: int, loss: torch.Tensor, bytes_sent: int, record: dict) -> dict:
+        """The step counted, its phases' seconds collected, and its record: what the loop logs when due."""
         self.timer.collect()  # every collective of the step has passed its bounded wait
         self.state.step = step
         self.state.tokens += self.tokens_per_step
@@ -602,6 +636,8 @@ class Trainer:
         return every > 0 and step % every == 0
 
     def fit(self) -> dict:
+        """Steps to trainer.max_steps (or stop_after_step); after each, as due: drift, resync, the log line with
+        its evaluation, a checkpoint."""
         t, start_wall, start_step = self.t, time.perf_counter(), self.state.step
         bar = None
         if self.rank == 0 and t.progress_bar:
@@ -612,8 +648,7 @@ class Trainer:
         while self.state.step < t.max_steps:
             step_start = time.perf_counter()
             record = self.train_step()
-            step = self.state.step
-            step_seconds = time.perf_counter() - step_start
+            step, step_seconds = self.state.step, time.perf_counter() - step_start
             last = step == t.max_steps
             logged = self._due(t.log_every, step) or last or self._due(t.eval_every, step)
             drift = {}
@@ -622,25 +657,7 @@ class Trainer:
             if self.world_size > 1 and self._due(t.resync_every, step):
                 self.resync_from_exact_rank()
             if logged:
-                set_phase("logging")
-                local_loss = float(record.pop("train_loss_local"))  # the step's one host sync for the loss
-                (train_loss,) = all_reduce_mean([local_loss], self.device, "train-loss all_reduce")
-                out = {"step": step, "train_loss": train_loss}
-                out.update({f"time/{k}": v for k, v in self.timer.seconds.items()})
-                out["time/step"] = step_seconds
-                out["tokens_per_s"] = self.tokens_per_step / step_seconds
-                out.update({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()})
-                out.update(drift)
-                if self._due(t.eval_every, step) or last:
-                    evaluation = self.evaluate()
-                    self.state.last_val_loss = evaluation["val_loss"]
-                    out.update(evaluation)
-                # seconds since this launch's loop began, evaluation included: the wall clock a curve of val_loss
-                # is drawn against (scripts/studies/time_to_loss.py: the time to reach a loss)
-                out["time/wall"] = time.perf_counter() - start_wall
-                if not math.isfinite(train_loss):
-                    log.warning("step %d: train loss is %s", step, train_loss)
-                self.logger.log(out)
+                train_loss = self._log_step(step, record, step_seconds, drift, last, start_wall)
                 if bar is not None:
                     bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
             if self._due(self.cfg.checkpoint.every, step) or (last and self.cfg.checkpoint.at_end):
@@ -658,3 +675,28 @@ class Trainer:
             "wall_seconds": time.perf_counter() - start_wall,
             "steps_this_run": self.state.step - start_step,
         }
+
+    def _log_step(self, step: int, record: dict, step_seconds: float, drift: dict, last: bool, start_wall: float):
+        """One line of metrics.jsonl (and W&B): the mean train loss over the ranks (the step's one host sync for
+        it), the phases' seconds, the step's record and drift, and an evaluation when due. Returns the loss."""
+        t = self.t
+        set_phase("logging")
+        local_loss = float(record.pop("train_loss_local"))
+        (train_loss,) = all_reduce_mean([local_loss], self.device, "train-loss all_reduce")
+        out = {"step": step, "train_loss": train_loss}
+        out.update({f"time/{k}": v for k, v in self.timer.seconds.items()})
+        out["time/step"] = step_seconds
+        out["tokens_per_s"] = self.tokens_per_step / step_seconds
+        out.update({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()})
+        out.update(drift)
+        if self._due(t.eval_every, step) or last:
+            evaluation = self.evaluate()
+            self.state.last_val_loss = evaluation["val_loss"]
+            out.update(evaluation)
+        # seconds since this launch's loop began, evaluation included: the wall clock a curve of val_loss
+        # is drawn against (scripts/studies/time_to_loss.py: the time to reach a loss)
+        out["time/wall"] = time.perf_counter() - start_wall
+        if not math.isfinite(train_loss):
+            log.warning("step %d: train loss is %s", step, train_loss)
+        self.logger.log(out)
+        return train_loss

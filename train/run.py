@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from train import checkpoint as ckpt
 from train import watchdog
-from train.build_aggregator import build_aggregator, enable_fused
+from train.aggregation.build import build_aggregator, enable_fused
 from train.config import (
     ConfigError,
     code_fingerprint,

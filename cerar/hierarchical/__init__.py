@@ -19,8 +19,9 @@ Per node, the bytes between nodes are (1 + (n-2)/c) d against 2 (n-1)/n d for th
 the code pays for c > n and n > 2. On one node the call is exact; on two it runs the exact ring
 between the nodes (both send d) unless ``coded_on_two_nodes=True``; with G = 1 it is flat CERAR.
 
-The 8-bit all-reduce on the rails instead (issue 25): ``hierarchical_quantized_all_reduce(grad, layout,
-op="avg", block=128)``, exact inside each node (module ``quantized``; docs/int8.md).
+The 8-bit all-reduce on the rails instead (issue 25) lives with the other 8-bit collectives:
+``cerar.int8.two_tier.hierarchical_quantized_all_reduce(grad, layout, op="avg", block=128)``, exact inside
+each node on these tiers (docs/int8.md).
 
 Modules, one per tier: ``layout`` (where the ranks sit, the groups of both tiers), ``intra_node``
 (tier 1), ``inter_node`` (tier 2), ``collective`` (the two together), ``hook`` (DDP).
@@ -30,7 +31,6 @@ from cerar.hierarchical.collective import HierarchicalStats, hierarchical_all_re
 from cerar.hierarchical.hook import HierarchicalHookState, hierarchical_hook
 from cerar.hierarchical.inter_node import HierarchicalWarning, method_between_nodes
 from cerar.hierarchical.layout import NodeLayout, TierGroups, new_tier_groups, tier_groups
-from cerar.hierarchical.quantized import hierarchical_quantized_all_reduce
 
 __all__ = [
     "HierarchicalHookState",
@@ -40,7 +40,6 @@ __all__ = [
     "TierGroups",
     "hierarchical_all_reduce",
     "hierarchical_hook",
-    "hierarchical_quantized_all_reduce",
     "hierarchical_ring_all_reduce",
     "method_between_nodes",
     "new_tier_groups",

@@ -37,15 +37,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cerar.checks import _check_op, _check_tensor, check_agreement, check_coded_call, check_transport
-from cerar.codes import Code
+from cerar.coding.codes import Code
+from cerar.formats.wire import transport_name, wire_for
 from cerar.hierarchical.inter_node import RAIL_METHODS, rail_method, reduce_on_rail
 from cerar.hierarchical.intra_node import all_gather, reduce_scatter
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups, tier_groups
-from cerar.protocol import PROTOCOL_VERSION, AllReduceStats, as_equal_shards
-from cerar.rounds import DEFAULT_STORAGE, PhaseTimer
-from cerar.transport import _as_timedelta, _Ring, _Rounds
-from cerar.wire import transport_name, wire_for
+from cerar.ring.checks import _check_op, _check_tensor, check_agreement, check_coded_call, check_transport
+from cerar.ring.protocol import PROTOCOL_VERSION, AllReduceStats, as_equal_shards
+from cerar.ring.rounds import DEFAULT_STORAGE, PhaseTimer
+from cerar.ring.transport import _as_timedelta, _Ring, _Rounds
 
 
 @dataclass
@@ -106,7 +106,7 @@ def hierarchical_all_reduce(
     what ran. Raises ValueError for bad input and CollectiveError when a peer fails, stalls past the
     timeout, or disagrees on the layout, the code, the op, the length or the transport (on every rank).
 
-    ``transport``: the wire dtype of BOTH tiers (``cerar.wire``): "float32" (default), "float16" or
+    ``transport``: the wire dtype of BOTH tiers (``cerar.formats.wire``): "float32" (default), "float16" or
     "bfloat16": every block inside the node and on the rail travels cast (with its power-of-two
     scale), sums and coding in float32; the code must be admissible on it."""
     operation = "cerar.hierarchical_all_reduce"
@@ -140,7 +140,7 @@ def hierarchical_ring_all_reduce(
     the exact ring (``cerar.ring_all_reduce``) on the rails, all-gather inside each node. The
     baseline hierarchical CERAR is measured against. Arguments as for ``hierarchical_all_reduce``.
     With a 16-bit ``transport`` it is the 16-bit exact hierarchy: every rank ends with the same
-    bits, within ``cerar.precision.sum_rounding_bound(N, float32, wire)`` of the exact sum."""
+    bits, within ``cerar.ring.precision.sum_rounding_bound(N, float32, wire)`` of the exact sum."""
     operation = "cerar.hierarchical_ring_all_reduce"
     _check_tensor(tensor, operation)
     _check_op(op, operation)
@@ -216,7 +216,7 @@ def run_tiers(
     rail method: ``on_rail(shard)`` all-reduces one shard in place over this rank's rail and returns its
     ``AllReduceStats``. With G = 1 the rail is every rank in rank order and ``on_rail`` gets the whole tensor.
     Fills ``stats.inter_node`` (the rail's) and ``stats.intra_node`` (the two exact tiers inside the node, their
-    messages on ``wire``: None for float32, or a 16-bit ``cerar.wire.Wire``)."""
+    messages on ``wire``: None for float32, or a 16-bit ``cerar.formats.wire.Wire``)."""
     G, d = groups.layout.local_size, tensor.numel()
     if G == 1:  # nothing inside a node: the rail is every rank in rank order, the call the flat one
         stats.inter_node = on_rail(tensor)

@@ -11,7 +11,7 @@ the hook's thread. Its messages travel on process groups of its own (``new_tier_
 the state is created: a collective call on every rank), so they never mix with the collectives
 other threads issue meanwhile. ``last_stats`` collects each bucket's ``HierarchicalStats``. With
 ``equilibrate=True`` a coded bucket's parameter tensors are first scaled to a common root mean square by
-powers of two agreed over every rank and unscaled after (``cerar.equilibrate``, as the flat hook does;
+powers of two agreed over every rank and unscaled after (``cerar.ring.equilibrate``, as the flat hook does;
 the scales' all-reduce is counted in ``inter_node.bytes_sent``: it spans every rank).
 """
 
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cerar.codes import Code, make_code
+from cerar.coding.codes import Code, make_code
 from cerar.ddp import CerarHookState, bucket_sizes
-from cerar.equilibrate import equilibrated
+from cerar.formats.wire import transport_name
 from cerar.hierarchical.collective import HierarchicalStats, hierarchical_all_reduce, hierarchical_ring_all_reduce
 from cerar.hierarchical.layout import NodeLayout, TierGroups, new_tier_groups
-from cerar.transport import _as_timedelta
-from cerar.wire import transport_name
+from cerar.ring.equilibrate import equilibrated
+from cerar.ring.transport import _as_timedelta
 
 
 @dataclass

@@ -19,9 +19,9 @@ import warnings
 
 import torch
 
-from cerar.codes import Code
-from cerar.protocol import AllReduceStats, all_reduce, ring_all_reduce
-from cerar.transport import CollectiveError
+from cerar.coding.codes import Code
+from cerar.ring.protocol import AllReduceStats, all_reduce, ring_all_reduce
+from cerar.ring.transport import CollectiveError
 
 RAIL_METHODS = ("cerar", "exact ring", "none")
 

@@ -4,7 +4,7 @@ The node's vector is padded to G shards of s = ceil(d/G) values, ``shards`` [G, 
 keeps shard i: after ``reduce_scatter`` it holds the node's sum of shard i (the G ranks' shards
 added in ring order), and ``all_gather`` then hands every rank every shard. Each is G - 1 rounds of
 one shard to the next local rank and one from the previous, driven by cerar's round driver
-(``cerar.transport._Rounds`` on the node's ``_Ring``), as ``cerar.ring_all_reduce`` is: the same
+(``cerar.ring.transport._Rounds`` on the node's ``_Ring``), as ``cerar.ring_all_reduce`` is: the same
 per-round deadlines, byte counts and backends' contracts (gloo: the host waits for each round; NCCL:
 the rounds and the additions are ordered on the CUDA streams, the host polls a round now and then
 and the last one). The caller ends each tier with ``rounds.finish()``.
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from cerar.rounds import PhaseTimer
-from cerar.transport import _Rounds
+from cerar.ring.rounds import PhaseTimer
+from cerar.ring.transport import _Rounds
 
 
 def reduce_scatter(shards: torch.Tensor, rounds: _Rounds, incoming: torch.Tensor, timer: PhaseTimer) -> None:

@@ -28,8 +28,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from cerar.checks import check_agreement
-from cerar.transport import _as_timedelta, _Ring
+from cerar.ring.checks import check_agreement
+from cerar.ring.transport import _as_timedelta, _Ring
 
 LAYOUT_VERSION = 1
 """Bumped whenever the tiers' rounds or the shard assignment change: ranks of different versions refuse to mix."""

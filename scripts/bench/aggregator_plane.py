@@ -11,7 +11,7 @@ all-reduce; every `--every` steps each rank's real gradient g_r is averaged by e
 hier_int8 on nodes of 2 ranks, the exact ring and CERAR over float16/bfloat16 messages, the 16-bit exact
 hierarchy on nodes of 2 ranks) from the same starting point, and the result
 is compared with the exact mean g_bar: error = max over ranks of ||g_hat_r - g_bar|| / ||g_bar||, and per
-parameter tensor, as Adam sees it (train/tensor_errors.py): each tensor's error against its own SGD noise,
+parameter tensor, as Adam sees it (train/aggregation/tensor_errors.py): each tensor's error against its own SGD noise,
 rho_t = ||g_hat_r,t - g_bar_t|| / sigma_t, worst rank.
 PowerSGD exists only as a DDP hook with error feedback, so it is measured in a second pass that
 trains with it, comparing the hook's result with an exact all-reduce of the same step's gradients.
@@ -52,12 +52,13 @@ FLAT_SETTINGS = [  # (label, overrides)
     ],
     ("cerar_exact_c4", ["aggregator=cerar", "aggregator.construction=exact", "c=4"]),
 ]
-# issue 25: the 8-bit all-reduce (cerar.quantized) at three block sizes, and on two tiers of 2 ranks per node
+# issue 25: the 8-bit all-reduce (cerar.int8.all_reduce) at three block sizes, and on two tiers of 2 ranks per node
 FLAT_SETTINGS += [
     *[(f"int8_b{block}", ["aggregator=int8", f"aggregator.block={block}"]) for block in (64, 128, 256)],
     ("hier_int8_g2", ["aggregator=hier_int8", "aggregator.local_size=2"]),
 ]
-# issue 25: 16-bit messages with float32 arithmetic (cerar.wire): the exact ring, CERAR at c = N+1, N+2, 2N and 4N on
+# issue 25: 16-bit messages with float32 arithmetic (cerar.formats.wire): the exact ring, CERAR at c = N+1, N+2, 2N
+# and 4N on
 # N=4 (codes the 16-bit rule refuses are skipped and named), and the 16-bit exact hierarchy on nodes of 2 ranks
 FLAT_SETTINGS += [
     *[
@@ -94,8 +95,8 @@ def worst_error(aggregated: torch.Tensor, exact: torch.Tensor) -> float:
 
 
 def tensor_ratios(local: torch.Tensor, aggregated: torch.Tensor, exact: torch.Tensor, layout) -> dict[str, float]:
-    """Each parameter tensor's error against its own noise, worst rank (train/tensor_errors.py)."""
-    from train.tensor_errors import per_tensor_figures
+    """Each parameter tensor's error against its own noise, worst rank (train/aggregation/tensor_errors.py)."""
+    from train.aggregation.tensor_errors import per_tensor_figures
 
     figures = per_tensor_figures(local, aggregated, exact, layout)
     return {name: figures[f"tensor/{name}"] for name in layout.names}
@@ -113,11 +114,11 @@ def flat_gradient(model) -> torch.Tensor:
 
 def measure_flat(steps: int, every: int) -> tuple[dict[str, list], dict[str, int]]:
     """Train with exact all-reduce; every `every` steps run every flat aggregator on the same gradients."""
-    from train.build_aggregator import build_aggregator
+    from train.aggregation.build import build_aggregator
+    from train.aggregation.tensor_errors import TensorLayout
     from train.data import build_data
     from train.loop import lm_loss
     from train.model import build_model
-    from train.tensor_errors import TensorLayout
 
     N, rank = dist.get_world_size(), dist.get_rank()
     cfg = compose([])
@@ -160,10 +161,10 @@ def measure_powersgd(steps: int, every: int) -> list:
     """Train under torch's PowerSGD hook; every `every` steps compare its result with the exact mean."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
+    from train.aggregation.tensor_errors import TensorLayout
     from train.data import build_data
     from train.loop import lm_loss
     from train.model import build_model
-    from train.tensor_errors import TensorLayout
 
     N, rank = dist.get_world_size(), dist.get_rank()
     cfg = compose(["aggregator=powersgd"])

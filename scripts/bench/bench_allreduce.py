@@ -10,7 +10,7 @@ For every N in ``--n``, every tensor size in ``--sizes-mb`` and every aggregator
 * ``ring``  -- ``cerar.ring_all_reduce``, the exact ring on the same transport as CERAR;
 * ``cerar`` -- ``cerar.all_reduce`` for each construction in ``--constructions``, each c in
   ``--c-mult`` x N (combinations the construction rejects are skipped and logged) and each
-  storage choice in ``--storages`` (``cerar.rounds.STORAGE_CHOICES``),
+  storage choice in ``--storages`` (``cerar.ring.rounds.STORAGE_CHOICES``),
 
 it times one float32 all-reduce across N real processes: ``--warmup`` untimed runs, then
 ``--repeats`` repeats in which the aggregators run *interleaved* (order rotated every repeat) so
@@ -27,11 +27,11 @@ LOCAL_WORLD_SIZE, node-major ranks), and adds the hierarchical aggregators of ``
 * ``hier_cerar``  -- ``hierarchical_all_reduce``, CERAR on the rails with a code for the n = N/G
   hosts, for each construction and each c in ``--hier-c`` (default ``--c-mult`` x n);
 * ``hier_ring16`` -- ``hier_ring`` with ``--half-dtype`` messages on both tiers: the library's 16-bit
-  exact hierarchy (``transport=``, ``cerar.wire``: each block cast with its power-of-two scale, one
+  exact hierarchy (``transport=``, ``cerar.formats.wire``: each block cast with its power-of-two scale, one
   2-byte scale per message, sums in float32; the trainer's ``aggregator=hier_fp16`` / ``hier_bf16``):
   the peer to beat on bytes.
 
-The 8-bit all-reduce (issue 25, ``cerar.quantized``; ``--int8-block`` values per float32 scale, default
+The 8-bit all-reduce (issue 25, ``cerar.int8.all_reduce``; ``--int8-block`` values per float32 scale, default
 128, recorded in ``int8_block``): ``int8`` flat (any ``--ranks-per-host``), and ``hier_int8``, exact
 inside each host and int8 on the rails. Their quantize/dequantize passes are in the time.
 
@@ -49,7 +49,7 @@ the lab jumbo frames (rows: ``where`` = ``lab-mtu9000``): fewer packets for the 
 where many ranks share few cores.
 
 Why: to measure whether CERAR's smaller byte count (L*m values instead of 2(N-1)ceil(d/N)) beats
-its extra rounds and encode/decode arithmetic, and to feed ``cerar/costmodel.py``.
+its extra rounds and encode/decode arithmetic, and to feed ``cerar/planning/costmodel.py``.
 
 Before and after: ``--code-dir DIR`` imports ``cerar`` from another checkout (e.g. a git worktree
 of an older commit) instead of this one; the rows record that checkout's commit in ``code_commit``,

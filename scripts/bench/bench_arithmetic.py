@@ -11,11 +11,12 @@ work, wall-clock intervals of a millisecond mostly measure who else was schedule
 the slices another process took (their traffic through the shared cache and memory still shows).
 
 Rows: the 8-bit format's quantize (nearest and stochastic), dequantize and dequantize-add
-(``cerar.int8_blocks``), the 16-bit wire's encode, decode and round trip (``cerar.wire``), one rank's CERAR
-arithmetic per round (``cerar.rounds``, N=4, c=8, over float32 and float16 messages: the encoding and
+(``cerar.formats.int8_blocks``), the 16-bit wire's encode, decode and round trip (``cerar.formats.wire``), one rank's
+CERAR
+arithmetic per round (``cerar.ring.rounds``, N=4, c=8, over float32 and float16 messages: the encoding and
 decoding products and the per-round additions, plus the wire's casts), the exact ring's addition and the
 two tiers' divide and copy. Variants: ``before`` (the eager code as of commit f2c0f42, kept here),
-``eager`` (today's eager reference) and ``fused`` (``cerar.fused``, torch.compile). Every fused row is
+``eager`` (today's eager reference) and ``fused`` (``cerar.formats.fused``, torch.compile). Every fused row is
 first checked byte for byte against the eager one.
 
 Projected GPU column: the bytes each operation moves per value (the eager ones counted on the dispatched
@@ -46,9 +47,9 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cerar import fused  # noqa: E402
-from cerar import int8_blocks as q8  # noqa: E402
-from cerar.wire import Wire  # noqa: E402
+from cerar.formats import fused  # noqa: E402
+from cerar.formats import int8_blocks as q8  # noqa: E402
+from cerar.formats.wire import Wire  # noqa: E402
 
 FIELDS = ["family", "operation", "variant", "ratio_to_copy", "ratio_p10", "ratio_p90", "ms", "copy_ms",
           "bytes_per_value", "gpu_ratio", "gpu_us", "note"]  # fmt: skip
@@ -73,7 +74,7 @@ def quantize_before(message, x, block):
 
 
 def encode_before(block, out):
-    from cerar.wire import K_LIMIT, TARGET_EXPONENT, _power_of_two
+    from cerar.formats.wire import K_LIMIT, TARGET_EXPONENT, _power_of_two
 
     _, e = torch.frexp(block.abs().amax())
     k = (TARGET_EXPONENT - e).clamp_(-K_LIMIT, K_LIMIT)
@@ -82,7 +83,7 @@ def encode_before(block, out):
 
 
 def decode_before(message, out):
-    from cerar.wire import _power_of_two
+    from cerar.formats.wire import _power_of_two
 
     k = message[0].to(torch.int32)
     out.copy_(message[1:])
@@ -206,8 +207,8 @@ def cerar_call(d: int, N: int, c: int, transport: str | None):
     encoding, every round's additions and the decoding products, and with a 16-bit wire the encode of
     each message sent and the decode of each received. Returns (run, rounds)."""
     import cerar
-    from cerar.matrices import device_matrices
-    from cerar.rounds import CodedRingRank
+    from cerar.coding.matrices import device_matrices
+    from cerar.ring.rounds import CodedRingRank
 
     code = cerar.make_code(N, c, "optimized", kappa_max=cerar.default_kappa_max(transport or "float32"))
     m = code.m_for(d)
@@ -401,7 +402,7 @@ def write_md(args, table, n, copy_ms, copy_gpu_us, before, after, compile_second
     ]
     if compile_seconds:
         lines += [
-            "Compiling the fused kernels (`cerar.fused.enable`, torch.compile, dynamic shapes; the cache "
+            "Compiling the fused kernels (`cerar.formats.fused.enable`, torch.compile, dynamic shapes; the cache "
             f"`TORCHINDUCTOR_CACHE_DIR`={os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(default)')}): "
             + ", ".join(f"{k} {v:.1f} s" for k, v in compile_seconds.items())
             + ".",

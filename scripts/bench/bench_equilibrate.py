@@ -1,4 +1,4 @@
-"""What CERAR's per-tensor equilibration (`cerar.equilibrate`, aggregator.equilibrate) costs and buys, on fp32 and
+"""What CERAR's per-tensor equilibration (`cerar.ring.equilibrate`, aggregator.equilibrate) costs and buys, on fp32 and
 fp16 messages: N gloo ranks on this machine, model=tiny's parameter tensors (their sizes, in the flat gradient's
 order), each rank's gradient Gaussian with a per-tensor scale drawn log-uniform over [1e-4, 1] (the spread of a
 transformer's weights, biases and norm gains), the same draw on every call.
@@ -57,7 +57,7 @@ def _worker(rank: int, N: int, port: int, sizes: list[int], calls: int, queue) -
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=N)
-    from train.aggregation import CerarAggregator
+    from train.aggregation.aggregators import CerarAggregator
 
     g = torch.from_numpy(gradients(sizes, N)[rank]).float()
     out = {}
@@ -96,7 +96,7 @@ def measure(N: int, calls: int) -> tuple[list[int], dict]:
 def local_passes(sizes: list[int], repeats: int = 20) -> float:
     """The fastest of `repeats` runs of equilibration's own arithmetic on one rank, in seconds: the T norms, the
     scaling and the unscaling of the gradient (the scales' all-reduce of T values aside)."""
-    from cerar.equilibrate import apply_scales, scales_from, segment_statistics
+    from cerar.ring.equilibrate import apply_scales, scales_from, segment_statistics
 
     torch.set_num_threads(1)
     flat = torch.from_numpy(gradients(sizes, 1)[0]).float()

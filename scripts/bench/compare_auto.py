@@ -4,7 +4,8 @@
 What
 ----
 One launch (``train/sweep.py``: one process group, the runs one after another) trains the same short job under
-``aggregator=auto`` and under each of auto's candidates fixed (the names ``train.auto_choice.candidates`` gives
+``aggregator=auto`` and under each of auto's candidates fixed (the names ``train.aggregation.auto_choice.candidates``
+gives
 for the layout, so the two lists cannot drift apart), seed-major with the order rotated per seed. Where:
 
 - ``--where loopback``: ``torchrun --standalone --nproc_per_node=N`` on this machine (fast links, one node);
@@ -57,7 +58,8 @@ COLUMNS = [
 
 
 def candidate_overrides(cand) -> list[str]:
-    """The fixed run of one auto candidate (train.auto_choice.Candidate): its aggregator, c and transport."""
+    """The fixed run of one auto candidate (train.aggregation.auto_choice.Candidate): its aggregator, c and
+    transport."""
     kind = {"nccl": "nccl", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "cerar": "cerar",
             "hier_ring": "hier_ring", "hier_cerar": "hier_cerar", "hier_int8": "hier_int8"}[cand.kind]  # fmt: skip
     out = [f"aggregator={kind}"]
@@ -72,7 +74,7 @@ def settings_for(args) -> dict[str, list[str]]:
     """name -> overrides: auto, then each of its candidates on this layout (composed as the runs will be)."""
     from hydra import compose, initialize_config_dir
 
-    from train.auto_choice import candidates
+    from train.aggregation.auto_choice import candidates
     from train.config import register_configs
 
     register_configs()
@@ -183,7 +185,7 @@ def run_all(args) -> int:
 def place_summary(rows: list[dict]) -> dict:
     """One place's comparison (rows of one where/shape/rate): auto's choice and seconds against the fastest
     fixed candidate whose error fits by auto's own measurement, per seed and over the seeds."""
-    from train.auto_choice import fastest_within
+    from train.aggregation.auto_choice import fastest_within
 
     by_seed: dict[str, dict[str, dict]] = {}
     for r in rows:

@@ -36,7 +36,7 @@ FAULTS = [
     ),
     Fault(
         name="rounding-bound-x100",
-        file="cerar/precision.py",
+        file="cerar/ring/precision.py",
         original="    return max(float(code.kappa), 1.0) * unit_roundoff(dtype) * (math.sqrt(code.c + code.L) + code.N)",
         replacement="    return 100 * max(float(code.kappa), 1.0) * unit_roundoff(dtype) * (math.sqrt(code.c + code.L) + code.N)",
         tests=("tests/test_precision.py -k rounding_bound",),
@@ -54,7 +54,7 @@ FAULTS = [
     ),
     Fault(
         name="choose-largest-c",
-        file="train/auto_c.py",
+        file="train/aggregation/auto_c.py",
         original="        return min(fits, key=lambda c: (bytes_by_c[c], error(c), c))",
         replacement="        return max(fits)",
         tests=("tests/test_auto_c.py::test_choose_c_takes_the_fewest_bytes_where_padding_makes_them_rise_with_c",),
@@ -63,7 +63,7 @@ FAULTS = [
     ),
     Fault(
         name="recheck-ignores-budget",
-        file="train/auto_c.py",
+        file="train/aggregation/auto_c.py",
         original="        elif bound.get(before, math.inf) <= allowed:",
         replacement="        elif bound.get(before, math.inf) <= noise:",
         tests=("tests/test_auto_c.py::test_recheck_moves_to_a_smaller_c_on_every_rank_at_the_same_step",),
@@ -87,7 +87,7 @@ FAULTS = [
     ),
     Fault(
         name="look-behind-poll-dropped",
-        file="cerar/transport.py",
+        file="cerar/ring/transport.py",
         original="            if self.posts % self.contract.look_behind == 0 and len(self.posted) > self.contract.look_behind:",
         replacement="            if False:",
         tests=("tests/test_host_lead.py",),
@@ -112,7 +112,7 @@ FAULTS = [
     ),
     Fault(
         name="off-by-one-round",
-        file="cerar/rounds.py",
+        file="cerar/ring/rounds.py",
         original="        new, old = t + 1, t - self.N + 1  # rows outside 1..c are zero",
         replacement="        new, old = t + 1, t - self.N + 2  # rows outside 1..c are zero",
         tests=("tests/test_spec_reference.py -k test_every_ring_size_and_c_on_small_gradients",),
@@ -121,7 +121,7 @@ FAULTS = [
     ),
     Fault(
         name="wrong-rank-exact",
-        file="cerar/closed_forms.py",
+        file="cerar/coding/closed_forms.py",
         original="    powers = points[None, :] ** (-(np.arange(N)[:, None] - 1.0))  # [N, c]: a^-(i-1)",
         replacement="    powers = points[None, :] ** (-(np.arange(N)[:, None] - 0.0))  # [N, c]: a^-(i-1)",
         tests=(
@@ -133,7 +133,7 @@ FAULTS = [
     ),
     Fault(
         name="dropped-agreement-field",
-        file="cerar/protocol.py",
+        file="cerar/ring/protocol.py",
         original='            "tensor length d": d,\n            "dtype": str(tensor.dtype),\n            "transport": transport_name(transport),\n        },',
         replacement='            "dtype": str(tensor.dtype),\n            "transport": transport_name(transport),\n        },',
         tests=("tests/test_protocol.py::test_bad_input_gets_a_clear_error_on_every_rank[gloo]",),
@@ -142,7 +142,7 @@ FAULTS = [
     ),
     Fault(
         name="stale-agreement-cache",
-        file="cerar/checks.py",
+        file="cerar/ring/checks.py",
         original="    key = _agreement_key(ring, tuple(fields.items()))",
         replacement="    key = _agreement_key(ring, ())",
         tests=("tests/test_protocol.py::test_bad_input_gets_a_clear_error_on_every_rank[gloo]",),
@@ -151,7 +151,7 @@ FAULTS = [
     ),
     Fault(
         name="wrong-dtype-on-the-wire",
-        file="cerar/precision.py",
+        file="cerar/ring/precision.py",
         original="    low = wire if wire in LOW_PRECISION else dtype if dtype in LOW_PRECISION else None",
         replacement="    low = wire if wire == torch.float16 else dtype if dtype == torch.float16 else None",
         tests=("tests/test_codes.py -k rejects_bad_gradients", "tests/test_wire_rounding.py -k admitted"),
@@ -160,7 +160,7 @@ FAULTS = [
     ),
     Fault(
         name="sampled-error-without-sigmas",
-        file="train/auto_c.py",
+        file="train/aggregation/auto_c.py",
         original="SIGMAS = 2.0\n",
         replacement="SIGMAS = 0.0\n",
         tests=("tests/test_auto_c.py::test_candidates_bytes_and_the_schedule",),
@@ -187,7 +187,7 @@ FAULTS = [
     ),
     Fault(
         name="sum-rounding-bound-too-loose",
-        file="cerar/precision.py",
+        file="cerar/ring/precision.py",
         original="    bound = ((N - 1) * math.sqrt(N) + 1) * unit_roundoff(dtype)",
         replacement="    bound = ((N - 1) * N + 1) * unit_roundoff(dtype)",
         tests=("tests/test_precision.py -k rounding_bound",),
@@ -196,7 +196,7 @@ FAULTS = [
     ),
     Fault(
         name="tf32-guard-dropped",
-        file="cerar/oracle.py",
+        file="cerar/ring/oracle.py",
         original="    with torch.no_grad(), full_fp32_products(G.device):",
         replacement="    with torch.no_grad():",
         tests=("tests/test_tf32.py::test_the_guard_keeps_tf32_out_of_cerars_products_when_the_process_allows_it",),
@@ -206,7 +206,7 @@ FAULTS = [
     # --- issue 25's aggregators: the 8-bit all-reduce, 16-bit messages, the 16-bit rule; issue 26's refusal ---
     Fault(
         name="int8-wrong-peer",
-        file="cerar/quantized.py",
+        file="cerar/int8/all_reduce.py",
         original="            rounds.issue(encode, to)",
         replacement="            rounds.issue(encode, frm)",
         tests=("tests/test_quantized.py -k test_flat_all_reduce_is_within_the_format_bound",),
@@ -214,7 +214,7 @@ FAULTS = [
     ),
     Fault(
         name="int8-result-not-requantized-on-the-owner",
-        file="cerar/quantized.py",
+        file="cerar/int8/all_reduce.py",
         original="            dequantize(messages[i], s, block, rows[i])  # the bytes every other rank decodes",
         replacement="            pass",
         tests=("tests/test_quantized.py -k test_flat_all_reduce_is_within_the_format_bound",),
@@ -222,7 +222,7 @@ FAULTS = [
     ),
     Fault(
         name="wire-scale-not-undone",
-        file="cerar/wire.py",
+        file="cerar/formats/wire.py",
         original="            out.mul_(2.0 ** -int(message[0].item()))",
         replacement="            pass",
         tests=("tests/test_cerar_16bit.py -k scale_keeps_tiny",),
@@ -232,7 +232,7 @@ FAULTS = [
     # --- issues 33 and 35: the 8-bit format's fixes, the fused kernels, the wire's k found on the host ---
     Fault(
         name="int8-tiny-scale-overflows",
-        file="cerar/int8_blocks.py",
+        file="cerar/formats/int8_blocks.py",
         original="PRESCALE = 2.0**64\n",
         replacement="PRESCALE = 1.0\n",
         tests=("tests/test_int8_format.py -k tiny_blocks",),
@@ -241,7 +241,7 @@ FAULTS = [
     ),
     Fault(
         name="int8-stochastic-rounds-to-nearest",
-        file="cerar/int8_blocks.py",
+        file="cerar/formats/int8_blocks.py",
         original="        ratio.floor_()",
         replacement="        ratio.round_()",
         tests=("tests/test_int8_format.py -k unbiased",),
@@ -250,7 +250,7 @@ FAULTS = [
     ),
     Fault(
         name="int8-dither-key-ignored",
-        file="cerar/int8_blocks.py",
+        file="cerar/formats/int8_blocks.py",
         original="    key &= 0xFFFFFFFF  # dither_key's 32 bits: the offset below, the shift above",
         replacement="    key = 0",
         tests=("tests/test_int8_format.py -k unbiased",),
@@ -259,7 +259,7 @@ FAULTS = [
     ),
     Fault(
         name="int8-dither-same-every-call",
-        file="cerar/quantized.py",
+        file="cerar/int8/all_reduce.py",
         original="        return dither_key(seed, call, i, shard, reduced) if rounding",
         replacement="        return dither_key(seed, 0, i, shard, reduced) if rounding",
         tests=("tests/test_quantized.py -k identical_contributions",),
@@ -267,7 +267,7 @@ FAULTS = [
     ),
     Fault(
         name="fused-quantizer-floors",
-        file="cerar/fused.py",
+        file="cerar/formats/fused.py",
         original="    values.copy_(r.round().clamp(-q8.QMAX, q8.QMAX).to(torch.int8))",
         replacement="    values.copy_(r.floor().clamp(-q8.QMAX, q8.QMAX).to(torch.int8))",
         tests=("tests/test_int8_format.py -k fused_kernels",),
@@ -275,7 +275,7 @@ FAULTS = [
     ),
     Fault(
         name="wire-host-exponent-off-by-one",
-        file="cerar/wire.py",
+        file="cerar/formats/wire.py",
         original="        k = min(K_LIMIT, max(-K_LIMIT, TARGET_EXPONENT - math.frexp(largest)[1]))",
         replacement="        k = min(K_LIMIT, max(-K_LIMIT, TARGET_EXPONENT + 1 - math.frexp(largest)[1]))",
         tests=("tests/test_wire_rounding.py -k byte_for_byte",),
@@ -284,7 +284,7 @@ FAULTS = [
     ),
     Fault(
         name="wire-transport-not-agreed",
-        file="cerar/protocol.py",
+        file="cerar/ring/protocol.py",
         original='            "transport": transport_name(transport),',
         replacement="",
         tests=("tests/test_cerar_16bit.py::test_ranks_that_disagree_on_the_transport_are_refused_on_every_rank",),
@@ -292,7 +292,7 @@ FAULTS = [
     ),
     Fault(
         name="rule-uses-the-bound",
-        file="cerar/precision.py",
+        file="cerar/ring/precision.py",
         original="        per_kappa = expected_rounding(code, wire) / max(float(code.kappa), 1.0)",
         replacement="        per_kappa = rounding_bound(code, dtype, wire) / max(float(code.kappa), 1.0)",
         tests=("tests/test_wire_rounding.py",),
@@ -311,7 +311,7 @@ FAULTS = [
     # --- aggregator=auto (issue 28) ---
     Fault(
         name="auto-sample-piece-floor",
-        file="train/auto_c.py",
+        file="train/aggregation/auto_c.py",
         original="    M = -(-P // pieces)  # a piece: a CERAR component, an int8 shard",
         replacement="    M = P // pieces  # a piece: a CERAR component, an int8 shard",
         tests=(
@@ -321,7 +321,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-sample-ignores-node-shards",
-        file="train/auto_c.py",
+        file="train/aggregation/auto_c.py",
         original="    P = -(-d // parts)  # a part: a node's shard (as_equal_shards)",
         replacement="    P, parts = d, 1  # a part: a node's shard (as_equal_shards)",
         tests=(
@@ -331,7 +331,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-slowest-that-fits",
-        file="train/auto_choice.py",
+        file="train/aggregation/auto_choice.py",
         original="        return min(fits, key=lambda name: (seconds[name], error(name), name))",
         replacement="        return min(fits, key=lambda name: (error(name), seconds[name], name))",
         tests=(
@@ -351,7 +351,7 @@ FAULTS = [
     ),
     Fault(
         name="nccl-aggregate-unbounded",
-        file="train/aggregation.py",
+        file="train/aggregation/aggregators.py",
         original="            await_work(dist.all_reduce(flat, async_op=True), self.timeout_s)  # the trainer's deadline, on NCCL too\n",
         replacement="            dist.all_reduce(flat)\n",
         tests=("tests/test_stall_phases.py",),
@@ -405,7 +405,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-trials-ignored",
-        file="train/auto_choice.py",
+        file="train/aggregation/auto_choice.py",
         original="            self.choice = min(short, key=lambda name: (timed[name], pool[name], name))",
         replacement="            pass",
         tests=(
@@ -417,7 +417,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-trial-own-clock",
-        file="train/auto_aggregator.py",
+        file="train/aggregation/auto_aggregator.py",
         original='        bounded("aggregator=auto: trial timings all_reduce",',
         replacement='        if False: bounded("aggregator=auto: trial timings all_reduce",',
         tests=("tests/test_auto_aggregator.py::test_every_rank_measures_and_decides_from_the_same_numbers",),
@@ -425,7 +425,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-excluded-forgotten",
-        file="train/auto_choice.py",
+        file="train/aggregation/auto_choice.py",
         original="            self.excluded.append(before)\n",
         replacement="",
         tests=(
@@ -436,7 +436,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-probe-without-bytes",
-        file="cerar/link_probe.py",
+        file="cerar/planning/link_probe.py",
         original="    if not beta > 0:\n        raise LinkProbeError",
         replacement="    if False:\n        raise LinkProbeError",
         tests=("tests/test_auto_aggregator.py -k describes_no_link",),
@@ -445,7 +445,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-local-timings",
-        file="train/auto_aggregator.py",
+        file="train/aggregation/auto_aggregator.py",
         original="            lambda: dist.all_reduce(both, dist.ReduceOp.MAX, async_op=True))  # fmt: skip",
         replacement="            lambda: dist.barrier(async_op=True))  # fmt: skip",
         tests=("tests/test_auto_aggregator.py::test_every_rank_measures_and_decides_from_the_same_numbers",),
@@ -453,7 +453,7 @@ FAULTS = [
     ),
     Fault(
         name="tensor-noise-doubled",
-        file="train/tensor_errors.py",
+        file="train/aggregation/tensor_errors.py",
         original="    return (spread.cpu() / (N * (N - 1))).sqrt()",
         replacement="    return 2 * (spread.cpu() / (N * (N - 1))).sqrt()",
         tests=("tests/test_tensor_errors.py -k hides", "tests/test_auto_c.py -k first_choice"),
@@ -462,7 +462,7 @@ FAULTS = [
     ),
     Fault(
         name="tensor-sample-by-count-only",
-        file="train/tensor_errors.py",
+        file="train/aggregation/tensor_errors.py",
         original="            share[lo:hi] = torch.maximum(share[lo:hi], (by_size + 1 / U[t]) / 2)",
         replacement="            share[lo:hi] = torch.maximum(share[lo:hi], 1 / U[t])",
         tests=("tests/test_tensor_errors.py -k covers",),
@@ -471,7 +471,7 @@ FAULTS = [
     ),
     Fault(
         name="auto-nan-read-as-exceeds",
-        file="train/auto_choice.py",
+        file="train/aggregation/auto_choice.py",
         original="        if not all(math.isfinite(v) for pair in measured.values() for v in pair):",
         replacement="        if False:",
         tests=("tests/test_auto_aggregator.py -k fastest_that_fits",),
@@ -480,7 +480,7 @@ FAULTS = [
     ),
     Fault(
         name="scales-not-agreed",
-        file="cerar/equilibrate.py",
+        file="cerar/ring/equilibrate.py",
         original="            work = dist.all_reduce(stats, op=reduce, group=group, async_op=True)",
         replacement="            work = dist.barrier(group=group, async_op=True)",
         tests=("tests/test_low_precision.py -k errs_within",),
@@ -489,7 +489,7 @@ FAULTS = [
     ),
     Fault(
         name="cast-headroom-lost",
-        file="cerar/equilibrate.py",
+        file="cerar/ring/equilibrate.py",
         original="CAST_TOP = 15\n",
         replacement="CAST_TOP = 17\n",
         tests=("tests/test_low_precision.py -k errs_within",),
@@ -498,7 +498,7 @@ FAULTS = [
     ),
     Fault(
         name="cast-one-scale-flat",
-        file="train/aggregation.py",
+        file="train/aggregation/aggregators.py",
         original="        sizes = [flat.numel()] if scales is not None else self.segments(flat)\n        stats = cast_all_reduce(",
         replacement="        sizes = [flat.numel()]\n        stats = cast_all_reduce(",
         tests=("tests/test_low_precision.py -k errs_within",),
@@ -516,7 +516,7 @@ FAULTS = [
     ),
     Fault(
         name="equilibrate-skipped-flat",
-        file="train/aggregation.py",
+        file="train/aggregation/aggregators.py",
         original="        if not self.equilibrate or (scales is None and not self.scales_tensors()):\n            return int(run().bytes_sent)\n",
         replacement="        if True:\n            return int(run().bytes_sent)\n",
         tests=("tests/test_equilibrate.py -k errs_within",),
@@ -534,7 +534,7 @@ FAULTS = [
     ),
     Fault(
         name="admission-ring-bound",
-        file="cerar/precision.py",
+        file="cerar/ring/precision.py",
         original="        ring = expected_ring_rounding(code.N, wire)\n",
         replacement="        ring = sum_rounding_bound(code.N, dtype, wire)\n",
         tests=("tests/test_precision.py -k swamps",),
@@ -544,7 +544,7 @@ FAULTS = [
     ),
     Fault(
         name="admission-ring-constant",
-        file="cerar/precision.py",
+        file="cerar/ring/precision.py",
         original="    return ROUNDING_RMS_PER_UNIT * unit_roundoff(wire) * math.sqrt((N + 1) / 2)",
         replacement="    return 2 * ROUNDING_RMS_PER_UNIT * unit_roundoff(wire) * math.sqrt((N + 1) / 2)",
         tests=("tests/test_precision.py -k rules_ring_rounding",),

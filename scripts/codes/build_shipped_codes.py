@@ -1,11 +1,11 @@
-"""Rebuilds cerar/data/optimized_codes.json, the optimized codes that ship with the package.
+"""Rebuilds cerar/coding/data/optimized_codes.json, the optimized codes that ship with the package.
 
     nice -n 10 python scripts/codes/build_shipped_codes.py                      # every tier, resumes
     python scripts/codes/build_shipped_codes.py --tiers used,grid --max-hours 2  # stop starting shapes after 2 h
     python scripts/codes/build_shipped_codes.py --list                           # the plan, with what is done
 
-What: runs ``cerar.optimize.search`` for each (N, c, kappa_max) of the plan and records the points and
-decoder kind of each result (from which ``cerar.stored_codes`` rebuilds the matrices), its kappa and
+What: runs ``cerar.coding.optimize.search`` for each (N, c, kappa_max) of the plan and records the points and
+decoder kind of each result (from which ``cerar.coding.stored_codes`` rebuilds the matrices), its kappa and
 predicted error, and what the search cost (wall and CPU seconds, one BLAS thread). A shape whose
 budget the search cannot meet is recorded under ``unreachable`` with the least kappa the search
 reached and what finding that out cost, so that ``make_code`` refuses it at once. The tiers, in
@@ -20,7 +20,7 @@ order:
   c = 8, 16, 32; kappa_max = 1e2 .. 1e7);
 - ``large``: N = 9..16 at c = 2N, 3N, 4N and the powers of two between N and 4N;
 - ``transport16``: the grid (N = 2..8, c = N+1..4N) at the 16-bit default budgets
-  (``cerar.wire.DEFAULT_TRANSPORT_KAPPA_MAX``: float16's, then bfloat16's), the cheap shapes first.
+  (``cerar.formats.wire.DEFAULT_TRANSPORT_KAPPA_MAX``: float16's, then bfloat16's), the cheap shapes first.
 
 Why: a first use of ``make_code(N, c, "optimized")`` otherwise searches for seconds to minutes on
 every host. The table is written after every shape, so an interrupted build keeps what it found and
@@ -45,12 +45,12 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 import scipy  # noqa: E402
 
-from cerar import optimize, stored_codes  # noqa: E402
-from cerar.closed_forms import DEFAULT_KAPPA_MAX  # noqa: E402
-from cerar.wire import DEFAULT_TRANSPORT_KAPPA_MAX  # noqa: E402
+from cerar.coding import optimize, stored_codes  # noqa: E402
+from cerar.coding.closed_forms import DEFAULT_KAPPA_MAX  # noqa: E402
+from cerar.formats.wire import DEFAULT_TRANSPORT_KAPPA_MAX  # noqa: E402
 
 TIERS = ("used", "grid", "budgets", "large", "transport16")
-DESIGN_SWEEP_BUDGETS = (1e2, 1e3, 1e4, 1e6, 1e7)  # cerar.design.DEFAULT_SWEEP_OPTIMIZED_KAPPA_MAX
+DESIGN_SWEEP_BUDGETS = (1e2, 1e3, 1e4, 1e6, 1e7)  # cerar.planning.design.DEFAULT_SWEEP_OPTIMIZED_KAPPA_MAX
 
 
 def plan(tiers: list[str]) -> list[tuple[str, int, int, float]]:

@@ -8,7 +8,7 @@ Sources
   ``metrics.jsonl`` + ``summary.json``, as written by ``scripts/bench/compare_training.py``), or W&B runs
   with ``--wandb ENTITY/PROJECT`` (public API, needs network and, for private projects, a login);
 * ``reports/data/allreduce.csv`` (``scripts/bench/bench_allreduce.py``);
-* ``reports/data/code_design.csv`` (``python -m cerar.design``).
+* ``reports/data/code_design.csv`` (``python -m cerar.planning.design``).
 
 Figures (into ``reports/figures/``)
 -----------------------------------
@@ -17,13 +17,13 @@ Figures (into ``reports/figures/``)
 * ``phase_bars.png``: mean forward/backward/aggregate/optimizer seconds per step per aggregator;
 * ``time_vs_size_<where>[_<rate>].png``, ``saving_vs_c.png``, ``achieved_vs_byte_bound.png``: from
   the all-reduce CSV (``scripts/bench/allreduce/figures.py``);
-* ``error_vs_kappa.png``: worst-worker error against kappa (``cerar.design.plot_error_vs_kappa``);
+* ``error_vs_kappa.png``: worst-worker error against kappa (``cerar.planning.design.plot_error_vs_kappa``);
 * ``fidelity_{val_loss,drift,error}_vs_step.png``, ``fidelity_noise_vs_error.png``: the long-horizon
   runs under ``reports/runs/fidelity/`` (``scripts/reporting/fidelity/figures.py``), and
   ``fidelity_corpus_v2_val_loss_vs_step.png`` from those on the grown corpus (``reports/runs/fidelity-corpus-v2/``),
   and ``batch_scaling_gap.png`` from the batch-scaling runs (``reports/runs/batch-scaling-150/``) once they exist;
 * ``saving_vs_N.png``: 1 - t_cerar / t_ref against N at c = 4N: measured (lab rows of the CSV, against
-  the ring and against the backend all_reduce) and modelled (``cerar.costmodel`` fitted to the same
+  the ring and against the backend all_reduce) and modelled (``cerar.planning.costmodel`` fitted to the same
   setting's rows), with the byte-count bound;
 * ``two_tier_choice.png``: which aggregator on clusters of 8-GPU nodes, from the two-tier cost model alone
   (``scripts/reporting/costmodel/two_tier.py``);
@@ -198,14 +198,14 @@ def training_figures(runs: list[dict], out: Path, prefix: str = "", title: str =
 def error_vs_kappa(design_csv: Path, out: Path) -> list[Path]:
     import dataclasses
 
-    from cerar import design
+    from cerar.planning import design
 
     fields = {f.name: f.type for f in dataclasses.fields(design.DesignRow)}
     rows = []
     with open(design_csv, newline="") as f:
         for raw in csv.DictReader(f):
             if raw.get("sweep") not in ("kappa_max", "eps", "exact", "cli"):
-                continue  # as cerar.design: the bar and reference rows are not in the sweep figure
+                continue  # as cerar.planning.design: the bar and reference rows are not in the sweep figure
             kw = {}
             for k in fields:
                 v = raw.get(k, "")
@@ -234,7 +234,7 @@ def saving_vs_n(allreduce_csv: Path, out: Path, size_mb: float = 64.0, c_mult: i
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from cerar import costmodel
+    from cerar.planning import costmodel
 
     with open(allreduce_csv, newline="") as f:
         rows = list(csv.DictReader(f))

@@ -4,7 +4,7 @@ and after the per-tensor fixes, over 1,500 training steps, with the validation l
 
 Reads the runs of scripts/studies/run_fidelity.sh T (before: a checkout of the tree before the fixes) and U
 (after), under reports/runs/tensors-1500/{before,after}, whose metrics log `tensor/<name>` (rho_t, the worst
-rank's ||g_hat_t - g_bar_t|| / sigma_t, train/tensor_errors.py) every 50 steps beside the whole gradient's
+rank's ||g_hat_t - g_bar_t|| / sigma_t, train/aggregation/tensor_errors.py) every 50 steps beside the whole gradient's
 `agg/rel_error_max` / `noise/rel_std_mean`; and the load lines of reports/logs/fidelity_runs.log. Writes
 reports/tensors.md and reports/figures/tensors_error_to_noise.png (rho_t by tensor, one line per aggregator,
 before and after).
@@ -109,7 +109,8 @@ def report(summary: dict, loads: list[str]) -> str:
         "# Errors per parameter tensor, before and after the per-tensor fixes (issue 33)",
         "",
         "Each aggregator's error against each parameter tensor's own SGD noise, rho_t = ||g_hat_t - g_bar_t|| / "
-        "sigma_t (worst rank; train/tensor_errors.py), measured every 50 steps over 1,500 steps of model=tiny "
+        "sigma_t (worst rank; train/aggregation/tensor_errors.py), measured every 50 steps over 1,500 steps "
+        "of model=tiny "
         "at the fidelity study's shape (N=4, corpus v2, seed 1), beside the whole gradient's error / noise "
         "that the autos used before. The autos now take a candidate only if every tensor's rho_t + 2 "
         f"standard errors is within the budget ({BUDGET:g}). Runs: `scripts/studies/run_fidelity.sh T` "

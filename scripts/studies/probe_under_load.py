@@ -3,7 +3,8 @@
 
 What
 ----
-Runs ``train.auto_aggregator.measure_links`` and ``cluster_from_timings`` (the probe and the fit auto runs at
+Runs ``train.aggregation.auto_aggregator.measure_links`` and ``cluster_from_timings`` (the probe and the fit auto runs
+at
 start) ``--repeats`` times on 4 ranks, on loopback (one node: the tier inside it) or in the flat network lab
 (4 hosts x 1 rank: the tier between them), while a second training run (``--load-ranks`` ranks of model=tiny on
 loopback, bounded by a timeout) keeps the 2 cores busy, as the study's own runs and the machine's other jobs do.
@@ -43,12 +44,24 @@ def worker(code_dir: str, repeats: int) -> None:
     """One rank (launched by torchrun or the lab): the probe and the fit, ``repeats`` times; rank 0 prints one
     JSON line per probe."""
     sys.path.insert(0, code_dir)
+    import importlib
+
     import torch
     import torch.distributed as dist
 
     from cerar.hierarchical import NodeLayout, tier_groups
-    from cerar.link_probe import LinkProbeError
-    from train.auto_aggregator import cluster_from_timings, measure_links
+
+    def first(*names):  # a checkout from before the rooms (issue 37) has the old module names
+        for name in names:
+            try:
+                return importlib.import_module(name)
+            except ModuleNotFoundError:
+                continue
+        raise ImportError(f"{code_dir} has none of {names}")
+
+    LinkProbeError = first("cerar.planning.link_probe", "cerar.link_probe").LinkProbeError  # noqa: N806
+    auto = first("train.aggregation.auto_aggregator", "train.auto_aggregator")
+    cluster_from_timings, measure_links = auto.cluster_from_timings, auto.measure_links
 
     dist.init_process_group("gloo")
     world, local = dist.get_world_size(), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -108,8 +121,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(str(args.code_dir), args.repeats)
         return 0
-    if not (args.code_dir / "cerar" / "link_probe.py").is_file():
-        ap.error(f"--code-dir {args.code_dir}: no cerar/link_probe.py there")
+    if not any((args.code_dir / "cerar" / f).is_file() for f in ("planning/link_probe.py", "link_probe.py")):
+        ap.error(f"--code-dir {args.code_dir}: no cerar/planning/link_probe.py (or cerar/link_probe.py) there")
     if args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     me = [sys.executable, str(Path(__file__).resolve()), "--worker", "--code-dir", str(args.code_dir.resolve()),

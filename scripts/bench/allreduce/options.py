@@ -22,7 +22,7 @@ EXTRA_COLUMNS = [
 ]  # fmt: skip
 AGGREGATORS = ("nccl", "ring", "cerar", "hier_ring", "hier_cerar", "hier_ring16")
 HIERARCHICAL = ("hier_ring", "hier_cerar", "hier_ring16")
-# issue 25: the 8-bit all-reduce (cerar.quantized): int8 flat, hier_int8 on the two tiers (int8 on the rails)
+# issue 25: the 8-bit all-reduce (cerar.int8.all_reduce): int8 flat, hier_int8 on the two tiers (int8 on the rails)
 AGGREGATORS = (*AGGREGATORS, "int8", "hier_int8")
 HIERARCHICAL = (*HIERARCHICAL, "hier_int8")
 EXTRA_COLUMNS = [*EXTRA_COLUMNS, "int8_block", "transport"]
@@ -75,12 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hier_ring16: the 16-bit message type (default float16, as torch's fp16 hook)")  # fmt: skip
     ap.add_argument("--int8-block", type=int, default=128, help="int8/hier_int8: values per float32 scale")
     ap.add_argument("--cerar-transport", choices=["float32", "float16", "bfloat16"], default="float32",
-                    help="cerar/hier_cerar: the dtype their messages travel in (cerar.wire; 16 bits: kappa_max "
+                    help="cerar/hier_cerar: the dtype their messages travel in (cerar.formats.wire; 16 bits: kappa_max "
                          "defaults to cerar.default_kappa_max of it), recorded in the transport column")  # fmt: skip
     ap.add_argument("--storages", type=_strs, default=None,
                     help="CERAR storage choices, e.g. spec,messages (default: the library's default)")  # fmt: skip
     ap.add_argument("--pipeline-chunks", type=_ints, default=None,
-                    help="CERAR: most messages a round's block is cut into (cerar.rounds.PIPELINE_MAX_CHUNKS), "
+                    help="CERAR: most messages a round's block is cut into (cerar.ring.rounds.PIPELINE_MAX_CHUNKS), "
                          "e.g. 2,4 (default: the library's)")  # fmt: skip
     ap.add_argument("--code-dir", type=Path, default=None,
                     help="import cerar from this checkout (before/after comparisons); default: this one")  # fmt: skip

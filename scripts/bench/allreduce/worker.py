@@ -17,6 +17,19 @@ from scripts.bench.allreduce.options import HIERARCHICAL, ITEMSIZE
 # --------------------------------------------------------------------------- worker
 
 
+def library_module(*names: str):
+    """The first of ``names`` the imported cerar has: --code-dir may run a checkout from before the library's
+    rooms (issue 37: ``cerar.rounds`` became ``cerar.ring.rounds``), so that before and after run side by side."""
+    import importlib
+
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    raise ImportError(f"the imported cerar has none of {names}")
+
+
 def _stat(stats, name):
     v = getattr(stats, name, None)
     if v is None and isinstance(stats, dict):
@@ -36,7 +49,7 @@ def worker(args) -> int:
     if args.code_dir is not None and not Path(cerar.__file__).resolve().is_relative_to(args.code_dir.resolve()):
         raise RuntimeError(f"--code-dir {args.code_dir}: imported cerar from {cerar.__file__} instead")
     if not hasattr(cerar, "all_reduce"):  # before cerar/__init__ exports the protocol
-        import cerar.protocol as proto
+        proto = library_module("cerar.ring.protocol", "cerar.protocol")
 
         cerar.all_reduce, cerar.ring_all_reduce = proto.all_reduce, proto.ring_all_reduce
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -45,9 +58,8 @@ def worker(args) -> int:
     torch.set_num_threads(1)
     N = world
 
-    import cerar.rounds
-
-    default_chunks = cerar.rounds.PIPELINE_MAX_CHUNKS
+    rounds = library_module("cerar.ring.rounds", "cerar.rounds")
+    default_chunks = rounds.PIPELINE_MAX_CHUNKS
     G = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     hosts = N // G
     tiers = None
@@ -104,13 +116,14 @@ def worker(args) -> int:
         if agg == "hier_ring16":  # the library's 16-bit exact hierarchy (docs/cerar-16bit.md)
             return hierarchical.hierarchical_ring_all_reduce(buf, tiers, timeout=ct, transport=args.half_dtype)
         if agg in ("int8", "hier_int8"):  # issue 25: the sum, like the others (rel_error is against the sum)
-            from cerar.hierarchical.quantized import hierarchical_quantized_all_reduce
-            from cerar.quantized import quantized_all_reduce
+            quantized_all_reduce = library_module("cerar.int8.all_reduce", "cerar.quantized").quantized_all_reduce
+            two_tier = library_module("cerar.int8.two_tier", "cerar.hierarchical.quantized")
+            hierarchical_quantized_all_reduce = two_tier.hierarchical_quantized_all_reduce
 
             if agg == "int8":
                 return quantized_all_reduce(buf, op="sum", timeout=ct, block=args.int8_block)
             return hierarchical_quantized_all_reduce(buf, tiers, op="sum", timeout=ct, block=args.int8_block)
-        cerar.rounds.PIPELINE_MAX_CHUNKS = chunks
+        rounds.PIPELINE_MAX_CHUNKS = chunks
         kw = {} if storage is None else {"storage": storage}  # None: the library's default (older versions: no knob)
         if args.cerar_transport != "float32":
             kw["transport"] = args.cerar_transport
@@ -245,10 +258,10 @@ def _cpu_seconds() -> tuple[float, float]:
 def _default_storage() -> str:
     """The library's default storage choice; ``"-"`` for versions from before the knob."""
     try:
-        from cerar.rounds import DEFAULT_STORAGE
+        rounds = library_module("cerar.ring.rounds", "cerar.rounds")
     except ImportError:
         return "-"
-    return DEFAULT_STORAGE
+    return getattr(rounds, "DEFAULT_STORAGE", "-")
 
 
 def _commit_of(checkout: Path) -> str:

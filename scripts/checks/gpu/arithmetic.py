@@ -7,7 +7,7 @@
 - tf32: the same with TF32 switched on (``torch.set_float32_matmul_precision("high")``): inside
   ``cerar.full_fp32_products`` within the bound and the caller's settings restored; the unguarded
   products reported next to it;
-- fused: ``cerar.fused`` (issue 35) compiled for the device (Triton on a GPU; on the CPU dry run
+- fused: ``cerar.formats.fused`` (issue 35) compiled for the device (Triton on a GPU; on the CPU dry run
   traced only, backend "eager"), every kernel switched on after ``enable``'s byte-for-byte check,
   its bytes again equal to the eager reference's on 64 MiB of float32 (int8 quantize, nearest and
   stochastic; the 16-bit wire's encode), and its time against a device copy of the same tensor.
@@ -105,9 +105,9 @@ def oracle_agreement(device: str, d: int, shapes, out: str) -> dict:  # noqa: AR
 def simulate_unguarded(G: torch.Tensor, code: cerar.Code) -> torch.Tensor:
     """``cerar.simulate`` without its TF32 guard: the products run under the process's own matmul
     settings, to measure what the guard prevents (``cerar.simulate`` always runs guarded)."""
-    import cerar.oracle
+    import cerar.ring.oracle
 
-    with mock.patch.object(cerar.oracle, "full_fp32_products", contextlib.nullcontext):
+    with mock.patch.object(cerar.ring.oracle, "full_fp32_products", contextlib.nullcontext):
         return cerar.simulate(G, code)
 
 
@@ -116,17 +116,17 @@ def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict: 
     code = cerar.make_code(N, c, "perturbation")
     G = torch.randn(N, d, generator=torch.Generator().manual_seed(8))
     cpu_error = worst_error(cerar.simulate(G, code), G)
-    before = cerar.fp32_products.matmul_precision_settings()
+    before = cerar.ring.fp32_products.matmul_precision_settings()
     torch.set_float32_matmul_precision("high")  # TF32 on, as a model might want it
     try:
         unguarded = judge_coded(simulate_unguarded(G.to(device), code), G, code, torch.float32)
         with cerar.full_fp32_products(device):
-            inside = cerar.fp32_products.matmul_precision_settings()
+            inside = cerar.ring.fp32_products.matmul_precision_settings()
             guarded = judge_coded(cerar.simulate(G.to(device), code), G, code, torch.float32)
-        after = cerar.fp32_products.matmul_precision_settings()
+        after = cerar.ring.fp32_products.matmul_precision_settings()
     finally:
         torch.set_float32_matmul_precision(before[0] or "highest")
-    ok = guarded["ok"] and after == ("high", "tf32") and not cerar.fp32_products.reduced_precision_allowed(inside)
+    ok = guarded["ok"] and after == ("high", "tf32") and not cerar.ring.fp32_products.reduced_precision_allowed(inside)
     return {
         "N": N,
         "c": c,
@@ -166,9 +166,9 @@ def _timed(fn, device: torch.device, reps: int = 7) -> float:
 
 
 def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
-    from cerar import fused
-    from cerar import int8_blocks as q8
-    from cerar.wire import Wire
+    from cerar.formats import fused
+    from cerar.formats import int8_blocks as q8
+    from cerar.formats.wire import Wire
 
     device = _device(device)
     backend = "eager" if device.type == "cpu" and small else "inductor"
@@ -229,7 +229,7 @@ def report(results) -> list[str]:
                 f"**oracle** (d = {v['d']}): the worst worker's relative error against the exact sum (CPU and "
                 "device), and the device's deviation from the exact sum plus the code's own error for these "
                 "gradients, relative to ||G||_F; PASS when within the float32 rounding bound kappa * 2^-24 * "
-                "(sqrt(c + L) + N) (`cerar.precision.rounding_bound`).",
+                "(sqrt(c + L) + N) (`cerar.ring.precision.rounding_bound`).",
                 "",
                 "| N | c | construction | kappa | rel. difference device vs CPU | CPU error | device error "
                 "| device rounding deviation | bound | result | note |",
@@ -264,7 +264,8 @@ def report(results) -> list[str]:
         if r.case.name == "fused" and "rows" in v:
             compiled = ", ".join(f"{k} {s:.1f} s" for k, s in v["compile_s"].items()) or "nothing compiled"
             lines += [
-                f"**fused** (`cerar.fused`, torch.compile backend {v['backend']}; {compiled}): {v['values']} float32 "
+                f"**fused** (`cerar.formats.fused`, torch.compile backend {v['backend']}; {compiled}): "
+                f"{v['values']} float32 "
                 f"values; a device copy of them took {1e3 * v['copy_s']:.3f} ms ({v['copy_gbps']:.0f} GB/s counting "
                 "4 bytes read and 4 written per value). Times as multiples of that copy; bytes compared with the "
                 "eager reference's.",

@@ -308,7 +308,7 @@ def judge_processes(collected: dict, world: int, d: int) -> tuple[list[dict], di
         "kappa": code.kappa,
         "error": max((j["error"] for j in judged), default=float("nan")),
         "deviation": max((j["deviation"] for j in judged), default=float("nan")),
-        "bound": cerar.precision.rounding_bound(code, torch.float32),
+        "bound": cerar.ring.precision.rounding_bound(code, torch.float32),
         "status": PASS if buckets and all(j["ok"] for j in judged) else FAIL,
     }
     return protocol, hook

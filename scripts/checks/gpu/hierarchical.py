@@ -7,7 +7,7 @@ otherwise run the exact ring there), the all-gather inside each node; and
 Judged against the exact arithmetic: node k's sum of its ranks' gradients, S_k, is what the code
 carries; rail s reduces shard s of (S_0, S_1) with node k as worker k, so every rank of node k
 must hold, shard by shard, the exact-arithmetic result of worker k (``judge.
-exact_arithmetic_results``) within sqrt(G) x ``cerar.precision.rounding_bound`` (relative to the
+exact_arithmetic_results``) within sqrt(G) x ``cerar.ring.precision.rounding_bound`` (relative to the
 coded inputs, whose norm is at most sqrt(G) ||G||_F) plus ``sum_rounding_bound(G)`` for the sum
 inside a node, both relative to the Frobenius norm of all ranks' gradients; the exact ring's within
 ``sum_rounding_bound(4)``. Needs four GPUs; 2 x 2 whatever their number. Expected time on four
@@ -94,9 +94,9 @@ def judge(coded: torch.Tensor, exact: torch.Tensor, G: torch.Tensor, code: cerar
     expected = per_node.repeat_interleave(LOCAL, dim=0)  # rank r is on node r // LOCAL
     size = G.double().norm()
     deviation = ((coded.double() - expected).norm(dim=1) / size).max().item()
-    bound = math.sqrt(LOCAL) * cerar.precision.rounding_bound(code, torch.float32) + cerar.precision.sum_rounding_bound(
-        LOCAL, torch.float32
-    )
+    bound = math.sqrt(LOCAL) * cerar.ring.precision.rounding_bound(
+        code, torch.float32
+    ) + cerar.ring.precision.sum_rounding_bound(LOCAL, torch.float32)
     S = G.double().sum(0)
     error = ((coded.double() - S).norm(dim=1) / S.norm()).max().item()
     ring = judge_sum(exact, G, torch.float32)

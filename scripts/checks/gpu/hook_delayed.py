@@ -10,7 +10,7 @@ NCCL refuses two ranks on one GPU in a communicator), so the check keeps the hoo
 a reduction that reads the bucket: the N logical workers' rounds on the NCCL self-loop
 (``selfloop.selfloop_all_reduce``), the bucket holding the N workers' gradients side by side. The
 result is held to the spec's protocol in float64 (``tests/spec_reference.py``) within
-``cerar.precision.rounding_bound``.
+``cerar.ring.precision.rounding_bound``.
 
 - delayed producer: must PASS;
 - control, the event record dropped (``torch.cuda.Event.record`` made a no-op inside ``submit``;

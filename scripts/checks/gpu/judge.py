@@ -1,6 +1,6 @@
 """How the GPU check judges a result: every coded result against the exact sum of its inputs, within
 a bound derived from the code itself (its own error for those inputs, ``Code.residuals``, plus kappa
-times the transport dtype's rounding, ``cerar.precision``), never two implementations agreeing to a
+times the transport dtype's rounding, ``cerar.ring.precision``), never two implementations agreeing to a
 fixed tolerance. Shared by every section."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def exact_arithmetic_results(G: torch.Tensor, code: cerar.Code) -> torch.Tensor:
 def judge_coded(results: torch.Tensor, G: torch.Tensor, code: cerar.Code, dtype, scale: float = 1.0) -> dict:
     """Each worker's result [N, d] of ``code`` on gradients G (times ``scale``: 1/N for op="avg")
     held to the exact sum: it must lie within the transport's rounding bound
-    (``cerar.precision.rounding_bound``, kappa times the dtype's rounding, relative to ||G||_F) of
+    (``cerar.ring.precision.rounding_bound``, kappa times the dtype's rounding, relative to ||G||_F) of
     the exact sum plus the code's own error for these gradients (``exact_arithmetic_results``).
     Reports the error against the exact sum, the code's part of it, and the rounding deviation."""
     G64 = G.double().cpu()
@@ -77,7 +77,7 @@ def judge_coded(results: torch.Tensor, G: torch.Tensor, code: cerar.Code, dtype,
     results = results.double().cpu()
     size = (G64.norm() * scale).clamp_min(1e-300)
     deviation = ((results - predicted).norm(dim=1) / size).max().item()
-    bound = cerar.precision.rounding_bound(code, dtype)
+    bound = cerar.ring.precision.rounding_bound(code, dtype)
     return {
         "error": ((results - S).norm(dim=1) / S.norm().clamp_min(1e-300)).max().item(),
         "truncation": ((predicted - S).norm(dim=1) / S.norm().clamp_min(1e-300)).max().item(),
@@ -89,10 +89,10 @@ def judge_coded(results: torch.Tensor, G: torch.Tensor, code: cerar.Code, dtype,
 
 def judge_sum(results: torch.Tensor, G: torch.Tensor, dtype, scale: float = 1.0) -> dict:
     """Each rank's exact all-reduce result [N, d] held to the exact sum of G (times ``scale``),
-    within the rounding of a sum of N values (``cerar.precision.sum_rounding_bound``)."""
+    within the rounding of a sum of N values (``cerar.ring.precision.sum_rounding_bound``)."""
     G64 = G.double().cpu()
     S = G64.sum(0) * scale
     size = (G64.norm() * scale).clamp_min(1e-300)
     deviation = ((results.double().cpu() - S).norm(dim=1) / size).max().item()
-    bound = cerar.precision.sum_rounding_bound(G.shape[0], dtype)
+    bound = cerar.ring.precision.sum_rounding_bound(G.shape[0], dtype)
     return {"deviation": deviation, "bound": bound, "ok": deviation <= bound}

@@ -21,7 +21,7 @@ Read against torch's ProcessGroupNCCL.cpp (``WorkNCCL::wait``, ``WorkNCCL::synch
 - rounds: CERAR's rounds over N logical workers (worker i's message is a self-send into worker
   i+1's receive buffer), through the protocol's own ``_Ring``, ``_Rounds`` and ``CodedRingRank``
   under the stream-ordered contract, held to the spec's protocol in float64
-  (``tests/spec_reference.py``) within ``cerar.precision.rounding_bound``; the host's polls counted
+  (``tests/spec_reference.py``) within ``cerar.ring.precision.rounding_bound``; the host's polls counted
   (one per ``LOOK_BEHIND_POSTS`` posts after the first window, and one at the end) and its lead on
   the stream measured, with the GPU held behind a long kernel so that the lead reaches its bound;
 - deadline: a round that never completes (queued behind a kernel that outlives every deadline;
@@ -84,7 +84,7 @@ PROVES = {
 
 
 def cases(ctx: Context) -> list[Case]:  # noqa: ARG001
-    d = 2**20 + 3  # two pipeline chunks at c = 8 (m >= 2 x cerar.rounds.PIPELINE_MIN_CHUNK)
+    d = 2**20 + 3  # two pipeline chunks at c = 8 (m >= 2 x cerar.ring.rounds.PIPELINE_MIN_CHUNK)
     dump = {"TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": str(DUMP_WAIT_MS)}
     return [
         Case(SECTION, "one work", "selfloop:one_work", {}, 60, NEEDS),
@@ -269,15 +269,15 @@ def selfloop_all_reduce(
     self-send into its receive buffer, one ``_Ring.post`` (one batch, one work) per worker and
     chunk; every round's posts arrive (the stream waits for them) before any worker's receive of
     that round is issued, so no buffer is written while another worker still reads it. The rounds
-    are issued, ordered and polled by ``cerar.transport._Rounds`` under the stream-ordered contract,
+    are issued, ordered and polled by ``cerar.ring.transport._Rounds`` under the stream-ordered contract,
     as ``all_reduce`` does; worker i plays ``device_matrices(code, i)``. ``measure``: filled with
     the posts, the protocol's polls (``_Rounds._await`` calls) and the host's lead before each post
     (posted works not yet complete, the new one included). ``before_posts``: called once the workers are built
     (their matrices' copies to the device synchronise the stream), just before the first post."""
     import cerar
-    from cerar.matrices import device_matrices
-    from cerar.rounds import CodedRingRank, PhaseTimer
-    from cerar.transport import STREAM_ORDERED, _Ring, _Rounds
+    from cerar.coding.matrices import device_matrices
+    from cerar.ring.rounds import CodedRingRank, PhaseTimer
+    from cerar.ring.transport import STREAM_ORDERED, _Ring, _Rounds
 
     N, d, device = code.N, flats[0].numel(), flats[0].device
     c, m, L = code.c, code.m_for(d), code.L
@@ -333,7 +333,7 @@ def selfloop_all_reduce(
 def spec_judged(results: torch.Tensor, G: torch.Tensor, code, scale: float = 1.0) -> dict:
     """``results`` [N, d] against the spec's protocol run literally in float64
     (``tests/spec_reference.py``) and against the exact sum plus the code's error
-    (``judge.judge_coded``), both within ``cerar.precision.rounding_bound`` relative to ||G||_F."""
+    (``judge.judge_coded``), both within ``cerar.ring.precision.rounding_bound`` relative to ||G||_F."""
     from scripts.checks.gpu.judge import judge_coded
     from tests.spec_reference import spec_all_reduce, spec_matrices
 
@@ -348,7 +348,7 @@ def rounds(N: int, c: int, d: int, out: str) -> dict:  # noqa: ARG001
     """``selfloop_all_reduce`` with the GPU held behind a one-second kernel while the host posts, so
     that the host's lead reaches the contract's bound (2 x ``LOOK_BEHIND_POSTS``)."""
     import cerar
-    from cerar.transport import LOOK_BEHIND_POSTS
+    from cerar.ring.transport import LOOK_BEHIND_POSTS
 
     device = one_rank_group()
     rate = cycles_per_second()
@@ -399,7 +399,7 @@ def _never_completing_round(timeout_s: float, held_s: float = FOREVER_S):
 def deadline(out: str) -> dict:
     """The round bounded by the protocol's deadline (``_Ring.await_works`` under the stream-ordered
     contract); its CollectiveError goes through the trainer's exit path, which exits 3."""
-    from cerar.transport import _Ring
+    from cerar.ring.transport import _Ring
     from train.distributed import exit_after_collective_failure
 
     works = _never_completing_round(60.0)

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 import cerar
-from cerar.matrices import device_matrices
-from cerar.rounds import CodedRingRank
+from cerar.coding.matrices import device_matrices
+from cerar.ring.rounds import CodedRingRank
 from scripts.checks.gpu.arithmetic import _device
 from scripts.checks.gpu.cases import MEASURED, Case, Context
 from scripts.checks.gpu.judge import timed

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cerar.costmodel import (
+from cerar.planning.costmodel import (
     DDP_FIRST_BUCKET_BYTES,
     HBM_BANDWIDTH,
     PASSES_BEFORE_324C4C8,
@@ -23,7 +23,7 @@ from cerar.costmodel import (
 
 def gpu_crossover_section(itemsize: int = 4) -> list[str]:
     """CERAR vs NCCL's ring on PCIe- and NVLink-class nodes for Pythia 160m..1.4b, and the link
-    bandwidth below which CERAR wins, before and after the arithmetic of ``cerar.rounds`` changed."""
+    bandwidth below which CERAR wins, before and after the arithmetic of ``cerar.ring.rounds`` changed."""
     L = ["### CERAR vs NCCL on one GPU node, Pythia 160m..1.4b", "",
          "All-reduce time of CERAR over that of the exact ring (NCCL's algorithm) on the same link, for "
          "c = 4N (the practical range: the optimized code at kappa <= 1e4 errs a few percent there) with "
@@ -75,7 +75,7 @@ def overlapped_section(itemsize: int = 4) -> list[str]:
     """The same comparison with the arithmetic beside the transfers, as on a GPU (NCCL's stream and the
     compute stream at once), and the storage choice it recommends per link."""
     L = ["### Overlapped: the arithmetic beside the transfers (GPU streams)", "",
-         "On a GPU NCCL's kernels and the compute stream run at once, and `cerar.protocol` enqueues a call's "
+         "On a GPU NCCL's kernels and the compute stream run at once, and `cerar.ring.protocol` enqueues a call's "
          "rounds so that chunk k's encoding and decoding run while chunk k+1 is on the wire "
          "(`LinkModel.cerar_time_overlapped`): time = rounds x alpha + max(bytes / link, hideable traffic / "
          "memory) + exposed traffic / memory, where the exposed traffic is what no transfer can hide "
@@ -139,7 +139,7 @@ def bucket_section(itemsize: int = 4) -> list[str]:
          "The trainer's hook reduces DDP's buckets one call each: the first bucket of 1 MiB "
          "(`torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`), then buckets of `cerar.ddp.default_bucket_cap_mb` "
          "(25 MiB x c / N, at least 25). A call whose blocks are shorter than 2 x 2^16 values (d < 2^17 c: the "
-         "first bucket for every c >= 2) travels in ONE chunk (`cerar.rounds.pipeline_chunks`), and then nothing "
+         "first bucket for every c >= 2) travels in ONE chunk (`cerar.ring.rounds.pipeline_chunks`), and then nothing "
          "else is on the wire while a round's message is received and added: every round's addition (3 m) is "
          "exposed, and round 2's post waits for the rest of the encoding ((2c - 1) m) when it outlasts round "
          "1's transfer. `LinkModel.cerar_time_one_chunk` prices that round by round (`cerar_round_values`, "

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from cerar.costmodel import (
+from cerar.planning.costmodel import (
     ETHERNET_GBIT,
     GPUS_PER_NODE,
     HBM_BANDWIDTH,
@@ -62,7 +62,7 @@ def _lab_errors(rows: Sequence[dict]) -> dict[str, float]:
 def two_tier_section(rows: Sequence[dict] | None, csv_path: str | None = None, itemsize: int = 4) -> list[str]:
     """The two-tier model: its terms, its fit to the two-tier lab, its projection onto 8-GPU-node clusters."""
     L = ["## Two tiers: clusters of multi-GPU nodes (issue 20)", "",
-         "`cerar.costmodel.TwoTierCluster`: n nodes of G ranks; per all-reduce and rank, the tiers one after "
+         "`cerar.planning.costmodel.TwoTierCluster`: n nodes of G ranks; per all-reduce and rank, the tiers one after "
          "the other (as `cerar.hierarchical` runs them):", "",
          "    T = rounds_intra * alpha_intra + bytes_intra / bandwidth_intra",
          "      + rounds_inter * alpha_inter + bytes_inter_link / bandwidth_inter + bytes_moved / memory_bandwidth",
@@ -247,11 +247,16 @@ def two_tier_figure(path: Path) -> Path:
 def int8_two_tier_section(rows: Sequence[dict] | None) -> list[str]:
     """Issue 25: the 8-bit hierarchy (``hier_int8``) in the two-tier model, beside the 16-bit messages, and
     the choice when 8-bit messages are acceptable; its errors in the lab when the rows hold some."""
-    from cerar.costmodel import INT8_BLOCK, INT8_DEQUANTIZE_ADD_BYTES, INT8_DEQUANTIZE_BYTES, INT8_QUANTIZE_BYTES
+    from cerar.planning.costmodel import (
+        INT8_BLOCK,
+        INT8_DEQUANTIZE_ADD_BYTES,
+        INT8_DEQUANTIZE_BYTES,
+        INT8_QUANTIZE_BYTES,
+    )
 
     B = INT8_BLOCK
     L = ["### The 8-bit hierarchy (issue 25)", "",
-         f"`hier_int8` (`cerar.hierarchical.quantized`): inside the node as `hier_ring` in fp32; on each rail the "
+         f"`hier_int8` (`cerar.int8.two_tier`): inside the node as `hier_ring` in fp32; on each rail the "
          f"8-bit all-reduce, 2(n-1) rounds of messages of s' = ceil(s/n) int8 values and a float32 scale per {B} "
          f"(s' + 4 ceil(s'/{B}) bytes), so the busiest NIC carries G/NICs x 2(n-1) (s' + 4 ceil(s'/{B})) bytes, "
          f"{(1 + 4 / B) / 4:.3f} of `hier_ring`'s; the arithmetic moves {INT8_QUANTIZE_BYTES} bytes per value "

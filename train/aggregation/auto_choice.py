@@ -1,0 +1,313 @@
+"""aggregator=auto, the decision: the fastest aggregation whose error fits the run's own noise.
+
+The candidates (`candidates`) are every aggregator that can run on the layout: flat, torch's all-reduce
+(`nccl`, exact), its 16-bit all-reduce (`fp16`, `bf16`), the 8-bit all-reduce (`int8`) and CERAR at the c
+values c=auto would consider, over float32 messages (`cerar-c<c>`) and over float16 ones where the code is
+admissible (`cerar16-c<c>`); on n >= 2 nodes of G >= 2 ranks also the two-tier ones: the exact hierarchy
+(`hier_ring`), over float16 messages (`hier_fp16`), with int8 between the nodes (`hier_int8`) and, on n >= 3
+nodes (on two, the code sends the exact ring's bytes), CERAR between them (`hier_cerar-c<c>`,
+`hier_cerar16-c<c>`).
+
+Each candidate carries its cost model name (`cerar.planning.costmodel.two_tier_features`) and the layout of its
+arithmetic (`parts`, `pieces`, `unit`: the values that a call mixes or scales together), which is what a
+sample of its error must keep (train/auto_measure.py).
+
+The schedule (`AutoChoice`), as c=auto's: until `warmup_steps` the run aggregates exactly (`nccl`); at that
+step every candidate is measured (error and its standard error, on the step's own gradients) and priced
+(predicted seconds per step, `seconds`); of those whose error bound (estimate + 2 standard errors) is at most
+`budget` x the noise of every parameter tensor, each tensor's error against its own noise
+(train/aggregation/tensor_errors.py), the `trials` the model predicts fastest and the exact one are timed by their real
+call on the step's gradient (`time_calls`), and the fastest timed is taken: the model ranks, a measurement
+decides, so a cost the model does not price (gloo's 16-bit arithmetic on a CPU, a link the probe misread) cannot
+make the run slower than the exact all-reduce. Every `check_every` steps after, the choice is measured again
+with the candidates more accurate than it; if it no longer fits it is excluded for the rest of the run and the
+fastest that fits among the more accurate ones replaces it. The run therefore only ever moves to more accurate
+choices and cannot oscillate; the exact candidates (error 0) always fit. The decisions are a pure function of
+the numbers given to `decide`, and every rank is given the same numbers (all-reduced), so every rank switches
+at the same step.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from train.aggregation.auto_c import DEFAULT_ERROR_BUDGET, SIGMAS, candidate_codes
+from train.config import FAMILIES, code_kappa_max
+
+EXACT = "nccl"
+"""The exact flat all-reduce: the warm-up's aggregator and the fallback when the links are unknown."""
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One aggregator auto may choose: its `name` (the metrics' and summary's), its aggregator config (`kind`,
+    `c`, `transport`), the cost model's name for it (`model`), whether it is exact, and the layout its arithmetic
+    works in: `parts` equal shards (G for the two-tier ones, whose node reduce-scatters first), each cut into
+    `pieces` (CERAR's c components, int8's shards), whose values are mixed or scaled together in `unit`s (int8's
+    blocks; 1 otherwise)."""
+
+    name: str
+    kind: str
+    model: str
+    c: int | None = None
+    transport: str = "float32"
+    exact: bool = False
+    parts: int = 1
+    pieces: int = 1
+    unit: int = 1
+
+
+def _cerar_codes(N: int, a, transport: str) -> dict[int, object]:
+    """c -> code of the inexact CERAR codes c=auto would consider on N workers (train/aggregation/auto_c.py), for
+    messages
+    of `transport`: with float16 the codes built within its default kappa_max and admissible on its wire."""
+    import torch
+
+    import cerar
+    from cerar.ring.precision import check_admissible
+
+    codes = {}
+    for c, code in candidate_codes(N, a.construction, a.eps, code_kappa_max(a, transport)).items():
+        if code.is_exact:
+            continue
+        if transport != "float32":
+            try:
+                check_admissible(code, torch.float32, cerar.formats.wire.transport_dtype(transport))
+            except ValueError:
+                continue
+        codes[c] = code
+    return codes
+
+
+def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
+    """name -> Candidate for N = nodes x local_size ranks and aggregator config `a` (construction, eps,
+    kappa_max, block, auto_aggregators: the kinds to keep, null: all)."""
+    block = int(a.block)
+    pool = [
+        Candidate(EXACT, "nccl", "ring", exact=True),
+        Candidate("fp16", "fp16", "ring16"),
+        Candidate("bf16", "bf16", "ring16"),
+        Candidate("int8", "int8", "int8", pieces=N, unit=block),
+    ]
+    for transport, family in (("float32", "cerar"), ("float16", "cerar16")):
+        for c in sorted(_cerar_codes(N, a, transport)):
+            pool.append(Candidate(f"{family}-c{c}", "cerar", family, c, transport, pieces=c))
+    n, G = nodes, local_size
+    if n >= 2 and G >= 2:
+        pool += [
+            Candidate("hier_ring", "hier_ring", "hier_ring", exact=True),
+            Candidate("hier_fp16", "hier_ring", "hier_ring16", transport="float16"),
+            Candidate("hier_int8", "hier_int8", "hier_int8", parts=G, pieces=n, unit=block),
+        ]
+        if n >= 3:
+            for transport, family in (("float32", "hier_cerar"), ("float16", "hier_cerar16")):
+                for c in sorted(_cerar_codes(n, a, transport)):
+                    pool.append(Candidate(f"{family}-c{c}", "hier_cerar", family, c, transport, parts=G, pieces=c))
+    keep = a.auto_aggregators
+    if keep is not None:
+        unknown = sorted(set(keep) - set(FAMILIES))
+        if unknown:
+            raise ValueError(f"aggregator.auto_aggregators holds {unknown}: not among {', '.join(FAMILIES)}")
+        pool = [cand for cand in pool if cand.exact or cand.model in keep or cand.name in keep]
+    return {cand.name: cand for cand in pool}
+
+
+def fastest_within(seconds: dict[str, float], bound: dict[str, float], allowed: float) -> str:
+    """The candidate with the fewest predicted seconds whose error bound is at most `allowed` (ties: the smaller
+    bound, then the name); when none fits, the one with the smallest bound. A non-finite bound never fits."""
+    if not bound:
+        raise ValueError("fastest_within needs at least one measured candidate")
+    missing = sorted(set(bound) - set(seconds))
+    if missing:
+        raise ValueError(f"fastest_within: no predicted seconds for {missing}")
+
+    def error(name: str) -> float:
+        return bound[name] if math.isfinite(bound[name]) else math.inf
+
+    fits = [name for name in bound if error(name) <= allowed]
+    if fits:
+        return min(fits, key=lambda name: (seconds[name], error(name), name))
+    return min(bound, key=lambda name: (error(name), seconds[name], name))
+
+
+def worst_tensors(record: dict) -> str:
+    """'; worst tensor: name rho, ...' of a decision record's measured candidates (the console's last clause)."""
+    named = record.get("worst_tensors", {}).items()
+    pairs = [f"{name} {tensor} {record['errors'][name]:.3g}" for name, tensor in named]
+    return "; worst tensor (error/noise): " + ", ".join(pairs) if pairs else ""
+
+
+@dataclass
+class AutoChoice:
+    """The aggregator=auto schedule and its decisions (module docstring). `seconds` holds each candidate's
+    predicted seconds per step (empty while unpriced: the run then stays exact); `choice` is the candidate in
+    use; `excluded` those that exceeded the budget at a re-check; `decisions` one record per check; `trials` how
+    many fitting candidates (the model's fastest) a decision that moves times beside the exact one (0: the model
+    alone decides)."""
+
+    candidates: dict[str, Candidate]
+    seconds: dict[str, float] = field(default_factory=dict)
+    budget: float = DEFAULT_ERROR_BUDGET
+    warmup_steps: int = 100
+    check_every: int = 100
+    choice: str = EXACT
+    excluded: list[str] = field(default_factory=list)
+    decisions: list[dict] = field(default_factory=list)
+    bounds: dict[str, float] = field(default_factory=dict)  # each candidate's last measured error bound
+    trials: int = 3
+    retry_at: int | None = None  # a check whose evidence was not finite: the step that checks again
+
+    def __post_init__(self) -> None:
+        if EXACT not in self.candidates:
+            raise ValueError(f"AutoChoice needs the exact candidate {EXACT!r}")
+        if self.warmup_steps < 1 or self.check_every < 0 or self.trials < 0:
+            raise ValueError(
+                f"AutoChoice: warmup_steps={self.warmup_steps} must be >= 1, check_every={self.check_every} and "
+                f"trials={self.trials} >= 0"
+            )
+
+    @property
+    def priced(self) -> bool:
+        return bool(self.seconds)
+
+    @property
+    def chosen(self) -> bool:
+        """Whether a check has decided yet (a refused one, on evidence that was not finite, has not)."""
+        return any("not finite" not in d["reason"] for d in self.decisions)
+
+    def due(self, step: int) -> bool:
+        """Whether `step` checks: the end of warm-up, then every check_every steps, while something can move
+        (never while unpriced)."""
+        if not self.priced or step < self.warmup_steps or not self.to_measure():
+            return False
+        if step == self.retry_at:
+            return True
+        since = step - self.warmup_steps
+        return since == 0 if self.check_every == 0 else since % self.check_every == 0
+
+    def to_measure(self) -> list[str]:
+        """The inexact candidates a check measures: at the first check all of them; afterwards the choice (if
+        inexact) and those not excluded whose last bound was below the choice's (only a more accurate one may
+        replace it)."""
+        inexact = [name for name, cand in self.candidates.items() if not cand.exact and name not in self.excluded]
+        if not self.chosen:
+            return sorted(inexact)
+        if self.candidates[self.choice].exact:
+            return []
+        ceiling = self.bounds.get(self.choice, math.inf)
+        return sorted(name for name in inexact if name == self.choice or self.bounds.get(name, 0.0) < ceiling)
+
+    def shortlist(self, pool: dict[str, float], allowed: float) -> list[str]:
+        """The candidates of `pool` (name -> error bound) a decision times: the `trials` fitting ones with the
+        fewest predicted seconds, and the exact one (always fits, the yardstick), fastest predicted first."""
+        fits = sorted((name for name, b in pool.items() if b <= allowed), key=lambda n: (self.seconds[n], pool[n], n))
+        short = fits[: self.trials]
+        if EXACT in pool and EXACT not in short:
+            short.append(EXACT)
+        return short
+
+    def decide(
+        self,
+        step: int,
+        noise: float,
+        measured: dict[str, tuple[float, float]],
+        time_calls: Callable[[list[str]], dict[str, float]] | None = None,
+        worst_tensors: dict[str, str] | None = None,
+    ) -> dict:
+        """Take a check's numbers (per candidate: its worst tensor's error against that tensor's noise, rho, and
+        its standard error; train/aggregation/tensor_errors.py) and return the decision record, switching `choice`
+        when it
+        says so: a candidate fits when rho + SIGMAS se <= budget. `noise` (the whole gradient's relative noise)
+        and `worst_tensors` (the tensor that set each rho) are recorded, not decided on. When the choice may
+        move and `time_calls` is given, it is called with `shortlist` and returns each one's measured seconds
+        per call (the same on every rank); the fastest measured is taken. Evidence that is not finite (nan) is
+        refused, never read as "exceeds": the choice stays, nothing is excluded, and the next step checks
+        again (`due`)."""
+        before = self.choice
+        allowed = self.budget
+        tensors = dict(sorted((worst_tensors or {}).items()))
+        if not all(math.isfinite(v) for pair in measured.values() for v in pair):
+            self.retry_at = step + 1
+            record = {"step": step, "noise": noise, "allowed": allowed,
+                      "errors": {name: measured[name][0] for name in sorted(measured)},
+                      "standard_errors": {name: measured[name][1] for name in sorted(measured)},
+                      "worst_tensors": tensors, "before": before, "choice": before,
+                      "predicted_s": self.seconds[before], "timed_s": {},
+                      "reason": f"evidence not finite: keeps {before}, checks again at step {step + 1}"}  # fmt: skip
+            self.decisions.append(record)
+            return record
+        self.retry_at = None
+        bound = {name: error + SIGMAS * se for name, (error, se) in measured.items()}
+        bound.update({name: 0.0 for name, cand in self.candidates.items() if cand.exact})
+        self.bounds.update(bound)
+        if not self.chosen:
+            reason, pool = "first choice", bound
+        elif bound.get(before, math.inf) <= allowed:
+            reason, pool = "still fits", {before: bound[before]}
+        else:
+            reason = f"{before} exceeds the budget"
+            self.excluded.append(before)
+            pool = {name: b for name, b in bound.items() if name not in self.excluded and b < bound[before]}
+            pool.update({name: 0.0 for name, cand in self.candidates.items() if cand.exact})
+        self.choice = fastest_within(self.seconds, pool, allowed)
+        timed: dict[str, float] = {}
+        short = self.shortlist(pool, allowed) if time_calls is not None and reason != "still fits" else []
+        if len(short) > 1:  # trials=0: the exact one alone
+            times = time_calls(short)
+            timed = {name: float(times[name]) for name in short}
+            self.choice = min(short, key=lambda name: (timed[name], pool[name], name))
+        record = {
+            "step": step,
+            "noise": noise,
+            "allowed": allowed,
+            "errors": {name: measured[name][0] for name in sorted(measured)},
+            "standard_errors": {name: measured[name][1] for name in sorted(measured)},
+            "worst_tensors": tensors,
+            "before": before,
+            "choice": self.choice,
+            "predicted_s": self.seconds[self.choice],
+            "timed_s": timed,
+            "reason": reason,
+        }
+        self.decisions.append(record)
+        return record
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the choice, the exclusions, the bounds and every decision."""
+        return {
+            "choice": self.choice,
+            "excluded": list(self.excluded),
+            "bounds": dict(self.bounds),
+            "decisions": [dict(d) for d in self.decisions],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["choice"] not in self.candidates:
+            raise ValueError(f"the checkpoint's aggregator=auto chose {state['choice']}, not a candidate of this run")
+        self.choice = state["choice"]
+        self.excluded = list(state["excluded"])
+        self.bounds = dict(state["bounds"])
+        self.decisions = [dict(d) for d in state["decisions"]]
+
+    def describe(self, record: dict) -> str:
+        """One console line for a decision: the choice, its predicted time against the exact one's, the
+        evidence."""
+        fits = sorted(
+            (name for name, e in record["errors"].items() if self.bounds.get(name, math.inf) <= record["allowed"]),
+            key=lambda name: self.seconds[name],
+        )
+        move = f"keeps {record['choice']}" if record["choice"] == record["before"] else (
+            f"{record['before']} -> {record['choice']}")  # fmt: skip
+        timed = record.get("timed_s") or {}
+        trial = "; timed per call: " + ", ".join(
+            f"{name} {1e3 * s:.3g} ms" for name, s in sorted(timed.items(), key=lambda kv: kv[1])
+        ) if timed else ""  # fmt: skip
+        return (
+            f"step {record['step']}: aggregator=auto {record['reason']}: {move}, predicted "
+            f"{1e3 * record['predicted_s']:.3g} ms per step (exact {EXACT}: {1e3 * self.seconds[EXACT]:.3g} ms); "
+            f"noise {record['noise']:.3g}; per tensor, error <= {self.budget:g} x that tensor's noise; "
+            f"{len(record['errors'])} measured, fitting by predicted time: {', '.join(fits) or 'none but the exact'}"
+            f"{trial}{worst_tensors(record)}"
+        )

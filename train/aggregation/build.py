@@ -1,0 +1,101 @@
+"""The aggregator a run's config names: `build_aggregator(cfg, world_size)`, every kind of
+train/aggregation/aggregators.py and
+aggregator=auto (train/aggregation/auto_aggregator.py), which itself builds the others as its candidates; so the builder
+stands apart from both (the trainer's one entry into the family)."""
+
+from __future__ import annotations
+
+import torch
+
+from cerar.formats.int8_blocks import DEFAULT_ROUNDING
+from train.aggregation.aggregators import (
+    Aggregator,
+    AllReduceAggregator,
+    CerarAggregator,
+    HierarchicalAggregator,
+    HierarchicalQuantizedAggregator,
+    LowPrecisionAllReduce,
+    PowerSGDAggregator,
+    QuantizedAggregator,
+)
+from train.aggregation.auto_aggregator import AutoAggregator
+from train.config import code_kappa_max, node_layout
+
+
+def build_aggregator(cfg, world_size: int) -> Aggregator:
+    """The aggregator named by cfg.aggregator (its kind), with c from the root config."""
+    a, timeout = cfg.aggregator, float(cfg.trainer.collective_timeout_s)
+    if a.kind == "nccl":
+        return AllReduceAggregator(world_size, timeout)
+    if a.kind in ("fp16", "bf16"):
+        return LowPrecisionAllReduce(world_size, timeout, torch.float16 if a.kind == "fp16" else torch.bfloat16)
+    if a.kind == "powersgd":
+        return PowerSGDAggregator(world_size, timeout, a.powersgd_rank, a.powersgd_start_iter)
+    if a.kind == "ring":
+        return CerarAggregator(world_size, timeout, cfg.c, "exact", None, None, exact_ring=True, transport=a.transport)
+    if a.kind == "cerar":
+        # c=auto starts exact (c = N) until the trainer's first choice (train/aggregation/auto_c.py)
+        c, construction = (world_size, "exact") if cfg.c == "auto" else (cfg.c, a.construction)
+        return CerarAggregator(
+            world_size, timeout, c, construction, a.eps, code_kappa_max(a), exact_ring=False, transport=a.transport,
+            equilibrate=getattr(a, "equilibrate", True),
+        )  # fmt: skip
+    if a.kind in ("hier_cerar", "hier_ring"):
+        layout = node_layout(cfg, world_size)
+        exact_ring = a.kind == "hier_ring"
+        return HierarchicalAggregator(
+            world_size,
+            timeout,
+            layout,
+            cfg.c,
+            a.construction,
+            a.eps,
+            code_kappa_max(a),
+            exact_ring,
+            a.coded_on_two_nodes,
+            transport=a.transport,
+            equilibrate=getattr(a, "equilibrate", True),
+        )
+    if a.kind in ("int8", "hier_int8"):
+        return build_quantized_aggregator(cfg, world_size)
+    if a.kind == "auto":  # every candidate built now, on every rank; the links measured by Trainer (prepare)
+        return AutoAggregator(cfg, world_size)
+    raise ValueError(f"aggregator.kind={a.kind!r} is unknown")
+
+
+def fused_kernels(a) -> tuple[str, ...]:
+    """The `cerar.formats.fused` kernels aggregator config ``a`` calls: the 8-bit quantizer (int8, hier_int8,
+    auto's int8 candidates; stochastic rounding, `cerar.formats.int8_blocks.DEFAULT_ROUNDING`) and the 16-bit
+    wire's encode (a 16-bit transport, or auto, whose candidates include CERAR and the rings over 16-bit
+    messages). () when ``aggregator.fused`` is false or the aggregator uses neither."""
+    if not getattr(a, "fused", True):
+        return ()
+    quantize = f"quantize_{DEFAULT_ROUNDING}"
+    if a.kind in ("int8", "hier_int8"):
+        return (quantize,)
+    if a.kind == "auto":
+        return (quantize, "wire_encode")
+    if a.kind in ("cerar", "ring", "hier_cerar", "hier_ring") and a.transport != "float32":
+        return ("wire_encode",)
+    return ()
+
+
+def enable_fused(a, device, say_it: bool = True) -> dict[str, float]:
+    """Compile and switch on `fused_kernels(a)` for ``device`` (`cerar.formats.fused.enable`, which says in one line
+    what
+    it compiles and how long that may take; ``say_it`` false: rank 0 says it for all); before the first
+    collective, so no rank compiles inside one. A kernel left eager is logged at WARNING on every rank."""
+    kernels = fused_kernels(a)
+    if not kernels:
+        return {}
+    import cerar.formats.fused
+
+    return cerar.formats.fused.enable(device, int(a.block), kernels, say=None if say_it else lambda line: None)
+
+
+def build_quantized_aggregator(cfg, world_size: int) -> Aggregator:
+    """aggregator=int8 or hier_int8 (the layout as for hier_ring: aggregator.local_size or LOCAL_WORLD_SIZE)."""
+    a, timeout = cfg.aggregator, float(cfg.trainer.collective_timeout_s)
+    if a.kind == "int8":
+        return QuantizedAggregator(world_size, timeout, int(a.block))
+    return HierarchicalQuantizedAggregator(world_size, timeout, node_layout(cfg, world_size), int(a.block))
