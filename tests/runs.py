@@ -108,8 +108,8 @@ RESUME = "aggregator=ring checkpoint.every=3 checkpoint.keep=2 wandb.mode=offlin
 
 def sweep_runs(N: int) -> list[str]:
     """Every aggregator, CERAR with resync; at N=2 also what other tests compare with the aggregators' runs:
-    the same batch through gradient accumulation, and a ring run stopped at step 3 and resumed (two entries,
-    one folder). The nccl run keeps an offline W&B log at N=2."""
+    the same batch through gradient accumulation, and a ring run and an int8 run each stopped at step 3 and
+    resumed (two entries, one folder). The nccl run keeps an offline W&B log at N=2."""
     runs = [f"{label}: {o.format(**WORLDS[N])}" for label, (o, *_) in AGGREGATORS.items()]
     runs.append(f"cerar_resync: aggregator=cerar c={WORLDS[N]['c']} trainer.resync_every=3")
     if N == 2:
@@ -117,6 +117,9 @@ def sweep_runs(N: int) -> list[str]:
         # eval_batches=4: the same 8 validation windows per rank as 2 batches of 4
         runs.append("accumulated: trainer.micro_batch_size=2 trainer.global_batch_size=8 trainer.eval_batches=4")
         runs += [f"part_ring: {RESUME} trainer.stop_after_step=3", f"part_ring: {RESUME} resume=true"]
+        # the 8-bit all-reduce rounds stochastically: a resumed run must continue its dither (the checkpoint's count)
+        part_int8 = RESUME.replace("aggregator=ring", "aggregator=int8").replace(" wandb.mode=offline", "")
+        runs += [f"part_int8: {part_int8} trainer.stop_after_step=3", f"part_int8: {part_int8} resume=true"]
     return runs
 
 

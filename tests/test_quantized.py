@@ -432,3 +432,21 @@ def test_trainer_refuses_a_bad_block_before_any_process_group_and_keeps_older_id
     validate(int8, world_size=4)
     assert training_identity(int8, 2)["aggregator.block"] == 64
     assert "aggregator.block" not in training_identity(composed("aggregator=ring"), 2)  # runs before issue 25 resume
+
+
+def test_the_dither_count_is_set_by_the_run_and_a_bad_count_is_refused():
+    """The trainer sets the 8-bit dither's call count (0 at a run's start, the checkpoint's when resuming;
+    tests/test_train_runs.py holds a resumed int8 run to the uninterrupted one's parameters); a count that is not
+    a non-negative integer is refused naming the call."""
+    from cerar.int8.all_reduce import dither_calls, set_dither_calls
+
+    before = dither_calls()
+    try:
+        set_dither_calls(7)
+        assert dither_calls() == 7
+        for bad in (-1, 2.0, True, "3"):
+            with pytest.raises(ValueError, match="set_dither_calls: count must be an integer >= 0"):
+                set_dither_calls(bad)
+        assert dither_calls() == 7
+    finally:
+        set_dither_calls(before)

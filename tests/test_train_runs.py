@@ -267,11 +267,16 @@ def test_global_batch_size_trains_with_derived_gradient_accumulation(sweep):
 
 @pytest.mark.timeout(900)
 def test_resume_matches_uninterrupted_run(sweep, tmp_path, cache_dir):
-    # In the N=2 launch: a ring run stopped after step 3 and resumed in the same folder, and the full runs.
+    # In the N=2 launch: a ring run and an int8 run stopped after step 3 and resumed in their folders, and the full
+    # runs.
     records, part_ring = read_run(sweep(2) / "part_ring")
     _, full_ring = read_run(sweep(2) / "ring")
     assert part_ring["resumed_from_step"] == 3
     assert part_ring["param_sha256"] == full_ring["param_sha256"]
+    # int8's stochastic rounding continues from the checkpoint's count of 8-bit calls: the same bytes, the same model
+    _, part_int8 = read_run(sweep(2) / "part_int8")
+    _, full_int8 = read_run(sweep(2) / "int8")
+    assert part_int8["resumed_from_step"] == 3 and part_int8["param_sha256"] == full_int8["param_sha256"]
     assert [r["step"] for r in records] == list(range(1, 7))
     _, full_nccl = read_run(sweep(2) / "nccl")
     check_wandb_offline_runs(sweep(2) / "nccl", full_nccl, launches=1)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
+from cerar.int8.all_reduce import dither_calls, set_dither_calls
 from train import checkpoint as ckpt
 from train.aggregation.tensor_errors import TensorLayout, per_tensor_figures
 from train.distributed import (
@@ -296,6 +297,7 @@ class Trainer:
         self.tensors = TensorLayout.of(self.model.named_parameters())
         aggregator.use_tensors(list(self.tensors.sizes))  # those that scale per tensor scale each apart
         self.state = TrainState()
+        set_dither_calls(0)  # this run's 8-bit dither from its own first call, whatever the process ran before
         self.timer = PhaseTimer(device)
         precision = cfg.trainer.precision
         use_bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
@@ -343,6 +345,7 @@ class Trainer:
             "ranks": per_rank,
             "auto_c": self.auto_c.state_dict() if self.auto_c is not None else None,
             "aggregator": self.aggregator.state_dict(),  # aggregator=auto: its choice and evidence
+            "int8_dither_calls": dither_calls(),  # the 8-bit all-reduce's dither key: the resumed run continues it
         }
 
     def save_checkpoint(self) -> None:
@@ -381,6 +384,7 @@ class Trainer:
             self.aggregator.use_code(self.auto_c.code)
         if state.get("aggregator") is not None:
             self.aggregator.load_state_dict(state["aggregator"])
+        set_dither_calls(int(state.get("int8_dither_calls", 0)))  # (older checkpoints: none kept, 0)
         mine = state["ranks"][self.rank]
         self.data.train.load_state_dict(mine["data"])
         ckpt.set_rng_states(mine["rng"])

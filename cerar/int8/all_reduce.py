@@ -54,7 +54,6 @@ error              the bound above (two roundings per value)    none
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import torch
@@ -81,9 +80,24 @@ QUANTIZED_PROTOCOL_VERSION = 2
 """Bumped whenever the rounds, the shard assignment or the format change: ranks of different versions refuse to
 mix. 2: the rounding is chosen (nearest or stochastic) and tiny scales are prescaled (issues 33 and 35)."""
 
-_calls = itertools.count()
+_calls = {"count": 0}
 """This process's count of 8-bit all-reduces: a key of each message's dither (``int8_blocks.dither_key``), so
-that stochastic rounding draws a new dither every call and the same sequence of calls gives the same bytes."""
+that stochastic rounding draws a new dither every call and the same sequence of calls gives the same bytes.
+Every rank makes the same calls, so every rank holds the same count; a trainer resets it at the start of a run
+and keeps it in its checkpoints (`dither_calls`, `set_dither_calls`), so that a run repeats its bytes whatever
+the process ran before it and a resumed run continues the dither of the run it resumes."""
+
+
+def dither_calls() -> int:
+    """How many 8-bit all-reduces this process has made since the count was last set: the next call's key."""
+    return _calls["count"]
+
+
+def set_dither_calls(count: int) -> None:
+    """Continue the count from ``count`` (0 at the start of a run; a checkpoint's count when resuming)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"set_dither_calls: count must be an integer >= 0, got {count!r}")
+    _calls["count"] = count
 
 
 class _PeerRing(_Ring):
@@ -167,7 +181,8 @@ def quantized_all_reduce(
             "dtype": str(tensor.dtype),
         },
     )
-    call = next(_calls)
+    call = _calls["count"]
+    _calls["count"] = call + 1
     stats = AllReduceStats(rounds=2 * (N - 1) if N > 1 else 0)
     if N == 1 or d == 0:
         return stats

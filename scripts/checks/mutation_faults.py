@@ -344,10 +344,19 @@ FAULTS = [
     Fault(
         name="ddp-rebuild-left-to-forward",
         file="train/loop.py",
-        original="            finite = self._grads_finite_everywhere(None)\n            self._rebuild_ddp_buckets()\n",
-        replacement="            finite = self._grads_finite_everywhere(None)\n",
+        original="        finite = self._grads_finite_everywhere(None)\n        self._rebuild_ddp_buckets()\n",
+        replacement="        finite = self._grads_finite_everywhere(None)\n",
         tests=("tests/test_stall_phases.py",),
         why="overlap: DDP's host-blocking bucket rebuild stays in step 2's forward, where a peer stalled in data holds it",
+    ),
+    Fault(
+        name="int8-dither-not-resumed",
+        file="train/loop.py",
+        original='        set_dither_calls(int(state.get("int8_dither_calls", 0)))  # (older checkpoints: none kept, 0)\n',
+        replacement="",
+        tests=("tests/test_train_runs.py -k resume_matches",),
+        why="a resumed int8 run restarts its stochastic rounding's dither at the process's count, not the run's: "
+        "other bytes, another model than the uninterrupted run's",
     ),
     Fault(
         name="nccl-aggregate-unbounded",
