@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.nn.functional import cross_entropy
 
 from cerar.int8.all_reduce import dither_calls, set_dither_calls
+from cerar.ring.rounds import PhaseTimer as StreamPhaseTimer
 from train import checkpoint as ckpt
 from train.aggregation.tensor_errors import TensorLayout, per_tensor_figures
 from train.distributed import (
@@ -66,7 +67,7 @@ from train.loss_scale import build_loss_scaler
 log = logging.getLogger(__name__)
 
 
-class PhaseTimer:
+class PhaseTimer(StreamPhaseTimer):
     """Seconds per phase. On CUDA, from a pair of events recorded on the current stream around each
     phase and read once per step (`collect`, after the step's last bounded wait, when they wait only
     for this rank's own kernels): a ``torch.cuda.synchronize`` at each phase boundary would block the
@@ -75,33 +76,20 @@ class PhaseTimer:
     ``current`` names the phase the host is in, for the failure message (`train.distributed.set_phase`)."""
 
     def __init__(self, device: torch.device):
+        super().__init__(device)
         self.device = device
-        self.seconds: dict[str, float] = {}
-        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
 
     @contextlib.contextmanager
     def phase(self, name: str):
         set_phase(name)
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        with super().phase(name):
             yield
-            end.record()
-            self._events.append((name, start, end))
-        else:
-            start_s = time.perf_counter()
-            yield
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start_s
         set_phase(f"after {name}")
 
     def collect(self) -> dict[str, float]:
         """Add the phases recorded on the stream since the last call (waits for the last event: call it
         once every collective the step's kernels wait on has passed its bounded wait)."""
-        if self._events:
-            self._events[-1][2].synchronize()
-            for name, start, end in self._events:
-                self.seconds[name] = self.seconds.get(name, 0.0) + start.elapsed_time(end) / 1e3
-            self._events.clear()
+        self.totals()
         return self.seconds
 
     def reset(self) -> None:
