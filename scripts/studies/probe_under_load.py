@@ -44,23 +44,14 @@ def worker(code_dir: str, repeats: int) -> None:
     """One rank (launched by torchrun or the lab): the probe and the fit, ``repeats`` times; rank 0 prints one
     JSON line per probe."""
     sys.path.insert(0, code_dir)
-    import importlib
-
     import torch
     import torch.distributed as dist
 
     from cerar.hierarchical import NodeLayout, tier_groups
+    from scripts.code_dir import library_module
 
-    def first(*names):  # a checkout from before the rooms (issue 37) has the old module names
-        for name in names:
-            try:
-                return importlib.import_module(name)
-            except ModuleNotFoundError:
-                continue
-        raise ImportError(f"{code_dir} has none of {names}")
-
-    LinkProbeError = first("cerar.planning.link_probe", "cerar.link_probe").LinkProbeError  # noqa: N806
-    auto = first("train.aggregation.auto_aggregator", "train.auto_aggregator")
+    LinkProbeError = library_module("cerar.planning.link_probe", "cerar.link_probe").LinkProbeError  # noqa: N806
+    auto = library_module("train.aggregation.auto_aggregator", "train.auto_aggregator")
     cluster_from_timings, measure_links = auto.cluster_from_timings, auto.measure_links
 
     dist.init_process_group("gloo")

@@ -13,21 +13,9 @@ import time
 from pathlib import Path
 
 from scripts.bench.allreduce.options import HIERARCHICAL, ITEMSIZE
+from scripts.code_dir import library_module
 
 # --------------------------------------------------------------------------- worker
-
-
-def library_module(*names: str):
-    """The first of ``names`` the imported cerar has: --code-dir may run a checkout from before the library's
-    rooms (issue 37: ``cerar.rounds`` became ``cerar.ring.rounds``), so that before and after run side by side."""
-    import importlib
-
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError:
-            continue
-    raise ImportError(f"the imported cerar has none of {names}")
 
 
 def _stat(stats, name):
