@@ -353,6 +353,11 @@ def test_auto_runs_choose_resume_with_their_choice_and_fall_back_when_links_are_
     used = {r["step"]: names[r["auto/choice"]] for r in records}
     assert used[1] == "nccl" and used[2] == first["choice"]
     assert set(full["auto"]["measured_s"]) == {"nccl", *{d["choice"] for d in full["auto"]["decisions"]}}
+    # an evaluation splits the validation set between the ranks while every aggregate so far gave them the same bits,
+    # and has each rank evaluate the whole set once a CERAR candidate (each rank its own approximation) has stepped
+    for record in (r for r in records if "val_loss" in r):
+        coded = any(name.startswith("cerar") for step, name in used.items() if step <= record["step"])
+        assert record["eval/each_replica"] == int(coded), (record["step"], used)
     assert full["auto"]["links"]["tiers"]["intra"]["bandwidth_bytes_s"] > 0
     late_records, late = read_run(tmp_path / "late")
     assert late["resumed_from_step"] == 3

@@ -187,12 +187,18 @@ def test_signal_to_cli_tears_down(sig, tmp_path):
         )
         pids = netlab._ns_pids(ns0)
         p.send_signal(sig)
-        p.wait(timeout=30)
+        p.wait(timeout=120)  # its teardown runs ip once or more per namespace: seconds on a loaded machine
     finally:
-        if p.poll() is None:
+        if p.poll() is None:  # a teardown still running at 120 s is itself the failure: say so, then kill it
             p.kill()
             p.wait()
+            pytest.fail(f"the netlab CLI was still tearing down 120 s after {sig!r}; stderr:\n{p.stderr.read()}")
     assert p.returncode != 0
+    stderr = p.stderr.read()
+    assert (
+        f"{netlab.PREFIX}-{lab_id}-"
+        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    ), stderr
     _assert_gone(lab_id)
     for pid in pids:
         assert not netlab._pid_alive(pid) or Path(f"/proc/{pid}/status").read_text().find("zombie") >= 0

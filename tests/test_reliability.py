@@ -181,7 +181,9 @@ def ring_chaos(tmp_path_factory, cache_dir, faults_sweep) -> chaos.ChaosResult:
 def test_sigkilled_rank_restarts_from_checkpoint_and_matches_a_clean_run(ring_chaos):
     result = ring_chaos
     assert result.returncode == 0 and result.final_step == STEPS
-    assert result.restarts == 2  # torchrun restarted the worker group once per fault; resume=auto did the rest
+    # torchrun restarted the worker group once per fault (and at most once more: a start-up ended by a peer's
+    # deadline on a loaded machine, chaos_run's spare); resume=auto did the rest
+    assert result.restarts in (2, 3), result.restarts
     kill = result.faults[0]
     assert kill.resumed_from == 4 * (kill.hit_step // 4) or kill.resumed_from == 4 * ((kill.hit_step - 1) // 4)
     assert 0 <= kill.steps_lost < 4 + 2

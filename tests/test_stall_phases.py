@@ -84,7 +84,9 @@ CASES = {
     "int8-aggregate": (2, ["aggregator=int8"], "aggregate", "aggregate (int8)"),  # the 8-bit all-reduce's rounds
     "flat-auto": (2, AUTO, "auto", "exact all_reduce (g_bar)"),  # aggregator=auto's check
     "flat-optimizer": (2, FLAT, "optimizer", "train-loss all_reduce"),
-    "flat-eval": (2, FLAT, "eval", "all_gather_object of the validation shares"),
+    # a fixed code: the ranks' parameters differ from step 1, so each evaluates the whole set (c=auto's may still
+    # agree at step 2, and split the set with one all_reduce)
+    "flat-eval": (2, ["aggregator=cerar", "c=4"], "eval", "all_gather_object of the validation shares"),
     "flat-checkpoint": (2, FLAT, "checkpoint", "checkpoint all_gather_object"),
     # the reference replica (rank N-1 = 1) stops before it broadcasts its parameters
     "flat-drift": (2, [*FLAT, "trainer.drift_every=2"], "drift", "drift broadcast from rank 1"),

@@ -173,6 +173,8 @@ def test_every_aggregator_trains(sweep, N, label):
     assert records[-1]["train_loss"] < records[0]["train_loss"] - 0.1, [r["train_loss"] for r in records]
     val = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
     assert set(val) == {3, 6} and val[6] < val[3]
+    # ranks whose aggregates may differ each evaluate the whole set; ranks given the same bits split it
+    assert {r["eval/each_replica"] for r in records if "val_loss" in r} == {0 if replicas_agree else 1}
     assert set(summary) >= SUMMARY_KEYS and summary["final_step"] == 6
     assert summary["final_val_loss"] == pytest.approx(val[6])
     assert len(summary["param_sha256"]) == 64

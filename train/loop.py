@@ -12,7 +12,8 @@ aggregator.transport, it is the 16-bit-rounded replica instead: every rank's agg
 is within the wire's rounding of the exact average or further, and summary.json's `reference_replica`
 says which; docs/cerar-16bit.md):
 - `val_loss` is the reference replica's loss on the whole validation set; `val_loss_worst_replica`
-  the worst replica's (each rank then evaluates the whole set with its own parameters).
+  the worst replica's (each rank then evaluates the whole set with its own parameters: `eval/each_replica` 1,
+  from the first step whose aggregate may differ between ranks until a resync; else the ranks split the set, 0).
 - `drift/max_abs` and `drift/rel_l2` measure every replica against the reference replica:
   max |theta_r - theta_ref| and ||theta_r - theta_ref|| / ||theta_ref||, worst rank; at a step that
   also resyncs, before the resync (the most the replicas drifted apart in the interval).
@@ -299,7 +300,10 @@ class Trainer:
         # exact under CERAR (hierarchical: every rank of the last node); checkpoints keep it, resync broadcasts it.
         # With 16-bit transport it is the least-error replica, rounded to the wire's precision, not exact
         self.reference_rank = world_size - 1
-        self.replicas_differ = aggregator.replicas_differ and world_size > 1
+        # whether the replicas may now differ: from the first step an approximate aggregate was applied (c=auto and
+        # aggregator=auto may aggregate exactly, or with the same bits everywhere, for the whole run) until a resync;
+        # they start alike (one seed, DDP's broadcast, or one checkpoint read by every rank)
+        self.replicas_differ = False
         self._val_all: list[torch.Tensor] | None = None
         self.auto_c = None  # c=auto: which CERAR code aggregates, chosen from the run's gradients (auto_c.py)
         if cfg.c == "auto" and cfg.aggregator.kind == "cerar" and world_size > 1:
@@ -471,6 +475,7 @@ class Trainer:
         """Overlapped mode: the bytes the hook sent, whether the gradients are finite on every rank, and DDP's
         buckets rebuilt where the aggregator asks (its bucket size depends on the code)."""
         bytes_sent = self.aggregator.bytes_sent_by_hook(self.numel)
+        self._note_replicas_differ()
         finite = self._grads_finite_everywhere(None)
         self._rebuild_ddp_buckets()
         return bytes_sent, finite
@@ -490,11 +495,17 @@ class Trainer:
             local, exact = flat.clone(), exact_mean(flat)
         with self.timer.phase("aggregate"), guarded(f"aggregate ({self.aggregator.name})"):
             bytes_sent = self.aggregator.aggregate(flat)
+        self._note_replicas_differ()
         if exact is not None:
             record.update(error_and_noise(local, flat, exact, self.rank))
             record.update(per_tensor_figures(local, flat, exact, self.tensors, self.optimizer, self.params))
             record["noise/sequences_per_step"] = self.t.micro_batch_size * self.t.grad_accum * self.world_size
         return bytes_sent, True
+
+    def _note_replicas_differ(self) -> None:
+        """After an aggregation: the replicas may differ from now on if this call's aggregates may (read at every
+        call, since the autos switch what aggregates); only a resync makes them alike again."""
+        self.replicas_differ |= self.world_size > 1 and self.aggregator.replicas_differ
 
     def _choose(self, step: int, flat: torch.Tensor, record: dict) -> None:
         """c=auto and aggregator=auto, at their checks: measured on this step's gradients before aggregating,
@@ -581,18 +592,22 @@ class Trainer:
     def evaluate(self) -> dict:
         """Validation loss over the fixed validation set: the reference replica's (`val_loss`) and the
         worst replica's. Replicas that agree split the set between them; replicas that may differ
-        (CERAR) each evaluate the whole set with their own parameters."""
+        (CERAR, since its first approximate step) each evaluate the whole set with their own parameters."""
         set_phase("eval")
         if not self.replicas_differ:
             total = self._loss_sum(self.data.val_batches)
             bounded("evaluation all_reduce", lambda: dist.all_reduce(total, async_op=True))
             loss = float(total[0] / total[1])
-            return {"val_loss": loss, "val_loss_worst_replica": loss}
+            return {"val_loss": loss, "val_loss_worst_replica": loss, "eval/each_replica": 0}
         total = self._loss_sum(self._whole_validation_set())
         losses = [torch.empty_like(total) for _ in range(self.world_size)]
         bounded("evaluation all_gather", lambda: dist.all_gather(losses, total, async_op=True))
         per_rank = [float(t[0] / t[1]) for t in losses]
-        return {"val_loss": per_rank[self.reference_rank], "val_loss_worst_replica": max(per_rank)}
+        return {
+            "val_loss": per_rank[self.reference_rank],
+            "val_loss_worst_replica": max(per_rank),
+            "eval/each_replica": 1,
+        }
 
     @torch.no_grad()
     def replica_drift(self) -> dict:
@@ -621,6 +636,7 @@ class Trainer:
             lambda: dist.broadcast(theta, src=self.reference_rank, async_op=True),
         )
         write_flat_params(self.params, theta)
+        self.replicas_differ = False  # every replica now holds the reference replica's parameters
 
     # ------------------------------------------------------------------ the loop
 

@@ -226,7 +226,7 @@ def reference_replica(cfg: DictConfig, trainer: Trainer) -> str:
     if a.kind in ("nccl", "fp16", "bf16", "powersgd"):
         return "rank N-1, as every rank (torch's aggregate)"
     if a.transport != "float32":
-        same = "the same bits on every rank" if not trainer.replicas_differ else "each rank its own"
+        same = "the same bits on every rank" if not trainer.aggregator.replicas_differ else "each rank its own"
         return f"rank N-1, {a.transport}-rounded: within the wire's rounding of the exact average ({same})"
     return "rank N-1, exact (the closed-form constructions' last rank; the exact ring everywhere)"
 

@@ -560,4 +560,22 @@ FAULTS = [
         why="the ring's modelled rounding is twice what a 16-bit ring rounds: the rule admits codes that round more",
         quick=True,
     ),
+    Fault(
+        name="replicas-never-differ",
+        file="train/loop.py",
+        original="        self.replicas_differ |= self.world_size > 1 and self.aggregator.replicas_differ\n",
+        replacement="        pass\n",
+        tests=("tests/test_train_runs.py -k 'every_aggregator_trains and n2 and (cerar or nccl)'",),
+        why="CERAR's ranks split the validation set as if their parameters agreed: val_loss_worst_replica is the mean "
+        "of the ranks' shares, not the worst replica's loss",
+    ),
+    Fault(
+        name="auto-replicas-always-differ",
+        file="train/aggregation/auto_aggregator.py",
+        original="        return self.current.replicas_differ\n",
+        replacement="        return True\n",
+        tests=("tests/test_auto_aggregator.py -k choose_resume",),
+        why="aggregator=auto evaluates the whole set on every rank while its choice gives every rank the same bits: "
+        "N times the evaluation's work (a quarter of auto's extra time at 300 steps on the slow lab)",
+    ),
 ]

@@ -208,11 +208,22 @@ def _kill_ns_processes(ns: str) -> None:
         time.sleep(0.05)
 
 
-def _delete_namespaces(names: Sequence[str]) -> None:
-    # Hosts first (their deletion removes both ends of each veth), the bridge namespace last.
-    for ns in sorted(names, key=lambda n: n.endswith("-br")):
-        _kill_ns_processes(ns)
-        _ip("netns", "del", ns, check=False)
+def _delete_namespaces(names: Sequence[str], attempts: int = 5) -> None:
+    """Delete the namespaces ``names``: hosts first (their deletion removes both ends of each veth), the bridge
+    namespace last. ``ip netns del`` can fail while another lab's ``ip netns add``/``exec`` is remounting
+    /run/netns at the same moment ("Device or resource busy"); a name still listed is deleted again, up to
+    ``attempts`` times, and one still listed after that is named in a NetLabError."""
+    pending = sorted(names, key=lambda n: n.endswith("-br"))
+    for attempt in range(attempts):
+        for ns in pending:
+            _kill_ns_processes(ns)
+            _ip("netns", "del", ns, check=False)
+        listed = set(list_lab_namespaces())
+        pending = [ns for ns in pending if ns in listed]
+        if not pending:
+            return
+        time.sleep(0.1 * (attempt + 1))
+    raise NetLabError(f"could not delete the namespaces {pending} (ip netns del failed {attempts} times)")
 
 
 def cleanup_stale(all_labs: bool = False) -> list[str]:

@@ -42,7 +42,9 @@ class Aggregator:
 
     name = "base"
     supports_flat = True
-    replicas_differ = False  # True where ranks may receive different aggregates (approximate aggregation)
+    # True where ranks may receive different aggregates from the next call on (approximate aggregation); it may change
+    # during a run (c=auto's switch, aggregator=auto's choice): the loop reads it after every call
+    replicas_differ = False
 
     def __init__(self, world_size: int, timeout_s: float):
         self.world_size = world_size
@@ -312,6 +314,7 @@ class CerarAggregator(HookStatsBytes, Aggregator):
         An exact code aggregates by the exact ring instead: the same bytes, and the same bits on every rank, so
         the replicas stay identical until c=auto chooses an approximate code."""
         self.code, self.c, self.exact_ring = code, code.c, code.is_exact
+        self.replicas_differ = not code.is_exact
 
     def scales_tensors(self) -> bool:
         """Whether this aggregator equilibrates: asked to, and told of more than one tensor."""

@@ -273,7 +273,6 @@ class AutoAggregator(Aggregator):
             name: build_candidate(cand, cfg, world_size, self.layout, self.flat_group)
             for name, cand in self.choice.candidates.items()
         }
-        self.replicas_differ = any(agg.replicas_differ for agg in self.aggregators.values())
         self.links: dict = {}
         self.fallback: str | None = None
         self.measured: dict[str, list[float]] = {}  # choice -> [calls, host seconds]
@@ -281,6 +280,12 @@ class AutoAggregator(Aggregator):
     @property
     def current(self) -> Aggregator:
         return self.aggregators[self.choice.choice]
+
+    @property
+    def replicas_differ(self) -> bool:
+        """Whether the choice now aggregating may leave the ranks different aggregates (a CERAR candidate); the
+        exact warm-up and torch's, the 16-bit and the 8-bit all-reduces give every rank the same bits."""
+        return self.current.replicas_differ
 
     def prepare(self, d: int, device: torch.device) -> None:
         """Measure (or read) the links and price every candidate for calls of d values (every rank calls). A
