@@ -42,7 +42,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-from scipy.optimize import minimize
 
 from cerar.coding import closed_forms
 from cerar.coding.closed_forms import (
@@ -229,6 +228,8 @@ def _pattern_search(N: int, c: int, kappa_max: float, least_kappa: _LeastKappa) 
     def objective(params):
         found = evaluate(params)
         return 10.0 if found is None else found.error
+
+    from scipy.optimize import minimize  # here, not at the top: every rank imports cerar, few ever search a code
 
     results = []
     for sign in SEARCH_PARAMETERS["pattern_start_signs"]:
