@@ -397,6 +397,10 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
             lines.append(f"| {name} | {len(a['seeds'])} | {a['chosen'] or '-'} | {wall} | {_x(a['steps'])} | "
                          f"{_x(a['loss'], 4)} | {_pct(a['gap'])} | {inside} | {ttt} | {_x(a['share'], 3)} | "
                          f"{_x(a['agg_s'])} ({_x(a['agg_ratio'])}) | {_mb(a['bytes'])} | {loads} |")  # fmt: skip
+        lines += ["", "The wall includes the evaluations. Once a run's replicas may differ (CERAR's codes; "
+                  "`c=auto` and `aggregator=auto` only once they choose one) each rank evaluates the whole "
+                  "validation set, N times the work of ranks that split it (docs/training.md, "
+                  "`eval/each_replica`): a coded run's wall ratio is above its steps ratio by that much."]  # fmt: skip
         loads = [_f(r[k].split()[0]) for r in srows for k in ("load_before", "load_after") if r[k].strip()]
         if loads and min(loads) > 0 and max(loads) > 1.5 * min(loads):
             lines += ["", f"The 1-minute load ran from {min(loads):.1f} to {max(loads):.1f} across these runs (2 "
