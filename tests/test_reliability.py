@@ -201,8 +201,9 @@ def test_stopped_rank_makes_the_others_fail_within_the_timeout_naming_op_and_pee
     assert ring_chaos.returncode == 0 and ring_chaos.sha_equal  # torchrun's restart resumed
 
 
-def _launch_two_ranks(run_dir: Path, cache_dir: Path, aggregator: str) -> list[subprocess.Popen]:
-    """Two ranks of train/main.py meeting at a store held here, without torchrun, training until stopped."""
+def _launch_two_ranks(run_dir: Path, cache_dir: Path, aggregator: str) -> tuple[object, list[subprocess.Popen]]:
+    """Two ranks of train/main.py meeting at a store held here, without torchrun, training until stopped: the store
+    (the caller holds it for the launch's life) and the ranks' processes."""
     store, procs = held_store(), []
     for rank in range(2):
         env = chaos._env(cache_dir)
@@ -211,8 +212,7 @@ def _launch_two_ranks(run_dir: Path, cache_dir: Path, aggregator: str) -> list[s
         args.append(f"hydra.run.dir={run_dir}")
         cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
-    procs[0].store = store  # held for the launch's life
-    return procs
+    return store, procs
 
 
 @pytest.mark.slow
@@ -234,7 +234,7 @@ def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir
     # each start-up's last line kept for the failure message).
     unstarted = []
     for attempt in range(3):
-        procs = _launch_two_ranks(tmp_path / f"run{attempt}", cache_dir, aggregator)
+        store, procs = _launch_two_ranks(tmp_path / f"run{attempt}", cache_dir, aggregator)  # noqa: F841 (held)
         try:
             metrics, deadline = tmp_path / f"run{attempt}" / "metrics.jsonl", time.monotonic() + 600
             while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
