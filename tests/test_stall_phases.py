@@ -256,7 +256,19 @@ def _stalled_training(rank, world_size, phase, overrides, cache, run_dir, victim
     return "finished without a failure"
 
 
-def _launch(case, cache, tmp):
+def _launch(case, cache, tmp, attempts: int = 3):
+    """One case's launch. At T = 3 s, a rank that a loaded machine holds 2T behind its peer before the stall is
+    ended at start-up by the peer's deadline, as the trainer promises: not this case (the victim never reached its
+    phase), so such a launch is started again, at most ``attempts`` launches; the last one's outcome is returned."""
+    for attempt in range(attempts):
+        outcome = _launch_once(case, cache, tmp / f"{case}-{attempt}")
+        _, stalled, _, _, lines = outcome
+        if stalled is not None or not any("(phase: start-up" in line for line in lines.values()):
+            break
+    return outcome
+
+
+def _launch_once(case, cache, run_dir):
     world, overrides, phase = CASES[case][:3]
     victim = victim_of(case)
     store = held_store()
@@ -265,7 +277,7 @@ def _launch(case, cache, tmp):
         results = run_workers(
             _stalled_training,
             world,
-            args=(phase, overrides, str(cache), str(tmp / case), victim),
+            args=(phase, overrides, str(cache), str(run_dir), victim),
             timeout_s=LAUNCH_S["poll" if ENDED_BY.get(case, "poll") == "poll" else "host"],
             group_timeout_s=WATCHDOG_S,
             expect=[],
