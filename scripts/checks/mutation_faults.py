@@ -312,12 +312,14 @@ FAULTS = [
     Fault(
         name="auto-sample-piece-floor",
         file="train/aggregation/auto_c.py",
-        original="    M = -(-P // pieces)  # a piece: a CERAR component, an int8 shard",
-        replacement="    M = P // pieces  # a piece: a CERAR component, an int8 shard",
+        original="    M = -(-P // pieces)\n    count = picked.numel()",
+        replacement="    M = P // pieces\n    count = picked.numel()",
         tests=(
             "tests/test_auto_aggregator.py::test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient",
         ),
-        why="the sample cuts pieces at floor(P / pieces): its columns and blocks are not the call's, so its error is another",
+        why="the sample lays its units out at pieces of floor(P / pieces) (unit_indices): its columns and blocks are not "
+        "the call's, so its error is another (the same cut in sample_indices' count of slots only leaves the last slot "
+        "of each piece out of the draw: the check of 2026-12-02 saw that one survive)",
     ),
     Fault(
         name="auto-sample-ignores-node-shards",
