@@ -46,7 +46,12 @@ def _floats(text: str) -> list[float]:
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", default="all", help="LINKS:MODEL,... (links: lab, lab-4x2, loopback) or all")
-    ap.add_argument("--aggregators", default=None, help="a subset of each setting's list (comma-separated)")
+    ap.add_argument(
+        "--aggregators",
+        default=None,
+        help="a subset of each setting's list (comma-separated); nccl is always added: every ratio is against its "
+        "run of the same seed (skipped where its row exists)",
+    )
     ap.add_argument("--seeds", type=_ints, default=[1, 2])
     ap.add_argument("--rate-mbit", type=float, default=200.0, help="the lab's rate between hosts, each direction")
     ap.add_argument("--steps", type=int, default=None, help="the horizon (default per model: settings.STEPS)")

@@ -249,9 +249,9 @@ def run_study(args, settings: list[Setting]) -> int:
     code = None  # made at the first launch: a study whose runs are all rows already launches nothing
     failures, k = 0, 0
     for setting in settings:
-        names = [n for n in setting.aggregators if args.aggregators is None or n in args.aggregators]
-        if "nccl" not in names:
-            raise ValueError(f"{setting.key}: nccl must run (every ratio and target is against it)")
+        # nccl always belongs: every ratio and target is against its run of the same seed (skipped where its row
+        # is in the CSV already, so `--aggregators auto` adds auto's runs to seeds that have nccl's)
+        names = [n for n in setting.aggregators if args.aggregators is None or n in args.aggregators or n == "nccl"]
         folder = args.runs / setting.key
         for seed in args.seeds:
             order = rotated(names, seed - 1)  # by the seed itself: a later command for more seeds keeps the rule
