@@ -31,10 +31,12 @@ def _root_links() -> str:
     return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
 
 
-def _assert_gone(lab_id: str) -> None:
+def _assert_gone(lab_id: str, context: str = "") -> None:
+    """No namespace and no root link of lab ``lab_id`` is left; ``context`` (the lab's own output) goes with a
+    failure."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    assert f"{netlab.PREFIX}-{lab_id}-" not in names, names
-    assert lab_id not in _root_links()
+    assert f"{netlab.PREFIX}-{lab_id}-" not in names, (names, context)
+    assert lab_id not in _root_links(), context
 
 
 def _wait_for(pred, timeout: float, what: str):
@@ -187,19 +189,17 @@ def test_signal_to_cli_tears_down(sig, tmp_path):
         )
         pids = netlab._ns_pids(ns0)
         p.send_signal(sig)
-        p.wait(timeout=120)  # its teardown runs ip once or more per namespace: seconds on a loaded machine
+        try:  # its teardown runs ip once or more per namespace: seconds on a loaded machine
+            p.wait(timeout=120)
+        except subprocess.TimeoutExpired:  # a teardown still running at 120 s is itself the failure
+            p.kill()
+            pytest.fail(f"the netlab CLI was still tearing down 120 s after {sig!r}; stderr:\n{p.communicate()[1]}")
     finally:
-        if p.poll() is None:  # a teardown still running at 120 s is itself the failure: say so, then kill it
+        if p.poll() is None:
             p.kill()
             p.wait()
-            pytest.fail(f"the netlab CLI was still tearing down 120 s after {sig!r}; stderr:\n{p.stderr.read()}")
     assert p.returncode != 0
-    stderr = p.stderr.read()
-    assert (
-        f"{netlab.PREFIX}-{lab_id}-"
-        not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    ), stderr
-    _assert_gone(lab_id)
+    _assert_gone(lab_id, p.stderr.read())
     for pid in pids:
         assert not netlab._pid_alive(pid) or Path(f"/proc/{pid}/status").read_text().find("zombie") >= 0
 

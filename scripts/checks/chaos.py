@@ -230,11 +230,12 @@ def chaos_run(
                 os.kill(pid, signal.SIGKILL)
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
-    text = log.read_text()
+    data = log.read_bytes()
+    text = data.decode(errors="replace")
     ended = ("error: collective", "error: host watchdog")  # the poll's line, or the host watchdog's (train/watchdog.py)
     errors = [line.strip() for line in text.splitlines() if any(words in line for words in ended)]
     for fault in faults:  # the checkpoint the restart after each fault actually loaded: the first resume after it
-        after = log.read_bytes()[fault.log_offset :].decode(errors="replace")
+        after = data[fault.log_offset :].decode(errors="replace")
         resumed = re.search(r"resumed from \S+ \(step (\d+)\)", after)
         if resumed:
             fault.resumed_from = int(resumed.group(1))
