@@ -108,7 +108,8 @@ def test_bench_in_lab_rows(tmp_path):
 def test_bench_measures_storages_and_another_checkout_side_by_side(tmp_path):
     """--storages gives one row per storage choice; --code-dir runs another checkout's cerar (here a copy
     whose default storage is "messages", so its rows say so); an older CSV gains the new columns and keeps
-    its rows; every row records the CPU each rank spent and the load it ran under."""
+    its rows; every row records the CPU each rank spent, the load it ran under and the kernels ``--fused``
+    switched on."""
     import shutil
 
     other = tmp_path / "other"
@@ -118,7 +119,7 @@ def test_bench_measures_storages_and_another_checkout_side_by_side(tmp_path):
     old = tmp_path / "allreduce.csv"
     old.write_text(",".join(REQUIRED) + "\nloopback,,nccl,,2,,64,0.1,0.1,0.1,1\n")
     common = ("--aggregators", "nccl,cerar", "--constructions", "perturbation", "--c-mult", "2")
-    _run(tmp_path, *common, "--storages", "spec,messages", sizes="0.25")
+    _run(tmp_path, *common, "--storages", "spec,messages", "--fused", sizes="0.25")  # the suite: CERAR_FUSED=0
     header, rows = _run(tmp_path, *common, "--code-dir", str(other), sizes="0.25")
     assert header[: len(REQUIRED)] == REQUIRED and {"storage", "cpu_seconds", "load_before"} <= set(header)
     assert rows[0]["seconds_median"] == "0.1" and rows[0]["storage"] == ""  # the older row, kept
@@ -126,3 +127,5 @@ def test_bench_measures_storages_and_another_checkout_side_by_side(tmp_path):
     assert [r["storage"] for r in cerar_rows] == ["spec", "messages", "messages"]
     assert all(float(r["cpu_seconds"]) > 0 and len(r["load_before"].split()) == 3 for r in rows[1:])
     assert all(float(r["rel_error"]) < 1e-3 for r in cerar_rows)
+    # --fused asked every rank to switch the kernels on; CERAR_FUSED=0 kept them eager, and the rows say so
+    assert [r["fused"] for r in rows[1:]] == ["none"] * 3 + [""] * 2

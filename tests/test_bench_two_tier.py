@@ -168,3 +168,23 @@ def test_report_states_the_targets_met_or_missed(tmp_path):
     assert "## Training" not in text
     [figure] = hierarchical_report.figures(path, tmp_path / "fig")
     assert figure.name == "two_tier_lab_lab-4x2-mtu9000_200.png" and figure.stat().st_size > 10_000
+
+
+def test_the_arithmetic_section_sets_each_code_and_arithmetic_side_by_side():
+    """Issue 35's before and after: one column per (code, arithmetic), each cell the call's median over gloo's
+    all_reduce of its own run and over its byte bound; a place without a fused run gets no section."""
+    from scripts.reporting import hierarchical_report
+
+    def row(agg, seconds, run_id, code, fused="", bound=""):
+        return {"where": "lab-4x2-mtu9000", "rate_mbit": "200", "aggregator": agg, "construction": "", "c": "",
+                "bytes": str(64 * 2**20), "seconds_median": str(seconds), "run_id": run_id, "code_commit": code,
+                "fused": fused, "byte_bound_seconds": str(bound), "int8_block": "128", "load_before": "1 2 3",
+                "load_after": "4 5 6"}  # fmt: skip
+
+    before = [row("nccl", 5.0, "r1", "aaaaaaa1"), row("hier_int8", 2.0, "r1", "aaaaaaa1", bound=1.0)]
+    fused = [row("nccl", 4.0, "r2", "bbbbbbb2", "quantize"), row("hier_int8", 1.2, "r2", "bbbbbbb2", "quantize", 1.0)]
+    by_run = hierarchical_report.runs(before)
+    assert hierarchical_report.arithmetic_section(by_run) == []  # nothing fused measured: no section
+    text = "\n".join(hierarchical_report.arithmetic_section(hierarchical_report.runs(before + fused)))
+    assert "| aggregator | code aaaaaaa, eager arithmetic | code bbbbbbb, fused kernels on (quantize) |" in text
+    assert "| 8-bit hierarchy (hier_int8, B=128) | 0.400 (2.00) | 0.300 (1.20) |" in text

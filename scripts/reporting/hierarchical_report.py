@@ -38,8 +38,17 @@ TARGET_VS_FLAT = 0.72
 ORDER = ("nccl", "cerar", "hier_ring", "hier_ring16", "hier_cerar")
 ORDER = (*ORDER, "int8", "hier_int8")  # issue 25: the 8-bit all-reduce
 INT8_TARGET_VS_FLAT = 0.30
+BOUND_TARGET = 1.2  # issue 35: every 16- and 8-bit path within 1.2x of its byte bound in the two-tier lab
 CERAR16_TARGET_VS_HIER16 = 0.90  # issue 25: hierarchical CERAR over fp16 messages at c = 2n against the fp16 hierarchy
 """Issue 25's target: the 8-bit hierarchy at most 0.30x gloo's flat all_reduce (4x2 lab, 200 Mbit/s, 64 MiB)."""
+
+
+def _arithmetic(row: dict) -> str:
+    """How the run's per-call arithmetic ran: the compiled kernels it switched on (bench ``--fused``), or eager."""
+    fused = row.get("fused") or ""
+    if fused in ("", "none"):
+        return "eager arithmetic" + (" (--fused: no kernel compiled)" if fused == "none" else "")
+    return f"fused kernels on ({fused.replace('+', ', ')})"
 
 
 def _f(x) -> float | None:
@@ -202,6 +211,7 @@ def report(rows: list[dict], csv_path: Path, training_report: Path = TRAINING_RE
                      f"{r.get('load_after', '')} |")  # fmt: skip
         L.append("")
     L += int8_targets_section(by_run)
+    L += arithmetic_section(by_run)
     # ---- every run
     L += ["## Every run", "",
           "Ratios are of medians within the run. Error: worst rank's relative error against the float64 sum "
@@ -218,7 +228,8 @@ def report(rows: list[dict], csv_path: Path, training_report: Path = TRAINING_RE
               f"{'one NIC per rank' if str(first.get('rails')) == '1' else 'one NIC per host'}, mtu "
               f"{first.get('mtu')}; {first.get('repeats')} repeats after {first.get('warmup')} warm-up; load "
               f"{first.get('load_before', '')} -> {first.get('load_after', '')}; {first.get('cpus')} CPUs; torch "
-              f"{first.get('torch')}; code {first.get('code_commit')}.", "",
+              f"{first.get('torch')}; code {first.get('code_commit')}; "
+              f"{_arithmetic(first)}.", "",
               "| aggregator | median s | min..max | / exact hierarchy | / gloo flat | busiest NIC MB | byte bound s "
               "| median / bound | error | tiers s (inside / between) | CPU s |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
@@ -263,6 +274,64 @@ def int8_targets_section(by_run: dict) -> list[str]:
                  f"{INT8_TARGET_VS_FLAT}) | {_fmt(vs_hier)} | {float(r['rel_error']):.1e} | "
                  f"{r.get('load_before', '')} -> {r.get('load_after', '')} |")  # fmt: skip
     return [*L, "", *cerar16_targets_section(by_run)]
+
+
+def _low_precision(r: dict) -> bool:
+    """A path whose per-call arithmetic issue 35 rewrote: the 8-bit all-reduce, or any 16-bit messages."""
+    return r["aggregator"] in ("int8", "hier_int8", "hier_ring16") or _is_16bit(r)
+
+
+def arithmetic_section(by_run: dict) -> list[str]:
+    """Issue 35: the paths whose per-call arithmetic was rewritten (fewer passes, then the fused kernels), before
+    and after, at 64 MiB. Per place, one column per code and arithmetic (its latest run of each aggregator); each
+    cell the call's time against gloo's all_reduce timed beside it in the same run, and (where the NICs were
+    counted) against its byte bound."""
+    places: dict[str, dict[tuple[str, str], dict[str, tuple[dict, dict | None]]]] = {}
+    for (where, _rate, _run_id, nbytes), group in sorted(by_run.items(), key=lambda kv: kv[0][2]):  # oldest first
+        if nbytes != TARGET_SIZE or not any(_low_precision(r) for r in group):
+            continue
+        flat = next((r for r in group if r["aggregator"] == "nccl"), None)
+        variant = (group[0].get("code_commit", ""), _arithmetic(group[0]))
+        cells = places.setdefault(where, {}).setdefault(variant, {})
+        for r in group:
+            if r["aggregator"] != "nccl":
+                cells[label(r)] = (r, flat)  # a later run of the same code and arithmetic replaces it
+    places = {w: v for w, v in places.items() if any(a.startswith("fused") for _, a in v)}
+    if not places:
+        return []
+    L = ["## Per-call arithmetic before and after (issue 35)", "",
+         "The paths whose arithmetic issue 35 rewrote (the 8-bit quantizer in fewer passes and then fused, the 16-bit "
+         "wire's encode likewise), and CERAR over float32 messages beside them, at 64 MiB: each cell is the call's "
+         "median against gloo's all_reduce timed beside it in the same run, and in brackets its median against its "
+         "byte bound (the busiest NIC's bytes over the rate; the lab only). One column per code and arithmetic "
+         "(`scripts/bench/run_arithmetic_lab.sh`: the code before the rewrite, this code eager, and with `--fused`, "
+         "the compiled kernels on in every rank before timing, as the trainer switches them on). Targets: the "
+         f"8-bit hierarchy at most {INT8_TARGET_VS_FLAT:.2f}x gloo's flat all_reduce, every 16- and 8-bit path "
+         f"within {BOUND_TARGET}x of its byte bound (the two-tier lab).", ""]  # fmt: skip
+    for where, variants in places.items():
+        order = list(variants)
+        rows_of = {name: r for cells in variants.values() for name, (r, _) in cells.items()}
+        names = sorted(rows_of, key=lambda name: _sort_key(rows_of[name]))
+        L += [f"### {where}", "",
+              "| aggregator | " + " | ".join(f"code {code[:7]}, {arith}" for code, arith in order) + " |",
+              "| --- |" + " --- |" * len(order)]  # fmt: skip
+        for name in names:
+            cells = []
+            for variant in order:
+                r, flat = variants[variant].get(name, (None, None))
+                if r is None:
+                    cells.append("-")
+                    continue
+                bound = _f(r.get("byte_bound_seconds"))
+                over = f" ({float(r['seconds_median']) / bound:.2f})" if bound else ""
+                cells.append(f"{_fmt(_ratio(r, flat))}{over}")
+            L.append(f"| {name} | " + " | ".join(cells) + " |")
+        loads = []
+        for (code, arith), cells in variants.items():
+            r = next(iter(cells.values()))[0]
+            loads.append(f"{code[:7]}, {arith}: {r.get('load_before', '')} -> {r.get('load_after', '')}")
+        L += ["", "Load (1, 5, 15 min) before -> after each column's run: " + "; ".join(loads) + ".", ""]
+    return L
 
 
 def figures(csv_path: Path, out_dir: Path) -> list[Path]:

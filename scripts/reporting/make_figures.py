@@ -30,7 +30,8 @@ Figures (into ``reports/figures/``)
 * ``aggregators_gap_vs_bytes.png``: the 1,500-step aggregators study under ``reports/runs/aggregators-1500/``
   (``scripts/reporting/aggregators_report.figure``);
 * ``tensors_error_to_noise.png``: each aggregator's error against each parameter tensor's noise, before and after
-  the per-tensor fixes (``reports/runs/tensors-1500/``; ``scripts/reporting/tensors_report.figure``);
+  the per-tensor fixes (``reports/runs/tensors-1500/``; ``scripts/reporting/tensors_report.figure``), and
+  ``tensors_error_to_noise_pythia14m.png`` the same at pythia-14m after them (``reports/runs/tensors-pythia-14m/``);
 * ``time_to_loss_<setting>.png``: validation loss against wall clock per setting of the time-to-loss study
   (``reports/data/time_to_loss.csv``, ``reports/runs/time_to_loss/``; ``scripts/studies/ttl/report.figures``);
 * ``two_tier_lab_<where>_<rate>.png`` from ``reports/data/hierarchical_lab.csv``
@@ -406,6 +407,9 @@ def main(argv=None) -> int:
             written.append(tensors_report.figure(summary, args.out / "tensors_error_to_noise.png"))
         else:
             missing.append(f"per-tensor study runs ({args.tensors_dir})")
+        pythia = tensors_report.summarise(tensors_report.PYTHIA_RUNS)  # run_fidelity.sh X, once it has runs
+        if pythia:
+            written.append(tensors_report.figure(pythia, args.out / tensors_report.PYTHIA_FIGURE, "pythia-14m"))
     if "time_to_loss" in groups:  # issue 34's study (scripts/studies/time_to_loss.py), once it has rows
         from scripts.studies.ttl import report as time_to_loss
 

@@ -7,7 +7,8 @@ Reads the runs of scripts/studies/run_fidelity.sh T (before: a checkout of the t
 rank's ||g_hat_t - g_bar_t|| / sigma_t, train/aggregation/tensor_errors.py) every 50 steps beside the whole gradient's
 `agg/rel_error_max` / `noise/rel_std_mean`; and the load lines of reports/logs/fidelity_runs.log. Writes
 reports/tensors.md and reports/figures/tensors_error_to_noise.png (rho_t by tensor, one line per aggregator,
-before and after).
+before and after). The same at pythia-14m, after the fixes, over the 300 steps the CPU allows (run_fidelity.sh X,
+reports/runs/tensors-pythia-14m/after): a section of its own and tensors_error_to_noise_pythia14m.png.
 
     .venv/bin/python scripts/reporting/tensors_report.py
 """
@@ -26,6 +27,8 @@ if str(ROOT) not in sys.path:
 from scripts.reporting.fidelity.runs import load_runs, series  # noqa: E402
 
 RUNS = ROOT / "reports" / "runs" / "tensors-1500"
+PYTHIA_RUNS = ROOT / "reports" / "runs" / "tensors-pythia-14m"
+PYTHIA_FIGURE = "tensors_error_to_noise_pythia14m.png"
 LOG = ROOT / "reports" / "logs" / "fidelity_runs.log"
 PHASES = ("before", "after")
 BUDGET = 0.01  # aggregator.error_budget's default: what the autos allow per tensor
@@ -62,14 +65,14 @@ def summarise(runs_dir: Path) -> dict[str, dict[str, dict]]:
     return out
 
 
-def load_lines(log: Path) -> list[str]:
-    """The study's start and end lines (halves T to W), with their load averages."""
+def load_lines(log: Path, halves: str = "TUVW") -> list[str]:
+    """The study's start and end lines (halves T to W; X at pythia-14m), with their load averages."""
     if not log.exists():
         return []
-    return [line for line in log.read_text().splitlines() if any(f" half {h} " in line for h in "TUVW")]
+    return [line for line in log.read_text().splitlines() if any(f" half {h} " in line for h in halves)]
 
 
-def figure(summary: dict, out: Path) -> Path:
+def figure(summary: dict, out: Path, model: str = "tiny") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -85,7 +88,7 @@ def figure(summary: dict, out: Path) -> Path:
         ax.axhline(BUDGET, color="k", linestyle="--", linewidth=0.8, label=f"budget {BUDGET:g}")
         ax.set_yscale("log")
         ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
-        ax.set_title(f"{phase} the per-tensor fixes")
+        ax.set_title(f"{model}, {phase} the per-tensor fixes")
         ax.set_ylabel("error / noise, per tensor")
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -95,8 +98,9 @@ def figure(summary: dict, out: Path) -> Path:
     return out
 
 
-def report(summary: dict, loads: list[str]) -> str:
-    nccl = [  # every seed's final loss of the exact all-reduce, before or after (the same code)
+def _band(summary: dict) -> tuple[float, float, int] | None:
+    """nccl's final validation losses over its seeds (before or after: the same code): (lowest, highest, count)."""
+    nccl = [
         loss
         for phase in PHASES
         for setting, v in summary.get(phase, {}).items()
@@ -104,22 +108,16 @@ def report(summary: dict, loads: list[str]) -> str:
         for loss in v["final"].values()
         if loss is not None
     ]
-    band = (min(nccl), max(nccl)) if nccl else None
-    lines = [
-        "# Errors per parameter tensor, before and after the per-tensor fixes (issue 33)",
-        "",
-        "Each aggregator's error against each parameter tensor's own SGD noise, rho_t = ||g_hat_t - g_bar_t|| / "
-        "sigma_t (worst rank; train/aggregation/tensor_errors.py), measured every 50 steps over 1,500 steps "
-        "of model=tiny "
-        "at the fidelity study's shape (N=4, corpus v2, seed 1), beside the whole gradient's error / noise "
-        "that the autos used before. The autos now take a candidate only if every tensor's rho_t + 2 "
-        f"standard errors is within the budget ({BUDGET:g}). Runs: `scripts/studies/run_fidelity.sh T` "
-        "(before, from a checkout of commit 7ab460a) and `U`, `V`, `W` (after, side by side); this page: "
-        "`scripts/reporting/tensors_report.py`. Figure: `figures/tensors_error_to_noise.png`.",
-        "",
-    ]
+    return (min(nccl), max(nccl), len(nccl)) if nccl else None
+
+
+def _table(summary: dict) -> list[str]:
+    """nccl's band, then one row per phase and aggregator: the whole gradient's figure, the worst tensor's, how
+    many tensors exceed the budget, and the final validation loss against nccl's band."""
+    band = _band(summary)
+    lines = []
     if band:
-        lines += [f"nccl's final validation loss: {band[0]:.4f} to {band[1]:.4f} over {len(nccl)} seed(s).", ""]
+        lines += [f"nccl's final validation loss: {band[0]:.4f} to {band[1]:.4f} over {band[2]} seed(s).", ""]
     lines += [
         "| phase | aggregator | whole gradient error/noise | worst tensor | its error/noise | tensors over budget | "
         "final val loss | gap to nccl's band |",
@@ -138,22 +136,66 @@ def report(summary: dict, loads: list[str]) -> str:
                 f"| {phase} | {setting} | {v['whole']:.3g} | {worst} | {v['rho'].get(worst, 0.0):.3g} | "
                 f"{over} of {len(v['rho'])} | {'' if final is None else f'{final:.4f}'} | {gap} |"
             )
-    lines += ["", "Load (1, 5 and 15-minute averages) at each half's start and end:", ""]
-    lines += [f"    {line}" for line in loads] or ["    (no run yet)"]
+    return lines
+
+
+def _loads(loads: list[str], halves: str) -> list[str]:
+    return [f"Load (1, 5 and 15-minute averages) at each half's start and end ({', '.join(halves)}):", ""] + (
+        [f"    {line}" for line in loads] or ["    (no run yet)"]
+    )
+
+
+def report(summary: dict, loads: list[str], pythia: dict | None = None, pythia_loads: list[str] = ()) -> str:
+    lines = [
+        "# Errors per parameter tensor, before and after the per-tensor fixes (issue 33)",
+        "",
+        "Each aggregator's error against each parameter tensor's own SGD noise, rho_t = ||g_hat_t - g_bar_t|| / "
+        "sigma_t (worst rank; train/aggregation/tensor_errors.py), measured every 50 steps over 1,500 steps "
+        "of model=tiny "
+        "at the fidelity study's shape (N=4, corpus v2, seed 1), beside the whole gradient's error / noise "
+        "that the autos used before. The autos now take a candidate only if every tensor's rho_t + 2 "
+        f"standard errors is within the budget ({BUDGET:g}). Runs: `scripts/studies/run_fidelity.sh T` "
+        "(before, from a checkout of commit 7ab460a) and `U`, `V`, `W` (after, side by side); this page: "
+        "`scripts/reporting/tensors_report.py`. Figure: `figures/tensors_error_to_noise.png`.",
+        "",
+        *_table(summary),
+        "",
+        *_loads(loads, "TUVW"),
+    ]
+    if pythia:
+        lines += [
+            "",
+            "## pythia-14m, after the fixes, 300 steps",
+            "",
+            "The same measure at pythia-14m (6 layers of hidden size 128; untied 50,304-row input and output "
+            "embeddings of 6.4 M values each beside biases and norm gains of 128), at the same shape (N=4, "
+            "sequences of 64 tokens, micro-batch 4, corpus v2), every 25 steps over the 300 steps this 2-core "
+            "machine allows (`scripts/studies/run_fidelity.sh X`). At 300 steps the model is early in training: "
+            "the losses say whether an aggregator moved off nccl's path, not where a full run would end. "
+            f"Figure: `figures/{PYTHIA_FIGURE}`.",
+            "",
+            *_table(pythia),
+            "",
+            *_loads(list(pythia_loads), "X"),
+        ]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=Path, default=RUNS)
+    ap.add_argument("--pythia-runs", type=Path, default=PYTHIA_RUNS)
     ap.add_argument("--out", type=Path, default=ROOT / "reports" / "tensors.md")
     ap.add_argument("--figure", type=Path, default=ROOT / "reports" / "figures" / "tensors_error_to_noise.png")
     args = ap.parse_args(argv)
-    summary = summarise(args.runs)
+    summary, pythia = summarise(args.runs), summarise(args.pythia_runs)
+    written = [args.out]
     if summary:
-        figure(summary, args.figure)
-    args.out.write_text(report(summary, load_lines(LOG)))
-    print(f"wrote {args.out}" + (f" and {args.figure}" if summary else ""))
+        written.append(figure(summary, args.figure))
+    if pythia:
+        written.append(figure(pythia, args.figure.with_name(PYTHIA_FIGURE), "pythia-14m"))
+    args.out.write_text(report(summary, load_lines(LOG), pythia, load_lines(LOG, "X")))
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 

@@ -42,6 +42,8 @@ def worker_argv(args, rows_out: Path, where: str, run_id: str) -> list[str]:
         a += ["--pipeline-chunks", ",".join(map(str, args.pipeline_chunks))]
     if args.code_dir is not None:
         a += ["--code-dir", str(args.code_dir.resolve())]
+    if args.fused:
+        a += ["--fused"]
     if args.hier_c:
         a += ["--hier-c", ",".join(map(str, args.hier_c))]
     if "hier_ring16" in args.aggregators:

@@ -25,7 +25,7 @@ HIERARCHICAL = ("hier_ring", "hier_cerar", "hier_ring16")
 # issue 25: the 8-bit all-reduce (cerar.int8.all_reduce): int8 flat, hier_int8 on the two tiers (int8 on the rails)
 AGGREGATORS = (*AGGREGATORS, "int8", "hier_int8")
 HIERARCHICAL = (*HIERARCHICAL, "hier_int8")
-EXTRA_COLUMNS = [*EXTRA_COLUMNS, "int8_block", "transport"]
+EXTRA_COLUMNS = [*EXTRA_COLUMNS, "int8_block", "transport", "fused"]  # issue 35: the compiled kernels on
 DEFAULT_CSV = ROOT / "reports" / "data" / "allreduce.csv"
 DEFAULT_FIGURES = ROOT / "reports" / "figures"
 ITEMSIZE = 4  # float32
@@ -82,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pipeline-chunks", type=_ints, default=None,
                     help="CERAR: most messages a round's block is cut into (cerar.ring.rounds.PIPELINE_MAX_CHUNKS), "
                          "e.g. 2,4 (default: the library's)")  # fmt: skip
+    ap.add_argument(
+        "--fused",
+        action="store_true",
+        help="every rank switches on cerar.formats.fused's compiled kernels (the 8-bit quantizer, the "
+        "16-bit wire's encode) before anything is timed, as the trainer does; torch.compile: minutes "
+        "the first time on a small CPU, seconds from $TORCHINDUCTOR_CACHE_DIR",
+    )
     ap.add_argument("--code-dir", type=Path, default=None,
                     help="import cerar from this checkout (before/after comparisons); default: this one")  # fmt: skip
     ap.add_argument("--eps", type=float, default=None, help="code eps (default: the construction's)")

@@ -45,6 +45,7 @@ def worker(args) -> int:
     dist.init_process_group("gloo", timeout=timeout)
     torch.set_num_threads(1)
     N = world
+    fused_on = _enable_fused(args, rank)
 
     rounds = library_module("cerar.ring.rounds", "cerar.rounds")
     default_chunks = rounds.PIPELINE_MAX_CHUNKS
@@ -199,6 +200,7 @@ def worker(args) -> int:
                     row["transport"] = args.cerar_transport
                 if agg in ("int8", "hier_int8"):
                     row["int8_block"] = args.int8_block
+                row["fused"] = fused_on
                 if nics:
                     row["nic_tx_bytes_link_max"], row["nic_tx_bytes"] = (int(x) for x in nic_bytes[k].tolist())
                 for name in ("bytes_sent", "bytes_received", "rounds", "peak_extra_bytes"):
@@ -222,6 +224,20 @@ def worker(args) -> int:
 
 
 PHASE_COLUMNS = ("seconds_encode", "seconds_comm", "seconds_decode", "seconds_intra", "seconds_inter")
+
+
+def _enable_fused(args, rank: int) -> str:
+    """``--fused``: the compiled kernels on in this rank before anything is timed (the trainer's warm-up does the
+    same); the CSV's ``fused`` column names those that are on ("" without ``--fused``: the eager arithmetic)."""
+    if not args.fused:
+        return ""
+    try:
+        from cerar.formats import fused
+    except ImportError as error:
+        raise RuntimeError(f"--fused: the code under test has no cerar.formats.fused ({error})") from error
+    say = (lambda line: print(line, flush=True)) if rank == 0 else (lambda line: None)
+    fused.enable("cpu", args.int8_block, say=say)
+    return "+".join(sorted({name for name, _, _ in fused.enabled()})) or "none"
 
 
 def _phases(st) -> list[float]:
