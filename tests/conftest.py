@@ -35,6 +35,20 @@ def cache_dir(run_folder) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
+def token_cache_for_every_launch(cache_dir):
+    """$CERAR_PYTHIA_CACHE is the run's token cache for every process the suite starts, also those of scripts that
+    launch training themselves (the GPU check, the benchmarks): none builds the tokenizer again (seconds each), and
+    none reads or writes the user's ~/.cache/cerar-pythia. A test that needs another folder sets its own."""
+    previous = os.environ.get("CERAR_PYTHIA_CACHE")
+    os.environ["CERAR_PYTHIA_CACHE"] = str(cache_dir)
+    yield
+    if previous is None:
+        os.environ.pop("CERAR_PYTHIA_CACHE", None)
+    else:
+        os.environ["CERAR_PYTHIA_CACHE"] = previous
+
+
+@pytest.fixture(scope="session", autouse=True)
 def eager_arithmetic():
     """The suite's runs use the eager arithmetic (CERAR_FUSED=0, inherited by spawned ranks): inductor's C++ build of
     the fused kernels takes minutes on a 2-core machine, per fresh cache. The fused kernels are held to the eager

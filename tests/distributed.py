@@ -244,17 +244,84 @@ def launch_script(
     What the agent itself does (restarts, rendezvous between nodes, its signal handling) is torchrun's to
     test: tests that exercise it launch ``python -m torch.distributed.run`` (tests/runs.py ``torchrun``)."""
     store = held_store()
+    environs = [
+        {
+            **env,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "ROLE_WORLD_SIZE": str(nproc),
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default",
+            **agent_store_environment(store),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "launch-script",
+            **(rank_env[rank] if rank_env else {}),
+        }  # fmt: skip
+        for rank in range(nproc)
+    ]
+    return _run_forked(script, argv, environs, cwd, timeout_s)
+
+
+def run_script(script, argv: list[str], env: dict, cwd, timeout_s: float) -> subprocess.CompletedProcess:
+    """``python script argv`` in exactly the environment ``env``, as one process forked from the forkserver (torch,
+    transformers and train/ already imported): what a test of the entry point's own behaviour (a refusal at start,
+    a single-process run) needs, without an interpreter's start and its imports per call. Its ``returncode`` is the
+    script's exit status (``sys.exit``'s code; 1 for an uncaught exception, whose traceback is on stderr)."""
+    done = _run_forked(script, argv, [env], cwd, timeout_s)
+    done.returncode = done.rank_codes[0]
+    return done
+
+
+class ScriptProcess:
+    """``subprocess.Popen([python, script, *argv], env=env, cwd=cwd)`` as one process forked from the forkserver (the
+    script run as ``__main__``): the calls a test makes of a Popen (``pid``, ``poll``, ``send_signal``, ``kill``,
+    ``wait``, ``returncode``) and ``stderr()``, what it wrote there (kept in ``logs``, a folder of the test's)."""
+
+    def __init__(self, script, argv: list[str], env: dict, cwd, logs: Path):
+        logs.mkdir(parents=True, exist_ok=True)
+        self._out, self._err = logs / "stdout", logs / "stderr"
+        self._process = _CONTEXT.Process(
+            target=_script_entry, args=(str(script), list(argv), env, str(cwd), str(self._out), str(self._err))
+        )
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def kill(self) -> None:
+        self._process.kill()  # a no-op on a process that has ended
+        self._process.join(timeout=10)
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(self.pid), timeout)
+        return self._process.exitcode
+
+    def stderr(self) -> str:
+        return self._err.read_text(errors="replace") if self._err.exists() else ""
+
+
+def _run_forked(script, argv: list[str], environs: list[dict], cwd, timeout_s: float) -> subprocess.CompletedProcess:
+    """One process per environment in ``environs``, each running ``script`` as ``__main__``; the first to fail ends
+    the others (as torchrun's agent does). Status 0 when every process ended with 0, else 1; ``rank_codes`` keeps
+    each one's, and stdout and stderr are theirs in order."""
     with tempfile.TemporaryDirectory(prefix="launch-script-") as logs:
         processes = []
-        for rank in range(nproc):
-            environ = {
-                **env,
-                "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-                "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
-                "GROUP_WORLD_SIZE": "1", "ROLE_NAME": "default", **agent_store_environment(store),
-                "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-                "TORCHELASTIC_RUN_ID": "launch-script", **(rank_env[rank] if rank_env else {}),
-            }  # fmt: skip
+        for rank, environ in enumerate(environs):
             paths = (f"{logs}/{rank}.out", f"{logs}/{rank}.err")
             processes.append(
                 _CONTEXT.Process(target=_script_entry, args=(str(script), list(argv), environ, str(cwd), *paths))
@@ -280,7 +347,7 @@ def launch_script(
                     p.join(timeout=5)
         codes = [p.exitcode for p in processes]
         read = [tuple(Path(f"{logs}/{r}.{kind}").read_text(errors="replace") for kind in ("out", "err"))
-                for r in range(nproc)]  # fmt: skip
+                for r in range(len(processes))]  # fmt: skip
     done = subprocess.CompletedProcess(
         [str(script), *argv],
         0 if all(code == 0 for code in codes) else 1,

@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.distributed import launch_script
+from tests.distributed import launch_script, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,11 +71,11 @@ def composed(*overrides: str):
 
 
 def single_process(args: list[str], cache: Path, timeout: int, expect_ok: bool = True) -> subprocess.CompletedProcess:
-    """`python train/main.py ARGS`: the README's single-process run (a group of one; no torchrun agent to start)."""
+    """`python train/main.py ARGS`: the README's single-process run (a group of one; no torchrun agent to start),
+    forked from the forkserver (tests/distributed.py ``run_script``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = run_script(ROOT / "train" / "main.py", args, env, ROOT, timeout)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc

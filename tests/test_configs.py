@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed import run_script
 from tests.runs import composed
 from train.config import ConfigError, config_fingerprint, validate
 from train.model import build_model, count_parameters
@@ -142,14 +142,8 @@ def _run_main(overrides: list[str], tmp: Path, env_extra: dict | None = None) ->
     env = {**os.environ, "CERAR_PYTHIA_CACHE": str(tmp / "cache"), **(env_extra or {})}
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None) if not env_extra or key not in env_extra else None
-    cmd = [
-        sys.executable,
-        str(ROOT / "train" / "main.py"),
-        *overrides,
-        f"hydra.run.dir={tmp / 'run'}",
-        "wandb.mode=disabled",
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    argv = [*overrides, f"hydra.run.dir={tmp / 'run'}", "wandb.mode=disabled"]
+    return run_script(ROOT / "train" / "main.py", argv, env, ROOT, timeout_s=120)
 
 
 # Invalid overrides as real processes of train/main.py (exit 2, one line, nothing created): test_reliability.py,
@@ -202,8 +196,7 @@ def test_resuming_with_a_changed_training_value_is_refused_naming_the_fields(tmp
 def test_rerun_with_a_changed_lr_stops_at_start_with_one_line(tmp_path):
     run_dir = _checkpointed_run_dir(tmp_path, 1)
     env = {**os.environ, "CERAR_PYTHIA_CACHE": str(tmp_path / "cache")}
-    cmd = [sys.executable, str(ROOT / "train" / "main.py"), "model.lr=1e-3", f"hydra.run.dir={run_dir}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, env=env, cwd=ROOT)
+    proc = run_script(ROOT / "train" / "main.py", ["model.lr=1e-3", f"hydra.run.dir={run_dir}"], env, ROOT, 100)
     assert proc.returncode == 2, proc.stderr[-3000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr

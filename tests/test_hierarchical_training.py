@@ -26,7 +26,7 @@ import torch
 
 from cerar.ring.precision import rounding_bound
 from tests import runs
-from tests.distributed import c10d_rendezvous_options, held_store
+from tests.distributed import c10d_rendezvous_options, held_store, run_script
 from tests.runs import composed
 from train.config import ConfigError, training_identity, validate
 
@@ -82,14 +82,8 @@ def test_a_layout_or_code_that_cannot_work_stops_at_validation(monkeypatch, over
 def test_the_entry_point_refuses_a_bad_layout_in_one_line_before_any_process_group(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(WORLD_SIZE="6", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="4")
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "train" / "main.py"), "aggregator=hier_cerar", f"hydra.run.dir={tmp_path}"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        cwd=ROOT,
-    )
+    args = ["aggregator=hier_cerar", f"hydra.run.dir={tmp_path}"]
+    proc = run_script(ROOT / "train" / "main.py", args, env, ROOT, timeout_s=120)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "error: aggregator=hier_cerar: NodeLayout.from_env: the world size 6 is not a multiple" in proc.stderr
     assert "Traceback" not in proc.stderr

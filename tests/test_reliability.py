@@ -19,7 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed import agent_store_environment, held_store, launch_script, run_workers
+from tests.distributed import (
+    ScriptProcess,
+    agent_store_environment,
+    held_store,
+    launch_script,
+    run_script,
+    run_workers,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("chaos", ROOT / "scripts" / "checks" / "chaos.py")
@@ -72,8 +79,8 @@ def _bad_configs(tmp: Path) -> list[tuple[list[str], str]]:
 
 def test_bad_configurations_are_refused_at_start_with_one_line(tmp_path):
     """Each: exit 2, one line on stderr naming the problem, and nothing created (no run dir, no pid file, no
-    data cache): refused before any process group or data work. WORLD_SIZE=4 as torchrun would set it. The
-    refusals import no torch: two processes at a time."""
+    data cache): refused before any process group or data work. WORLD_SIZE=4 as torchrun would set it. Each a
+    process of its own, forked from the forkserver (tests/distributed.py ``run_script``), two at a time."""
     cache = tmp_path / "cache"
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(WORLD_SIZE="4", RANK="0", CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1")
@@ -86,8 +93,7 @@ def test_bad_configurations_are_refused_at_start_with_one_line(tmp_path):
 
     def launch(overrides: list[str]) -> subprocess.CompletedProcess:
         extra = [] if any(o.startswith("hydra.run.dir") for o in overrides) else [f"hydra.run.dir={run_dir}"]
-        cmd = [sys.executable, str(ROOT / "train" / "main.py"), *overrides, *extra]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        return run_script(ROOT / "train" / "main.py", [*overrides, *extra], env, ROOT, timeout_s=120)
 
     with ThreadPoolExecutor(max_workers=2) as pool:
         for (overrides, expected), proc in zip(cases, pool.map(launch, [o for o, _ in cases]), strict=True):
@@ -201,17 +207,19 @@ def test_stopped_rank_makes_the_others_fail_within_the_timeout_naming_op_and_pee
     assert ring_chaos.returncode == 0 and ring_chaos.sha_equal  # torchrun's restart resumed
 
 
-def _launch_two_ranks(run_dir: Path, cache_dir: Path, aggregator: str) -> tuple[object, list[subprocess.Popen]]:
+def _launch_two_ranks(run_dir: Path, cache_dir: Path, aggregator: str) -> tuple[object, list[ScriptProcess]]:
     """Two ranks of train/main.py meeting at a store held here, without torchrun, training until stopped: the store
-    (the caller holds it for the launch's life) and the ranks' processes."""
+    (the caller holds it for the launch's life) and the ranks' processes (forked from the forkserver, each in
+    torchrun's environment for its rank)."""
     store, procs = held_store(), []
     for rank in range(2):
         env = chaos._env(cache_dir)
         env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", **agent_store_environment(store))
         args = [*JOB, f"aggregator={aggregator}", "trainer.max_steps=100000", "checkpoint.every=0"]
         args.append(f"hydra.run.dir={run_dir}")
-        cmd = [sys.executable, str(ROOT / "train" / "main.py"), *args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env))
+        procs.append(
+            ScriptProcess(ROOT / "train" / "main.py", args, env, ROOT, run_dir.parent / f"{run_dir.name}-rank{rank}")
+        )
     return store, procs
 
 
@@ -244,13 +252,14 @@ def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir
             else:
                 procs[1].send_signal(fault)
                 signalled = time.monotonic()
-                _, stderr = procs[0].communicate(timeout=5 * TIMEOUT_S + 60)
+                procs[0].wait(timeout=5 * TIMEOUT_S + 60)
                 detect_s = time.monotonic() - signalled
+                stderr = procs[0].stderr()
                 break
         finally:
             for p in procs:
                 p.kill()
-        unstarted.append([(p.returncode, (p.stderr.read() or "").strip().splitlines()[-1:]) for p in procs])
+        unstarted.append([(p.returncode, p.stderr().strip().splitlines()[-1:]) for p in procs])
     else:
         raise AssertionError(f"the run did not start in 3 launches: {unstarted}")
     assert procs[0].returncode == 3, stderr[-3000:]

@@ -580,4 +580,24 @@ FAULTS = [
         why="aggregator=auto evaluates the whole set on every rank while its choice gives every rank the same bits: "
         "N times the evaluation's work (a quarter of auto's extra time at 300 steps on the slow lab)",
     ),
+    Fault(
+        name="refusal-exits-1",
+        file="train/main.py",
+        original="def fail(message: str, code: int = 2) -> None:",
+        replacement="def fail(message: str, code: int = 1) -> None:",
+        tests=(
+            "tests/test_reliability.py::test_bad_configurations_are_refused_at_start_with_one_line",
+            "tests/test_configs.py::test_cerar_code_rejected_before_process_group",
+        ),
+        why="a refused configuration exits with status 1, like a crash, not the documented 2 (the entry point's "
+        "refusals, run as processes forked from the tests' forkserver)",
+    ),
+    Fault(
+        name="collective-failure-exits-1",
+        file="train/distributed.py",
+        original="    os._exit(code)",
+        replacement="    os._exit(1)",
+        tests=("tests/test_reliability.py -k 'survivor and ring-peer-killed'",),
+        why="the survivor of a failed collective exits with status 1 instead of the README's 3",
+    ),
 ]
