@@ -11,6 +11,20 @@ from pathlib import Path
 import pytest
 
 
+@contextlib.contextmanager
+def _environment_variable(name: str, value: str):
+    """``os.environ[name] = value`` for the block (the processes started in it inherit it), then as it was."""
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 @pytest.fixture(scope="session")
 def run_folder(tmp_path_factory) -> Path:
     """A folder that every pytest-xdist worker of this pytest run shares (the workers' own temporary
@@ -39,13 +53,8 @@ def token_cache_for_every_launch(cache_dir):
     """$CERAR_PYTHIA_CACHE is the run's token cache for every process the suite starts, also those of scripts that
     launch training themselves (the GPU check, the benchmarks): none builds the tokenizer again (seconds each), and
     none reads or writes the user's ~/.cache/cerar-pythia. A test that needs another folder sets its own."""
-    previous = os.environ.get("CERAR_PYTHIA_CACHE")
-    os.environ["CERAR_PYTHIA_CACHE"] = str(cache_dir)
-    yield
-    if previous is None:
-        os.environ.pop("CERAR_PYTHIA_CACHE", None)
-    else:
-        os.environ["CERAR_PYTHIA_CACHE"] = previous
+    with _environment_variable("CERAR_PYTHIA_CACHE", str(cache_dir)):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -55,13 +64,8 @@ def eager_arithmetic():
     bytes by tests/test_int8_format.py (traced by dynamo, run by torch's operations), by
     ``cerar.formats.fused.enable``'s
     own check before it switches one on, and by scripts/bench/bench_arithmetic.py and the GPU check."""
-    previous = os.environ.get("CERAR_FUSED")
-    os.environ["CERAR_FUSED"] = "0"
-    yield
-    if previous is None:
-        os.environ.pop("CERAR_FUSED", None)
-    else:
-        os.environ["CERAR_FUSED"] = previous
+    with _environment_variable("CERAR_FUSED", "0"):
+        yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -71,13 +75,8 @@ def cerar_code_cache(request, tmp_path_factory):
     off), which spawned workers inherit."""
     cache = getattr(request.config, "cache", None)
     directory = cache.mkdir("cerar-codes") if cache is not None else tmp_path_factory.mktemp("cerar-codes")
-    previous = os.environ.get("CERAR_CACHE_DIR")
-    os.environ["CERAR_CACHE_DIR"] = str(directory)
-    yield directory
-    if previous is None:
-        os.environ.pop("CERAR_CACHE_DIR", None)
-    else:
-        os.environ["CERAR_CACHE_DIR"] = previous
+    with _environment_variable("CERAR_CACHE_DIR", str(directory)):
+        yield directory
 
 
 @contextlib.contextmanager
