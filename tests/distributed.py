@@ -229,6 +229,14 @@ def _script_entry(script: str, argv: list[str], environ: dict, cwd: str, out_pat
         sys.stderr.flush()
 
 
+def _script_process(script, argv: list[str], environ: dict, cwd, out_path, err_path):
+    """The forkserver's process (not yet started) that runs ``script`` as ``__main__`` in ``environ``
+    (``_script_entry``), its stdout and stderr in those files: one rank of a launch, or a ScriptProcess."""
+    return _CONTEXT.Process(
+        target=_script_entry, args=(str(script), list(argv), environ, str(cwd), str(out_path), str(err_path))
+    )
+
+
 def launch_script(
     script, argv: list[str], nproc: int, env: dict, cwd, timeout_s: float, rank_env: list[dict] | None = None
 ) -> subprocess.CompletedProcess:
@@ -285,9 +293,7 @@ class ScriptProcess:
     def __init__(self, script, argv: list[str], env: dict, cwd, logs: Path):
         logs.mkdir(parents=True, exist_ok=True)
         self._out, self._err = logs / "stdout", logs / "stderr"
-        self._process = _CONTEXT.Process(
-            target=_script_entry, args=(str(script), list(argv), env, str(cwd), str(self._out), str(self._err))
-        )
+        self._process = _script_process(script, argv, env, cwd, self._out, self._err)
         self._process.start()
         self.pid = self._process.pid
 
@@ -322,10 +328,7 @@ def _run_forked(script, argv: list[str], environs: list[dict], cwd, timeout_s: f
     with tempfile.TemporaryDirectory(prefix="launch-script-") as logs:
         processes = []
         for rank, environ in enumerate(environs):
-            paths = (f"{logs}/{rank}.out", f"{logs}/{rank}.err")
-            processes.append(
-                _CONTEXT.Process(target=_script_entry, args=(str(script), list(argv), environ, str(cwd), *paths))
-            )
+            processes.append(_script_process(script, argv, environ, cwd, f"{logs}/{rank}.out", f"{logs}/{rank}.err"))
         for p in processes:
             p.start()
         deadline = time.monotonic() + timeout_s

@@ -18,6 +18,7 @@ run folders alone (``scripts/studies/ttl/report.py``). ``--calibrate RATES`` mea
 flat lab at each rate (``reports/data/time_to_loss_rates.csv``), the evidence the lab's rate is chosen from.
 
     sudo .venv/bin/python scripts/studies/time_to_loss.py --calibrate 100,200 --calibrate-steps 40
+    sudo .venv/bin/python scripts/studies/time_to_loss.py --calibrate 400,1000 --calibrate-model pythia-14m
     sudo nohup .venv/bin/python scripts/studies/time_to_loss.py --settings all --seeds 1,2 > /tmp/ttl.log 2>&1 &
     .venv/bin/python scripts/studies/time_to_loss.py --report
 """
@@ -67,6 +68,7 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--figures", type=Path, default=S.DEFAULT_FIGURES)
     ap.add_argument("--calibrate", type=_floats, default=None, help="rates (Mbit/s): nccl's share of a step at each")
     ap.add_argument("--calibrate-steps", type=int, default=40)
+    ap.add_argument("--calibrate-model", choices=S.MODELS, default="tiny", help="the model --calibrate trains")
     ap.add_argument("--commit", default=None, help="the commit whose code trains (default: HEAD)")
     ap.add_argument("--code-dir", type=Path, default=None, help="train this code (with --commit)")
     ap.add_argument("--code-cache", type=Path, default=Path("/tmp/time_to_loss-code"))
@@ -114,7 +116,7 @@ def main(argv=None) -> int:
     from scripts.studies.ttl import launch
 
     if args.calibrate:
-        return 0 if launch.calibrate(args, args.calibrate, "tiny", args.calibrate_steps) else 1
+        return 0 if launch.calibrate(args, args.calibrate, args.calibrate_model, args.calibrate_steps) else 1
     return launch.run_study(args, args.setting_list)
 
 
