@@ -27,7 +27,8 @@
 # and V nccl's two seeds (the exact all-reduce, unchanged by the fixes).
 # X is the per-tensor study at pythia-14m (issue 33: its untied 50,304-row embeddings and output layer beside small
 # biases and norm gains), after the fixes, at the horizon the CPU allows: 300 steps (error, noise and drift every
-# 25, validation every 50), every aggregator auto may choose and auto, nccl's two seeds.
+# 25, validation every 50), every aggregator auto may choose and auto, nccl's two seeds. X was stopped by hand after
+# its sixth run; ONLY="cerar_c8_optimized_s1 nccl_s2" ran the last two.
 set -u
 cd "$(dirname "$0")/../.."
 half=${1:?usage: scripts/studies/run_fidelity.sh A|B|...|M|T|U|V|W|X [OUT]}
@@ -109,6 +110,15 @@ X) RUNS=("nccl_s1: aggregator=nccl seed=1"
     "nccl_s2: aggregator=nccl seed=2") ;;
 *) echo "unknown half $half (A to M, T to X)" >&2; exit 2 ;;
 esac
+# ONLY="label1 label2" runs just those of the half's runs (to finish a half that was stopped by hand).
+if [ -n "${ONLY:-}" ]; then
+  KEEP=()
+  for run in "${RUNS[@]}"; do
+    for label in $ONLY; do [ "${run%%:*}" = "$label" ] && KEEP+=("$run"); done
+  done
+  [ ${#KEEP[@]} -gt 0 ] || { echo "ONLY=$ONLY names none of half $half's runs" >&2; exit 2; }
+  RUNS=("${KEEP[@]}")
+fi
 mkdir -p "$(dirname "$LOG")" "$OUT"
 echo "=== $(date -Is) half $half start; load: $(cut -d' ' -f1-3 /proc/loadavg)" >>"$LOG"
 OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false .venv/bin/torchrun --standalone --nproc_per_node=4 \
