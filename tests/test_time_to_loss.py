@@ -173,6 +173,7 @@ def study_args(tmp_path: Path, aggregators, seeds, code_dir=None) -> argparse.Na
     )  # fmt: skip
     args.steps_for = lambda s: 4
     args.eval_for = lambda s: 2
+    args.micro_batch_for = lambda s: 2
     return args
 
 

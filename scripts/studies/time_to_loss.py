@@ -57,7 +57,8 @@ def parse(argv=None) -> argparse.Namespace:
     ap.add_argument("--rate-mbit", type=float, default=200.0, help="the lab's rate between hosts, each direction")
     ap.add_argument("--steps", type=int, default=None, help="the horizon (default per model: settings.STEPS)")
     ap.add_argument("--eval-every", type=int, default=None, help="default per model: settings.EVAL_EVERY")
-    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    ap.add_argument("--micro-batch", type=int, default=None, help="sequences per rank per step (default per model: "
+                    "settings.MICRO_BATCH)")  # fmt: skip
     ap.add_argument("--mtu", type=int, default=9000, help="the lab's MTU (jumbo frames: less emulation CPU)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
     ap.add_argument("--csv", type=Path, default=S.DEFAULT_CSV)
@@ -98,6 +99,7 @@ def parse(argv=None) -> argparse.Namespace:
     args.runs = args.runs.resolve()
     args.steps_for = lambda s: args.steps or S.STEPS[s.model]
     args.eval_for = lambda s: args.eval_every or S.EVAL_EVERY[s.model]
+    args.micro_batch_for = lambda s: args.micro_batch or S.MICRO_BATCH[s.model]
     return args
 
 

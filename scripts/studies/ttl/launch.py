@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from scripts.studies.ttl.settings import AGGREGATORS, COLUMNS, ROOT, Setting
+from scripts.studies.ttl.settings import AGGREGATORS, COLUMNS, ROOT, SEQ_LEN, Setting
 
 
 def loadavg() -> str:
@@ -59,6 +59,7 @@ def overrides(setting: Setting, name: str, seed: int, steps: int, eval_every: in
     return [
         *AGGREGATORS[name], f"model={setting.model}", f"seed={seed}", f"trainer.max_steps={steps}",
         f"trainer.eval_every={eval_every}", "trainer.log_every=1", f"trainer.micro_batch_size={micro_batch}",
+        f"data.seq_len={SEQ_LEN[setting.model]}",
         "trainer.drift_every=0", "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.at_end=false",
         "resume=false", "wandb.mode=disabled", f"hydra.run.dir={run_dir}", *extra,
     ]  # fmt: skip
@@ -269,7 +270,7 @@ def run_study(args, settings: list[Setting]) -> int:
                     code = args.code_dir or code_snapshot(commit, args.code_cache)
                 k += 1
                 argv = overrides(setting, name, seed, args.steps_for(setting), args.eval_for(setting),
-                                 args.micro_batch, run_dir, args.extra)  # fmt: skip
+                                 args.micro_batch_for(setting), run_dir, args.extra)  # fmt: skip
                 record = {"commit": commit, "load_before": loadavg(), "started": _now()}
                 t0 = time.monotonic()
                 ok, how, shown = launch(setting, argv, code, folder / "logs" / f"{name}_s{seed}", args.timeout,
@@ -333,7 +334,7 @@ def calibrate(args, rates: list[float], model: str, steps: int) -> list[dict]:
     for k, rate in enumerate(rates):
         setting = setting_of("lab", model, rate)
         run_dir = args.runs / "rates" / f"{setting.key}"
-        argv = overrides(setting, "nccl", 1, steps, steps, args.micro_batch, run_dir, args.extra)
+        argv = overrides(setting, "nccl", 1, steps, steps, args.micro_batch_for(setting), run_dir, args.extra)
         before = loadavg()
         ok, how, _ = launch(setting, argv, code, run_dir / "logs", args.timeout, args.mtu, 29450 + k)
         after = loadavg()
