@@ -350,6 +350,17 @@ def probe_fits(folder: Path, summary: dict) -> str:
     return " Auto's link probe, " + "; ".join(parts) + "." if parts else ""
 
 
+def _shape(folder: Path) -> str:
+    """The shape the setting's runs trained at, as ", micro-batch M of S tokens per rank" (their summaries;
+    settings.MICRO_BATCH and SEQ_LEN), or "" where no run has a summary."""
+    shapes = set()
+    for summary in sorted(folder.glob("*/summary.json")):
+        s = json.loads(summary.read_text())
+        if "micro_batch_size" in s and "seq_len" in s:
+            shapes.add((int(s["micro_batch_size"]), int(s["seq_len"])))
+    return "".join(f", micro-batch {m} of {t} tokens per rank" for m, t in sorted(shapes))
+
+
 def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
     """Rebuild the report and its figures from ``csv_path`` and the run folders under ``runs``; returns the text."""
     rows = read_rows(csv_path)
@@ -380,7 +391,8 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
         lines += ["", f"## {setting.describe()}", ""]
         seeds = sorted({r["seed"] for r in srows}, key=int)
         steps = sorted({r["steps"] for r in srows})
-        lines.append(f"Seeds {', '.join(seeds)}; {', '.join(steps)} steps. nccl's final validation loss: "
+        lines.append(f"Seeds {', '.join(seeds)}; {', '.join(steps)} steps{_shape(runs / setting.key)}. nccl's "
+                     "final validation loss: "
                      f"{', '.join(f'{x:.4f}' for x in summary['nccl_losses']) or '-'}; its seed band "
                      f"{'-' if band is None else f'{100 * band:.2f} %'}.")  # fmt: skip
         lines += ["", "| aggregator | seeds | chose | training time / nccl (wall) | steps / nccl | final val loss "
