@@ -15,7 +15,14 @@ from pathlib import Path
 import pytest
 
 from scripts.studies.ttl import launch as study
-from scripts.studies.ttl.report import auto_target, recommend, summarize, write_report
+from scripts.studies.ttl.report import (
+    auto_target,
+    model_parameters,
+    recommend,
+    summarize,
+    unmeasured_cost,
+    write_report,
+)
 from scripts.studies.ttl.settings import AGGREGATORS, COLUMNS, FLAT, TWO_TIER, Setting, parse_settings
 
 ISSUE_COLUMNS = ("links, rate_mbit, hosts, ranks_per_host, model, aggregator, chosen, seed, steps, wall_s, "
@@ -160,6 +167,23 @@ def test_the_report_is_rebuilt_from_the_csv_and_the_folders_alone(tmp_path):
     assert "**fp16**" in text and "Status: a pilot" in text and "lab-4x2:tiny" in text  # what is still to run
     assert (figures / f"time_to_loss_{LAB.key}.png").stat().st_size > 10_000
     assert write_report(csv_path, runs, report, figures) == text  # the same inputs, the same report
+
+
+@pytest.mark.quick
+def test_the_report_prices_a_setting_it_has_not_run_from_the_next_smaller_models_runs():
+    """pythia-14m and pythia-31m have 14,067,712 and 30,494,720 parameters (EleutherAI's Pythia model cards and
+    paper, table 1): two hours of pythia-14m runs on the lab price the same runs at pythia-31m at 2 x 2.168 h;
+    tiny prices nothing (its steps are mostly fixed costs), nor does a model measured on other links only."""
+    assert model_parameters("pythia-14m") == 14_067_712 and model_parameters("pythia-31m") == 30_494_720
+    rows = [{"links": "lab", "model": "pythia-14m", "wall_s": "3600"}] * 2
+    rows += [{"links": "loopback", "model": "tiny", "wall_s": "3600"}]
+    text = unmeasured_cost(rows, ["lab:pythia-31m", "loopback:pythia-14m", "loopback:pythia-31m"])
+    assert (
+        "lab:pythia-31m (30.5 M parameters, 2.2x pythia-14m's): the 2 runs measured at pythia-14m there "
+        "took 2.0 h, the same at pythia-31m about 4.3 h" in text
+    )
+    assert "loopback" not in text
+    assert unmeasured_cost(rows[2:], ["loopback:pythia-14m"]) == ""
 
 
 # ------------------------------------------------------------------ resuming

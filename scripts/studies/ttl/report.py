@@ -25,6 +25,7 @@ from pathlib import Path
 from scripts.studies.ttl.launch import curve, read_metrics, read_rows
 from scripts.studies.ttl.settings import (
     AGGREGATORS,
+    MODELS,
     PAPER_SHARE,
     RATES_CSV,
     ROOT,
@@ -382,6 +383,48 @@ def _shape(folder: Path) -> str:
     return "".join(f", micro-batch {m} of {t} tokens per rank" for m, t in sorted(shapes))
 
 
+def model_parameters(model: str) -> int:
+    """The parameter count of ``model`` (configs/model/), from its GPTNeoX config on the meta device: no memory."""
+    import torch
+    from hydra import compose, initialize_config_dir
+    from transformers import GPTNeoXForCausalLM
+
+    from train.config import register_configs
+    from train.model import count_parameters, gpt_neox_config
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        m = compose(config_name="config", overrides=[f"model={model}"]).model
+    with torch.device("meta"):
+        return count_parameters(GPTNeoXForCausalLM(gpt_neox_config(m)))
+
+
+def unmeasured_cost(rows: list[dict], missing: list[str]) -> str:
+    """For each unmeasured ``links:model``, what the same runs would cost on this machine: the runs measured on
+    the same links at the next smaller model of the study, their wall seconds summed and scaled by the ratio of
+    the two models' parameters (from pythia-14m up a step's compute and bytes grow about with it; not from tiny,
+    whose steps are mostly fixed costs: on loopback pythia-14m's nccl runs took 2.4x tiny's for 12x the
+    parameters). No estimate where that model was not measured there."""
+    parts = []
+    for key in missing:
+        links, model = key.split(":")
+        position = MODELS.index(model)
+        base = MODELS[position - 1] if position > 1 else None
+        measured = [r for r in rows if r["links"] == links and r["model"] == base]
+        if not measured:
+            continue
+        ratio = model_parameters(model) / model_parameters(base)
+        hours = sum(float(r["wall_s"]) for r in measured) / 3600
+        parts.append(
+            f"{key} ({model_parameters(model) / 1e6:.1f} M parameters, {ratio:.1f}x {base}'s): the "
+            f"{len(measured)} runs measured at {base} there took {hours:.1f} h, the same at {model} about "
+            f"{hours * ratio:.1f} h"
+        )
+    if not parts:
+        return ""
+    return " What the unmeasured settings would cost on this 2-core machine: " + "; ".join(parts) + "."
+
+
 def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
     """Rebuild the report and its figures from ``csv_path`` and the run folders under ``runs``; returns the text."""
     rows = read_rows(csv_path)
@@ -404,7 +447,7 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
                   f"Still to run: {', '.join(missing)}; and on the measured settings, every aggregator of issue 34's "
                   "list not in the tables below. Full study: `sudo nohup .venv/bin/python "
                   "scripts/studies/time_to_loss.py --settings all --seeds 1,2 > /tmp/time_to_loss.log 2>&1 &` "
-                  "(resumable)."]  # fmt: skip
+                  "(resumable)." + unmeasured_cost(rows, missing)]  # fmt: skip
     choices, cerar = [], []
     for setting, srows in settings.items():
         summary = summarize(srows, runs / setting.key)
