@@ -135,10 +135,10 @@ HEAVIEST_MODULES = (
     "test_protocol",
     "test_bench_two_tier",
 )
-"""The modules that take longest (measured with ``pytest --durations=0``, 50-160 s each on a 2-core machine),
+"""The modules that take longest (measured with ``pytest --durations=0``, 50-170 s each on a 2-core machine),
 heaviest first. Each module is one unit of work for pytest-xdist (``--dist loadfile --no-loadscope-reorder``,
 pyproject.toml), handed out in collection order: starting these first and ending on the many short modules
-lets both workers finish together."""
+lets the three workers finish together (within 20 s of each other on 2026-12-03, docs/testing.md)."""
 
 
 def pytest_collection_modifyitems(config, items):
