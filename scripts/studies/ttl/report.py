@@ -17,6 +17,7 @@ the seeds where both ran):
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import math
 import statistics
@@ -383,8 +384,10 @@ def _shape(folder: Path) -> str:
     return "".join(f", micro-batch {m} of {t} tokens per rank" for m, t in sorted(shapes))
 
 
+@functools.cache
 def model_parameters(model: str) -> int:
-    """The parameter count of ``model`` (configs/model/), from its GPTNeoX config on the meta device: no memory."""
+    """The parameter count of ``model`` (configs/model/), from its GPTNeoX config on the meta device: no memory.
+    Cached: a report asks for each model once per unmeasured setting."""
     import torch
     from hydra import compose, initialize_config_dir
     from transformers import GPTNeoXForCausalLM
