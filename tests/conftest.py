@@ -8,7 +8,15 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
+# One compute thread per process, set before anything imports torch or numpy (they size their thread pools when
+# they load): the suite runs three pytest workers, each with its forkserver and the ranks it launches, on the
+# 2 cores CI has. With a pool of 2 threads per process, OpenMP's and OpenBLAS's threads spin-wait for work on cores
+# that other processes need: the suite used 966 s of CPU in 8 min 18 s, and 722 s in 6 min 31 s with one thread
+# (docs/testing.md, "The suite's time"). The ranks the tests launch already ran on one (torchrun's default too).
+for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[_pool] = "1"  # whatever the shell set: the suite's time is measured so
+
+import pytest  # noqa: E402
 
 
 @contextlib.contextmanager
