@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.distributed import launch_script, run_script
@@ -38,22 +37,16 @@ def torchrun(
     cache: Path,
     timeout: int,
     expect_ok: bool = True,
-    agent: bool = False,
 ) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=nproc train/<script> ARGS`. By default the ranks are forked as
-    torchrun's agent would start them (tests/distributed.py ``launch_script``: torchrun's environment, a store
-    on a free port, the first failure ends the launch), which spares each launch an agent and a torch import
-    per rank; ``agent=True`` launches the real torchrun, for what only its agent does."""
+    """`torchrun --standalone --nproc_per_node=nproc train/<script> ARGS`, its ranks forked as torchrun's agent
+    would start them (tests/distributed.py ``launch_script``: torchrun's environment, a store on a free port, the
+    first failure ends the launch), which spares each launch an agent and a torch import per rank. The real
+    agent runs where only it can be tested: the README's launch with restarts (the chaos job,
+    tests/test_reliability.py), the c10d rendezvous of three agents (tests/test_hierarchical_training.py) and the
+    network lab's agents (tests/test_netlab.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    if agent:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        proc = subprocess.run(
-            [*cmd, str(ROOT / "train" / script), *args],
-            capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT,
-        )  # fmt: skip
-    else:
-        proc = launch_script(ROOT / "train" / script, args, nproc, env, ROOT, timeout)
+    proc = launch_script(ROOT / "train" / script, args, nproc, env, ROOT, timeout)
     if expect_ok:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
@@ -125,6 +118,5 @@ def sweep_runs(N: int) -> list[str]:
 
 def launch_sweep(N: int, out: Path, cache: Path) -> Path:
     """The N-rank launch of ``sweep_runs(N)`` into ``out``."""
-    # N=2 through the real torchrun: the README's launch, agent and all, once per pytest run
-    torchrun(N, "sweep.py", [str(out), *sweep_runs(N), "--", *MATRIX], cache, timeout=850, agent=N == 2)
+    torchrun(N, "sweep.py", [str(out), *sweep_runs(N), "--", *MATRIX], cache, timeout=850)
     return out

@@ -212,8 +212,11 @@ def _delete_namespaces(names: Sequence[str], attempts: int = 5) -> None:
     """Delete the namespaces ``names``: hosts first (their deletion removes both ends of each veth), the bridge
     namespace last. ``ip netns del`` can fail while another lab's ``ip netns add``/``exec`` is remounting
     /run/netns at the same moment ("Device or resource busy"); a name still listed is deleted again, up to
-    ``attempts`` times, and one still listed after that is named in a NetLabError."""
-    pending = sorted(names, key=lambda n: n.endswith("-br"))
+    ``attempts`` times, and one still listed after that is named in a NetLabError. Gone means unlisted twice,
+    0.2 s apart: once, under load, a CLI interrupted in its ranks' start said "torn down" and a host's namespace
+    was listed again when the test looked (issue 37's sixth session); a name that comes back is deleted again."""
+    order = sorted(names, key=lambda n: n.endswith("-br"))
+    pending = order
     for attempt in range(attempts):
         for ns in pending:
             _kill_ns_processes(ns)
@@ -221,7 +224,11 @@ def _delete_namespaces(names: Sequence[str], attempts: int = 5) -> None:
         listed = set(list_lab_namespaces())
         pending = [ns for ns in pending if ns in listed]
         if not pending:
-            return
+            time.sleep(0.2)
+            listed = set(list_lab_namespaces())
+            pending = [ns for ns in order if ns in listed]
+            if not pending:
+                return
         time.sleep(0.1 * (attempt + 1))
     raise NetLabError(f"could not delete the namespaces {pending} (ip netns del failed {attempts} times)")
 
@@ -251,8 +258,13 @@ def _sysctl(ns: str, key: str, value: int) -> None:
         raise NetLabError(f"command failed ({cp.returncode}): {' '.join(cmd)}: {cp.stderr.strip()}")
 
 
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
 def _set_pdeathsig() -> None:
-    """preexec_fn: SIGKILL the child if the netlab process dies (e.g. is SIGKILLed itself)."""
+    """preexec_fn: SIGKILL the child if the netlab process dies (e.g. is SIGKILLed itself); and the signals that
+    `NetLab.run` blocks while it starts the ranks are not blocked in them (a child inherits the mask)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOP_SIGNALS)
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -688,6 +700,10 @@ class NetLab:
         stream = stream or sys.stdout
         procs, pumps, host_of = [], [], []
         t0 = time.monotonic()
+        # A stop signal waits until every rank is started and in ``procs``: one arriving inside a Popen would leave
+        # a child that the cleanup below never sees
+        main_thread = threading.current_thread() is threading.main_thread()
+        old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS) if main_thread else None
         try:
             for u, cmd in zip(units, commands, strict=True):
                 host = u if per_host else self.host_of(u)
@@ -714,6 +730,9 @@ class NetLab:
                     )
                     pump.start()
                     pumps.append(pump)
+            if old_mask is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+                old_mask = None
             timed_out, killed = self._wait(procs, t0 + timeout, grace)
         finally:
             # Whatever happened (Ctrl-C included): no rank outlives run().
@@ -725,6 +744,8 @@ class NetLab:
                     p.wait(timeout=5)
             for pump in pumps:
                 pump.join(timeout=5)
+            if old_mask is not None:  # a start that raised: the ranks are cleaned up, now the signal may come
+                signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
         results = []
         for k, (u, p) in enumerate(zip(units, procs, strict=True)):
             o, e = pumps[2 * k], pumps[2 * k + 1]
