@@ -90,6 +90,14 @@ def _child(target: str, kwargs: dict, out: str, log: str, env: dict) -> None:
     os._exit(0)  # no teardown of process groups a case may have left stuck
 
 
+def scratch(out: str) -> Path:
+    """A case's own folder for what its runs write: beside its result ``out``, inside the check's temporary folder
+    (runner.main), so it goes when the check ends, whatever the case's end."""
+    folder = Path(out).with_suffix("")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def context():
     """The processes' context: a forkserver that has imported torch and cerar (cheap forks, no CUDA
     state inherited; CUDA may not be used across a plain fork)."""

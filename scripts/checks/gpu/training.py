@@ -14,11 +14,9 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-from scripts.checks.gpu.cases import FAIL, PASS, ROOT, Case, Context
+from scripts.checks.gpu.cases import FAIL, PASS, ROOT, Case, Context, scratch
 
 SECTION = "training"
 QUICK = False
@@ -116,16 +114,11 @@ def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
     return process.returncode, output
 
 
-def resume(device: str, precision: str, small: bool, out: str, timeout_s: float = LAUNCH_TIMEOUT_S) -> dict:  # noqa: ARG001
-    """The case: the three runs in a scratch folder of their own, removed when the case ends (pass or fail)."""
-    with tempfile.TemporaryDirectory(prefix="gpu-check-training-") as scratch:
-        return _resume(Path(scratch), device, precision, small, timeout_s)
-
-
-def _resume(workdir: Path, device: str, precision: str, small: bool, timeout_s: float) -> dict:
+def resume(device: str, precision: str, small: bool, out: str, timeout_s: float = LAUNCH_TIMEOUT_S) -> dict:
     steps, every = (24, 4) if small else (100, 20)  # small: enough steps after the first checkpoint to kill mid-run
     overrides = [*_overrides(device, precision, steps), f"checkpoint.every={every}"]
     env = _env()
+    workdir = scratch(out)
     if device == "cuda":  # deterministic kernels, so that a resumed run can end bit for bit where the other did
         (workdir / "gpu_check_determinism.py").write_text(DETERMINISM_CALLBACK)
         env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONPATH=f"{workdir}{os.pathsep}{ROOT}")

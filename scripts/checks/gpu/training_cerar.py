@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import json
 import math
-import tempfile
-from pathlib import Path
 
-from scripts.checks.gpu.cases import FAIL, PASS, Case, Context, Needs
+from scripts.checks.gpu.cases import FAIL, PASS, Case, Context, Needs, scratch
 from scripts.checks.gpu.training import _env, _finish, _launch, _overrides
 
 SECTION = "training with CERAR"
@@ -36,10 +34,10 @@ def cases(ctx: Context) -> list[Case]:
     return [Case(SECTION, "cerar vs nccl", "training_cerar:cerar_against_nccl", kwargs, 500, Needs(ranks=2))]
 
 
-def cerar_against_nccl(device: str, world: int, small: bool, out: str, timeout_s: float = 220) -> dict:  # noqa: ARG001
+def cerar_against_nccl(device: str, world: int, small: bool, out: str, timeout_s: float = 220) -> dict:
     steps = 24 if small else 100
     precision = "bf16" if device == "cuda" else "fp32"
-    workdir = Path(tempfile.mkdtemp(prefix="gpu-check-cerar-"))
+    workdir = scratch(out)
     summaries = {}
     for aggregator in ("cerar", "nccl"):
         run_dir = workdir / aggregator
