@@ -67,11 +67,42 @@ class ChaosResult:
     clean_sha: str | None
     final_step: int | None
     wall_s: float
-    collective_errors: list[str] = field(default_factory=list)
+    collective_errors: list[str] = field(default_factory=list)  # the lines that ended the faults' attempts
+    startup_misses: int = 0  # attempts no fault ended that failed at start-up (`attempts`): the spare's use
+    startup_errors: list[str] = field(default_factory=list)  # their lines
+    unexplained: list[str] = field(default_factory=list)  # attempts no fault ended, failed after start-up
 
     @property
     def sha_equal(self) -> bool:
         return self.sha is not None and self.sha == self.clean_sha
+
+
+AGENT_FAILED = re.compile(rb"^[^\n]*\] failed \(exitcode: (-?\d+)\) local_rank: \d+ \(pid: \d+\)[^\n]*\n?", re.M)
+"""The agent's line for a failed attempt: torch's `SubprocessContext._poll` (torch/distributed/elastic/
+multiprocessing/api.py) logs "failed (exitcode: ...)" once per failed attempt, for its first failure."""
+ENDED = ("error: collective", "error: host watchdog")  # the poll's line, or the host watchdog's (train/watchdog.py)
+
+
+def attempts(data: bytes) -> list[tuple[int, int, str]]:
+    """The job log cut at the agent's failure lines: (start, end, text) of each failed attempt."""
+    out, start = [], 0
+    for match in AGENT_FAILED.finditer(data):
+        out.append((start, match.end(), data[start : match.start()].decode(errors="replace")))
+        start = match.end()
+    return out
+
+
+def error_lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if any(words in line for words in ENDED)]
+
+
+def failed_at_startup(text: str) -> bool:
+    """An attempt that ended in its start-up: its error lines all name a start-up phase (`set_phase`'s names begin
+    with "start-up"), or it printed none and rank 0 never reached its model line (the group's rendezvous raised)."""
+    lines = error_lines(text)
+    if lines:
+        return all("(phase: start-up" in line for line in lines)
+    return " parameters; " not in text  # train/run.py's "model <name>: <count> parameters; <N> ranks on ..."
 
 
 def _env(cache: Path | None) -> dict:
@@ -191,7 +222,9 @@ def chaos_run(
 
     The spare is for a restart no fault caused: at a short collective timeout T, a rank that builds its data and
     model more than 2T after its peer on a loaded machine is ended at start-up by the peer's deadline, as the
-    trainer promises, and torchrun starts the group again. `ChaosResult.restarts` counts every restart."""
+    trainer promises, and torchrun starts the group again. `ChaosResult.restarts` counts every restart; the log, cut
+    into attempts at the agent's failure lines (`attempts`), says which a fault ended (`collective_errors`: their
+    lines), which failed at start-up (`startup_misses`) and which neither (`unexplained`: a fault of the trainer)."""
     run_dir, log = work / "chaos", work / "chaos.log"
     start = time.monotonic()
     proc = run_job(run_dir, nproc, overrides, cache, log, max_restarts=len(faults) + spare_restarts)
@@ -231,9 +264,15 @@ def chaos_run(
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     data = log.read_bytes()
-    text = data.decode(errors="replace")
-    ended = ("error: collective", "error: host watchdog")  # the poll's line, or the host watchdog's (train/watchdog.py)
-    errors = [line.strip() for line in text.splitlines() if any(words in line for words in ended)]
+    errors, startup_errors, unexplained, misses = [], [], [], 0
+    for begin, end, text in attempts(data):  # each failed attempt: ended by a fault, or a start-up miss, or neither
+        if any(begin <= f.log_offset < end for f in faults):
+            errors += error_lines(text)
+        elif failed_at_startup(text):
+            misses += 1
+            startup_errors += error_lines(text)
+        else:
+            unexplained += error_lines(text) or [text.strip().splitlines()[-1][:400] if text.strip() else "(no output)"]
     for fault in faults:  # the checkpoint the restart after each fault actually loaded: the first resume after it
         after = data[fault.log_offset :].decode(errors="replace")
         resumed = re.search(r"resumed from \S+ \(step (\d+)\)", after)
@@ -248,6 +287,9 @@ def chaos_run(
         final_step=summary.get("final_step"),
         wall_s=time.monotonic() - start,
         collective_errors=errors,
+        startup_misses=misses,
+        startup_errors=startup_errors,
+        unexplained=unexplained,
     )
 
 
@@ -312,7 +354,8 @@ def render(args, result: ChaosResult, drift: list[dict] | None) -> str:
     lines += [
         "",
         f"- exit status {result.returncode}; restarts (torchrun, from summary.json): {result.restarts}; "
-        f"final step {result.final_step}; steps lost in all: {lost}; wall {result.wall_s:.0f} s",
+        f"final step {result.final_step}; steps lost in all: {lost}; wall {result.wall_s:.0f} s; restarts no fault "
+        f"caused: {result.startup_misses} at start-up, {len(result.unexplained)} after it",
         f"- final `param_sha256` {result.sha}",
         f"- clean run's            {result.clean_sha}",
         f"- **equal: {'yes' if result.sha_equal else 'NO'}**",
