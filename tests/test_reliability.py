@@ -299,6 +299,25 @@ def test_survivor_of_a_failed_collective_exits_with_status_3(tmp_path, cache_dir
     assert "Traceback" not in stderr
 
 
+def test_a_rank_whose_peer_never_reaches_the_rendezvous_stops_there_with_one_line(tmp_path, cache_dir):
+    """A peer that never reaches the process group's rendezvous (a node that never came, a start-up slower than T
+    on a loaded machine): the rank that did exits with status 3 and one line naming the phase and the deadline, as a
+    stall later in the run does (torchrun then starts the group again; the chaos job counts such restarts)."""
+    store = held_store()  # torchrun's agent store; rank 1 never comes
+    env = {**chaos._env(cache_dir), **agent_store_environment(store)}
+    env.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", TORCHELASTIC_RESTART_COUNT="0")
+    args = [*chaos.JOB, "trainer.max_steps=1", "aggregator=ring", "trainer.collective_timeout_s=2"]
+    proc = run_script(ROOT / "train" / "main.py", [*args, f"hydra.run.dir={tmp_path}"], env, ROOT, timeout_s=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert errors[0].startswith(
+        "error: collective 'process group rendezvous' at step 0 (phase: start-up: process group) failed on rank 0"
+    ), errors
+    assert "the 2 ranks must all reach it within 2s of each other" in errors[0], errors
+    assert chaos.failed_at_startup(proc.stderr)  # a restart the chaos job's spares may take
+
+
 # ------------------------------------------------------------------ 6. different code on different nodes
 
 

@@ -157,14 +157,24 @@ def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -
             # Connection refused"). Keys of this attempt go under their own prefix.
             base, _, _ = next(dist.rendezvous("env://", launch.rank, launch.world_size, timeout=timeout))
             store = dist.PrefixStore(f"cerar_pythia/attempt_{restart}/", base)
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timeout,
-            device_id=device if device.type == "cuda" else None,
-        )
+        start = time.monotonic()
+        try:
+            dist.init_process_group(
+                backend,
+                store=store,
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+                device_id=device if device.type == "cuda" else None,
+            )
+        except RuntimeError as err:  # torch's DistStoreError/DistNetworkError: a peer never joined the rendezvous
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            raise TrainCollectiveError(
+                f"collective 'process group rendezvous' at step 0 (phase: start-up: process group) failed on rank "
+                f"{launch.rank} after {time.monotonic() - start:.1f}s: the {launch.world_size} ranks must all reach it "
+                f"within {timeout_s:g}s of each other (the group's timeout, from trainer.collective_timeout_s); "
+                f"{type(err).__name__}: {first_line}"
+            ) from err
     else:  # a plain single process: a group of one with an in-memory store
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
