@@ -135,27 +135,20 @@ def one_network_lab_at_a_time(request, run_folder):
 
 
 HEAVIEST_MODULES = (
-    "test_reliability",  # 162 s
-    "test_train_runs",  # 125 s
-    "test_netlab",  # 103 s
-    "test_gpu_check",  # 89 s
-    "test_hierarchical_training",  # 69 s
-    "test_bench_two_tier",  # 62 s
-    "test_stall_phases",  # 55 s
-    "test_protocol",  # 48 s
-    "test_nccl_contract",  # 42 s
-    "test_bench_smoke",  # 41 s
-    "test_auto_c",  # 39 s
-    "test_auto_aggregator",  # 34 s
-    "test_committed_figures",  # 32 s
-    "test_hierarchical",  # 29 s
+    "test_reliability",
+    "test_train_runs",
+    "test_gpu_check",
+    "test_hierarchical_training",
+    "test_netlab",
+    "test_protocol",
+    "test_bench_two_tier",
 )
-"""The modules that take longest, heaviest first: each one's time on its worker in a suite of three workers on a
-2-core machine (issue 37's seventh session, 2026-12-04: a per-test timeline of the whole suite). Each module is one
-unit of work for pytest-xdist (``--dist loadfile --no-loadscope-reorder``, pyproject.toml), handed out in
-collection order: starting these first and ending on the many short modules lets the three workers finish together
-(longest processing time first). Left in alphabetical order, test_stall_phases (55 s) ran last, alone, for the
-last 40 s of the suite."""
+"""The modules that take longest (measured with ``pytest --durations=0``, 50-170 s each on a 2-core machine),
+heaviest first. Each module is one unit of work for pytest-xdist (``--dist loadfile --no-loadscope-reorder``,
+pyproject.toml), handed out in collection order: starting these first and ending on the many short modules
+lets the three workers finish together (within 20 s of each other on 2026-12-03, docs/testing.md). Not listed on
+purpose: test_stall_phases (55 s, its cases wait out deadlines): started among the heavy modules it took 295 s and
+the suite 9 min 6 s (2026-12-04); at its place near the end, 55 s."""
 
 
 def pytest_collection_modifyitems(config, items):

@@ -125,9 +125,12 @@ def test_lab_rows_count_the_bytes_each_nic_carried(tmp_path, rails):
         assert r["where"] == ("lab-3x2-rails-mtu9000" if rails else "lab-3x2-mtu9000") and r["rails"] == str(int(rails))
         per_rank = _tiers(d, 3, 2, c)[3]
         link, host = int(r["nic_tx_bytes_link_max"]), int(r["nic_tx_bytes"])
+        # the kernel counts a retransmitted segment again (at most an MTU and its Ethernet header): the tbf queue
+        # drops more of them on a loaded machine (seen beside the suite's own load: 1.115x the rails' bytes)
+        again = int(r["nic_tcp_retransmitted_segments"]) * (9000 + 14)
         on_link = per_rank if rails else 2 * per_rank
-        assert on_link <= link <= 1.05 * on_link + 65536, (agg, link, on_link)  # + TCP/IP headers, acks
-        assert 2 * per_rank <= host <= 1.05 * 2 * per_rank + 65536, (agg, host)
+        assert on_link <= link <= 1.05 * on_link + 65536 + again, (agg, link, on_link, again)  # + headers, acks
+        assert 2 * per_rank <= host <= 1.05 * 2 * per_rank + 65536 + again, (agg, host, again)
         assert float(r["byte_bound_seconds"]) == pytest.approx(link * 8 / (rate * 1e6))
     for r in rows:
         assert float(r["seconds_min"]) >= float(r["byte_bound_seconds"]) / 1.3, r  # a shaped link's lower bound

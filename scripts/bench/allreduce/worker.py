@@ -124,8 +124,12 @@ def worker(args) -> int:
     reads_nics = bool(nics) and int(os.environ.get("LOCAL_RANK", "0")) == 0  # one reader per host
 
     def nic_tx() -> list[int]:
-        """Bytes this host's NICs have sent so far (one entry per NIC)."""
-        return [int(Path(f"/sys/class/net/{n}/statistics/tx_bytes").read_text()) for n in nics]
+        """Bytes this host's NICs have sent so far (one entry per NIC), then the TCP segments this host's network
+        namespace has retransmitted so far (/proc/net/snmp's Tcp RetransSegs): the NICs' counters include those
+        again, more of them on a loaded machine, where the shaper's queue overflows more often."""
+        snmp = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Tcp:")]
+        retransmitted = int(snmp[1][snmp[0].index("RetransSegs")])
+        return [int(Path(f"/sys/class/net/{n}/statistics/tx_bytes").read_text()) for n in nics] + [retransmitted]
 
     rows = []
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -137,8 +141,9 @@ def worker(args) -> int:
         dist.all_reduce(exact)
         buf = torch.empty_like(src)
         errors, stats_of = {}, {}
-        # per config: the bytes the host's busiest NIC and all its NICs together sent in one call
-        nic_bytes = torch.zeros(len(configs), 2, dtype=torch.float64)
+        # per config: the bytes the host's busiest NIC and all its NICs together sent in one call, and the TCP
+        # segments the host retransmitted in it
+        nic_bytes = torch.zeros(len(configs), 3, dtype=torch.float64)
         for k, cfg in enumerate(configs):
             for w in range(max(args.warmup, 1)):
                 counting = bool(nics) and w == 0  # the same on every rank
@@ -152,8 +157,8 @@ def worker(args) -> int:
                 if counting:
                     dist.barrier()  # every rank of the host is done sending
                 if before is not None:
-                    sent = [b - a for a, b in zip(before, nic_tx(), strict=True)]
-                    nic_bytes[k] = torch.tensor([max(sent), sum(sent)], dtype=torch.float64)
+                    *sent, retransmitted = [b - a for a, b in zip(before, nic_tx(), strict=True)]
+                    nic_bytes[k] = torch.tensor([max(sent), sum(sent), retransmitted], dtype=torch.float64)
         dist.all_reduce(nic_bytes, op=dist.ReduceOp.MAX)  # the busiest host's
         times = torch.zeros(len(configs), args.repeats, dtype=torch.float64)
         cpu = torch.zeros(len(configs), args.repeats, 2, dtype=torch.float64)  # this rank's CPU (all, system)
@@ -202,7 +207,9 @@ def worker(args) -> int:
                     row["int8_block"] = args.int8_block
                 row["fused"] = fused_on
                 if nics:
-                    row["nic_tx_bytes_link_max"], row["nic_tx_bytes"] = (int(x) for x in nic_bytes[k].tolist())
+                    link, host, retransmitted = (int(x) for x in nic_bytes[k].tolist())
+                    row["nic_tx_bytes_link_max"], row["nic_tx_bytes"] = link, host
+                    row["nic_tcp_retransmitted_segments"] = retransmitted
                 for name in ("bytes_sent", "bytes_received", "rounds", "peak_extra_bytes"):
                     v = _stat(st, name) if st is not None else None
                     row[name] = "" if v is None else int(v)
