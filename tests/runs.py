@@ -42,7 +42,7 @@ def torchrun(
     would start them (tests/distributed.py ``launch_script``: torchrun's environment, a store on a free port, the
     first failure ends the launch), which spares each launch an agent and a torch import per rank. The real
     agent runs where only it can be tested: the README's launch with restarts (the chaos job,
-    tests/test_reliability.py), the c10d rendezvous of three agents (tests/test_hierarchical_training.py) and the
+    tests/test_reliability.py), the c10d rendezvous of two agents (tests/test_hierarchical_training.py) and the
     network lab's agents (tests/test_netlab.py)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(CERAR_PYTHIA_CACHE=str(cache), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

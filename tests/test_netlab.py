@@ -475,7 +475,8 @@ def test_two_tier_arguments_are_named():
 @needs_lab
 def test_torchrun_agents_rendezvous_across_lab_hosts(tmp_path):
     """One torchrun agent per host (c10d rendezvous on host 0, as on separate machines) starts 2 workers each:
-    a 3 x 2 gloo job whose ranks are node-major and whose all_reduce gives the exact sum."""
+    a 2 x 2 gloo job whose ranks are node-major (rank 1 on host 0, not host 1) and whose all_reduce gives the
+    exact sum."""
     script = tmp_path / "job.py"
     script.write_text(
         textwrap.dedent("""
@@ -492,10 +493,10 @@ def test_torchrun_agents_rendezvous_across_lab_hosts(tmp_path):
                 "--node_rank={host}", "--rdzv_backend=c10d", "--rdzv_endpoint={master_addr}:{master_port}",
                 "--rdzv_conf=is_host={is_master_host}", "--local_addr={host_addr}", "--rdzv_id=netlab-test",
                 str(script)]  # fmt: skip
-    with netlab.NetLab(hosts=3, rate_mbit=200, ranks_per_host=2, master_port=29557) as lab:
+    with netlab.NetLab(hosts=2, rate_mbit=200, ranks_per_host=2, master_port=29557) as lab:
         res = lab.run(torchrun, timeout=240, per_host=True)
         lab_id = lab.lab_id
     assert res.ok, res.describe() + "".join(r.stderr[-3000:] for r in res.ranks)
     lines = sorted(tuple(int(x) for x in line.split()) for r in res.ranks for line in r.stdout.split("\n") if line)
-    assert lines == [(rank, rank % 2, rank // 2, 21) for rank in range(6)]  # 1 + 2 + ... + 6
+    assert lines == [(rank, rank % 2, rank // 2, 10) for rank in range(4)]  # 1 + 2 + 3 + 4
     _assert_gone(lab_id)

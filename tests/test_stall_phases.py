@@ -48,6 +48,10 @@ SLACK_S = 6.0  # the rest of a step before the survivors reach the stuck collect
 PEERS_S = 5.0  # the host watchdog's look-up of the missing peers, at most (train.watchdog._peers_within)
 LAUNCH_S = {"poll": 240, "host": 240}  # each launch's limit, its start-up included (over 200 s at a load of 30)
 STALL_STEP = 2
+AT_ONCE = 6
+"""Launches at a time. Each mostly waits out a deadline (about 1 s of the cores' time in 6-10 s): on an idle 2-core
+machine the 27 took 56 s three at a time, 40 s six at a time, 37 s nine at a time (2026-12-04). The module runs
+near the suite's end, where the other workers are finishing: its time is the suite's tail."""
 JOB = [
     "model=tiny",
     "data.seq_len=32",
@@ -303,7 +307,7 @@ def _launch_once(case, cache, run_dir):
 
 @pytest.fixture(scope="module")
 def stalls(tmp_path_factory, cache_dir):
-    """Every case, three launches at a time (a launch mostly waits out the deadline): each one's results, the
+    """Every case, ``AT_ONCE`` launches at a time (a launch mostly waits out the deadline): each one's results, the
     times of the stall and of the survivors' exits, the watchdog's records and the survivors' lines."""
     tmp = tmp_path_factory.mktemp("stalls")
     mp = pytest.MonkeyPatch()
@@ -311,7 +315,7 @@ def stalls(tmp_path_factory, cache_dir):
     mp.setenv("OMP_NUM_THREADS", "1")
     launches: dict = {}
     try:
-        with ThreadPoolExecutor(max_workers=3) as pool:
+        with ThreadPoolExecutor(max_workers=AT_ONCE) as pool:
             outcomes = dict(
                 zip(CASES, pool.map(lambda case: _launch(case, cache_dir, tmp, record=launches), CASES), strict=True)
             )
@@ -328,7 +332,7 @@ def stalls(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the module fixture: 27 launches, three at a time; 415 s at a load average of 26
+@pytest.mark.timeout(900)  # the module fixture: 27 launches, AT_ONCE at a time; 415 s at a load average of 26 (3)
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_watchdog(stalls, case):
     world, _, phase, operation = CASES[case]
