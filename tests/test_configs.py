@@ -12,7 +12,6 @@ import pytest
 from tests.distributed import run_script
 from tests.runs import composed
 from train.config import ConfigError, config_fingerprint, validate
-from train.model import build_model, count_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -30,6 +29,8 @@ PYTHIA_PARAMETERS = {
 @pytest.mark.quick
 @pytest.mark.parametrize("name", sorted(PYTHIA_PARAMETERS))
 def test_pythia_parameter_counts_on_meta_device(name):
+    from train.model import build_model, count_parameters  # transformers' GPTNeoX: seconds, not at collection
+
     cfg = composed(f"model={name}")
     model = build_model(cfg.model, device="meta")
     assert count_parameters(model) == PYTHIA_PARAMETERS[name]

@@ -11,7 +11,6 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from train.config import register_configs
-from train.model import build_model
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 register_configs()
@@ -71,6 +70,8 @@ def _pooled_std(tensors) -> float:
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_INIT_STD))
 def test_built_model_has_pythia_init(name):
+    from train.model import build_model  # transformers' GPTNeoX: seconds, not at collection
+
     layers, hidden, small_std, wang_std = EXPECTED_INIT_STD[name]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         m = compose(config_name="config", overrides=[f"model={name}"]).model
@@ -100,6 +101,8 @@ def test_built_model_has_pythia_init(name):
 
 @pytest.mark.quick
 def test_init_method_normal_restores_hf_default():
+    from train.model import build_model  # transformers' GPTNeoX: seconds, not at collection
+
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         m = compose(
             config_name="config",
