@@ -148,14 +148,22 @@ heaviest first. Each module is one unit of work for pytest-xdist (``--dist loadf
 pyproject.toml), handed out in collection order: starting these first and ending on the many short modules
 lets the three workers finish together (within 20 s of each other on 2026-12-03, docs/testing.md). Not listed on
 purpose: test_stall_phases (55 s, its cases wait out deadlines): started among the heavy modules it took 295 s and
-the suite 9 min 6 s (2026-12-04); at its place near the end, 55 s."""
+the suite 9 min 6 s (2026-12-04); it goes last (``LAST_MODULES``)."""
+
+
+LAST_MODULES = ("test_stall_phases",)
+"""Handed out last: test_stall_phases's 27 launches each wait out a 3 s deadline, and their time depends on the
+load beside them. At the end of the suite, with the other workers on their last short modules, its fixture took
+39-63 s; started beside time_to_loss's torchrun launches and train_units (2026-12-04, twice), 168 s and 196 s,
+and the suite 8 min 50 s and 8 min 53 s against 6 min 26 s."""
 
 
 def pytest_collection_modifyitems(config, items):
-    """Run the heaviest modules first (``HEAVIEST_MODULES``); the rest keep their order."""
+    """Run the heaviest modules first (``HEAVIEST_MODULES``) and ``LAST_MODULES`` last; the rest keep their order."""
     rank = {name: position for position, name in enumerate(HEAVIEST_MODULES)}
+    rank.update({name: len(HEAVIEST_MODULES) + 1 + position for position, name in enumerate(LAST_MODULES)})
 
     def module_rank(item) -> int:
-        return rank.get(item.path.stem, len(rank))
+        return rank.get(item.path.stem, len(HEAVIEST_MODULES))
 
     items.sort(key=module_rank)  # stable: every module's own order is kept
