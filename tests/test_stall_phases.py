@@ -333,7 +333,7 @@ def stalls(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the module fixture: 27 launches, AT_ONCE at a time; 415 s at a load average of 26 (3)
+@pytest.mark.timeout(900)  # the module fixture: 27 launches, AT_ONCE at a time; 415 s at a load average of 26
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_watchdog(stalls, case):
     world, _, phase, operation = CASES[case]

@@ -167,13 +167,12 @@ def init_process_group(launch: Launch, device: torch.device, timeout_s: float) -
                 timeout=timeout,
                 device_id=device if device.type == "cuda" else None,
             )
-        except RuntimeError as err:  # torch's DistStoreError/DistNetworkError: a peer never joined the rendezvous
-            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+        except (dist.DistStoreError, dist.DistNetworkError) as err:  # a peer never joined the rendezvous
             raise TrainCollectiveError(
                 f"collective 'process group rendezvous' at step 0 (phase: start-up: process group) failed on rank "
                 f"{launch.rank} after {time.monotonic() - start:.1f}s: the {launch.world_size} ranks must all reach it "
                 f"within {timeout_s:g}s of each other (the group's timeout, from trainer.collective_timeout_s); "
-                f"{type(err).__name__}: {first_line}"
+                f"{type(err).__name__}: {first_line(err)}"
             ) from err
     else:  # a plain single process: a group of one with an in-memory store
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -211,6 +210,12 @@ def check_same_config(config_hash: str, code_hash: str, device: torch.device) ->
             f"ranks {code_differs} run code different from rank 0's (cerar protocol or package version, or the "
             "sources of cerar/ and train/); install the same version on every node"
         )
+
+
+def first_line(err: BaseException) -> str:
+    """An error's first line (at most 300 characters; its type's name if it has no text): what a one-line
+    ``error:`` message quotes of the exception behind it."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
 
 
 class TrainCollectiveError(RuntimeError):
@@ -295,11 +300,10 @@ def guarded(operation: str, poll_timeout_s: float | None = None):
     except TrainCollectiveError:
         raise
     except Exception as err:
-        first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
         raise TrainCollectiveError(
             f"collective {operation!r} at step {_progress['step']} (phase: {_progress['phase']}) failed on rank "
             f"{dist.get_rank()} after "
-            f"{time.monotonic() - start:.1f}s: {missing_ranks()}; {type(err).__name__}: {first_line}"
+            f"{time.monotonic() - start:.1f}s: {missing_ranks()}; {type(err).__name__}: {first_line(err)}"
         ) from err
     finally:
         watchdog.resume_phase()

@@ -124,12 +124,14 @@ def worker(args) -> int:
     reads_nics = bool(nics) and int(os.environ.get("LOCAL_RANK", "0")) == 0  # one reader per host
 
     def nic_tx() -> list[int]:
-        """Bytes this host's NICs have sent so far (one entry per NIC), then the TCP segments this host's network
-        namespace has retransmitted so far (/proc/net/snmp's Tcp RetransSegs): the NICs' counters include those
-        again, more of them on a loaded machine, where the shaper's queue overflows more often."""
+        """Bytes this host's NICs have sent so far (one entry per NIC)."""
+        return [int(Path(f"/sys/class/net/{n}/statistics/tx_bytes").read_text()) for n in nics]
+
+    def tcp_retransmitted() -> int:
+        """TCP segments this host's network namespace has retransmitted so far (/proc/net/snmp's Tcp RetransSegs):
+        the NICs' counters count each of them again."""
         snmp = [line.split() for line in Path("/proc/net/snmp").read_text().splitlines() if line.startswith("Tcp:")]
-        retransmitted = int(snmp[1][snmp[0].index("RetransSegs")])
-        return [int(Path(f"/sys/class/net/{n}/statistics/tx_bytes").read_text()) for n in nics] + [retransmitted]
+        return int(snmp[1][snmp[0].index("RetransSegs")])
 
     rows = []
     gen = torch.Generator().manual_seed(1234 + rank)
@@ -149,7 +151,7 @@ def worker(args) -> int:
                 counting = bool(nics) and w == 0  # the same on every rank
                 buf.copy_(src)
                 dist.barrier()
-                before = nic_tx() if counting and reads_nics else None
+                before = (nic_tx(), tcp_retransmitted()) if counting and reads_nics else None
                 st = run_one(cfg, buf)
                 if w == 0:
                     e = float((buf.to(torch.float64) - exact).norm() / exact.norm())
@@ -157,7 +159,8 @@ def worker(args) -> int:
                 if counting:
                     dist.barrier()  # every rank of the host is done sending
                 if before is not None:
-                    *sent, retransmitted = [b - a for a, b in zip(before, nic_tx(), strict=True)]
+                    sent = [b - a for a, b in zip(before[0], nic_tx(), strict=True)]
+                    retransmitted = tcp_retransmitted() - before[1]
                     nic_bytes[k] = torch.tensor([max(sent), sum(sent), retransmitted], dtype=torch.float64)
         dist.all_reduce(nic_bytes, op=dist.ReduceOp.MAX)  # the busiest host's
         times = torch.zeros(len(configs), args.repeats, dtype=torch.float64)
