@@ -374,6 +374,68 @@ def test_after_a_collective_failure_the_trainer_aborts_the_groups_prints_one_lin
     assert elapsed < 60  # not the groups' own (watchdog) timeouts
 
 
+# --- the trainer's own waits (train.distributed.await_work) under each contract ------------------------------
+
+
+class _CountedWork:
+    """A collective's work that counts how the code waits for it (the test's measurement) and passes each call on."""
+
+    def __init__(self, work):
+        self.work, self.polls, self.waits = work, 0, []
+
+    def is_completed(self) -> bool:
+        self.polls += 1
+        return self.work.is_completed()
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        return self.work.wait() if timeout is None else self.work.wait(timeout)
+
+
+def _trainer_wait_worker(rank, N, timeout_s):
+    """Both ranks all-reduce once; then rank 1 holds back its second all-reduce until rank 0's wait for it has
+    ended. Rank 0 returns how it waited for each, and the second's outcome and time."""
+    from train.distributed import await_work
+
+    store = shared_store()
+    first = _CountedWork(dist.all_reduce(torch.ones(4), async_op=True))
+    await_work(first, timeout_s)
+    if rank == 1:
+        store.wait(["rank0-waited"], timedelta(seconds=60))
+        dist.all_reduce(torch.ones(4), async_op=True).wait()  # lets rank 0's pending work complete before the end
+        return None
+    second = _CountedWork(dist.all_reduce(torch.ones(4), async_op=True))
+    start = time.monotonic()
+    try:
+        await_work(second, timeout_s)
+        outcome = "completed"
+    except TimeoutError as error:
+        outcome = str(error)
+    waited = time.monotonic() - start
+    store.set("rank0-waited", "1")
+    return (first.polls, first.waits), (second.polls, second.waits), outcome, waited
+
+
+@pytest.mark.parametrize("contract", ["gloo", "nccl"])
+def test_the_trainers_wait_blocks_on_gloo_polls_under_nccls_contract_and_ends_at_its_deadline(contract):
+    """`train.distributed.await_work`, the trainer's wait for each collective (`bounded`), follows the backend's
+    contract as CERAR's rounds do. gloo: one ``wait(timeout)`` and no polling (a poll every 0.2 ms cost a waiting
+    rank about 11 % of a core, taken from the peers it waits for); NCCL: polls ``is_completed()`` and then an
+    untimed ``wait()`` (a timed one would block the host and abort the communicator on expiry). Either way a
+    collective a peer never joins raises TimeoutError at the deadline, not before and not at the group's timeout."""
+    timeout_s = 1.0
+    rank0, _ = run_workers(_trainer_wait_worker, 2, args=(timeout_s,), contract=contract)
+    (polls, waits), (stalled_polls, stalled_waits), outcome, waited = rank0
+    assert outcome.startswith(f"did not complete within {timeout_s:g}s"), outcome
+    assert timeout_s <= waited < timeout_s + 2, waited
+    if contract == "gloo":
+        assert (polls, waits) == (0, [timedelta(seconds=timeout_s)])
+        assert (stalled_polls, stalled_waits) == (0, [timedelta(seconds=timeout_s)])
+    else:
+        assert polls >= 1 and waits == [None]
+        assert stalled_polls > 10 and stalled_waits == []  # polled to the deadline; never a timed wait
+
+
 # --- the trainer's NCCL watchdog setting --------------------------------------------------------------
 
 
