@@ -401,19 +401,20 @@ def await_work(work, timeout_s: float | None = None) -> None:
     it waits for wherever ranks share cores."""
     timeout_s = _deadline["timeout_s"] if timeout_s is None else float(timeout_s)
     deadline = time.monotonic() + timeout_s
+    expired = f"did not complete within {timeout_s:g}s (trainer.collective_timeout_s)"
     if not transport_contract().stream_ordered:
         try:
             work.wait(timedelta(seconds=timeout_s))
         except RuntimeError:
             if time.monotonic() >= deadline:  # gloo's expiry (a failed work raises before its deadline)
-                raise TimeoutError(f"did not complete within {timeout_s:g}s (trainer.collective_timeout_s)") from None
+                raise TimeoutError(expired) from None
             raise
         return
     pause = _FIRST_POLL_PAUSE
     while not work.is_completed():
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"did not complete within {timeout_s:g}s (trainer.collective_timeout_s)")
+            raise TimeoutError(expired)
         time.sleep(min(pause, left))
         pause = min(2 * pause, _LAST_POLL_PAUSE)
     work.wait()
