@@ -38,12 +38,34 @@ from pathlib import Path
 
 from tests.nccl_emulation import CONTRACTS, install, transport_timeout_s
 
-_CONTEXT = mp.get_context("forkserver")
-_CONTEXT.set_forkserver_preload(  # torch._dynamo: what building a DistributedDataParallel imports (seconds)
+_PRELOAD = (  # torch._dynamo: what building a DistributedDataParallel imports (seconds)
     ["torch", "torch.distributed", "torch._dynamo", "cerar", "tests.distributed", "tests.nccl_emulation"]
     + ["transformers"]
     + ["train.main", "train.run"]
+    + ["scripts.checks.gpu.cases"]  # the GPU check's own cases, run by tests/test_gpu_check.py from this server too
 )
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(_PRELOAD)
+
+
+def start_forkserver() -> None:
+    """Start this process's forkserver now, with the preload above. A process has one forkserver, whatever
+    context asks for it, and the preload is the one set when it starts: the GPU check's ``cases.context()`` sets
+    a shorter one (torch and cerar), so where tests/test_gpu_check.py started it first, every later launch on that
+    pytest worker imported transformers and train/ again in each rank, about 3 s of a core per process (the stall
+    cases' fixture took 112-158 s instead of 35-54 s). tests/conftest.py calls this as each worker's session
+    starts."""
+    import multiprocessing.forkserver
+
+    multiprocessing.forkserver.ensure_running()
+
+
+def preloaded_here() -> list[str]:
+    """Of the preload, the modules this process already has: in a worker at its entry, what its forkserver
+    imported for it."""
+    import sys
+
+    return [name for name in _PRELOAD if name in sys.modules]
 
 
 class WorkerError(RuntimeError):

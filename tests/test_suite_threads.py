@@ -13,3 +13,23 @@ def test_torch_and_blas_in_the_test_process_use_one_thread():
 
     assert torch.get_num_threads() == 1
     assert os.environ["OPENBLAS_NUM_THREADS"] == os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def _preloaded(rank, world_size):  # noqa: ARG001  run_workers passes them
+    from tests.distributed import preloaded_here
+
+    return preloaded_here()
+
+
+@pytest.mark.quick
+def test_every_launch_forks_from_the_tests_forkserver_even_after_the_gpu_checks_context():
+    """A process has one forkserver, and its preload is the one set when it starts. The GPU check's
+    ``cases.context()`` sets a shorter one (torch and cerar); the suite starts each worker's server first with its
+    own (tests/conftest.py ``tests_forkserver``), so a rank launched after the GPU check's tests still finds
+    transformers and train/ imported (otherwise each rank imports them again: about 3 s of a core)."""
+    from scripts.checks.gpu import cases
+    from tests.distributed import _PRELOAD, run_workers
+
+    cases.context()
+    (modules,) = run_workers(_preloaded, 1)
+    assert modules == _PRELOAD, sorted(set(_PRELOAD) - set(modules))
