@@ -65,6 +65,22 @@ def test_the_fastest_that_fits_is_taken_and_only_more_accurate_ones_replace_it()
     assert not AutoChoice(fake_candidates("fast")).due(100)  # unpriced: exact throughout
 
 
+@pytest.mark.quick
+def test_the_last_step_is_never_checked():
+    """A check runs before its step's aggregation, so one at the run's last step costs its seconds (22-72 s at
+    pythia-14m in issue 34's study) to change at most that one aggregation (issue 53): the schedule 3, 5, 7 of a
+    7-step run stops at 5, a retry due at the last step is dropped too, and a run without a known end keeps 7."""
+    from train.aggregation.auto_choice import AutoChoice
+
+    seconds = {"nccl": 1.0, "fast": 0.2}
+    ends = AutoChoice(fake_candidates("fast"), seconds, budget=0.1, warmup_steps=3, check_every=2, last_step=7)
+    assert [step for step in range(1, 8) if ends.due(step)] == [3, 5]
+    ends.decide(6, 0.1, {"fast": (math.nan, 0.0)})  # evidence refused at step 6: a retry is due at 7
+    assert ends.retry_at == 7 and not ends.due(7)
+    open_ended = AutoChoice(fake_candidates("fast"), seconds, budget=0.1, warmup_steps=3, check_every=2)
+    assert [step for step in range(1, 8) if open_ended.due(step)] == [3, 5, 7]
+
+
 # ------------------------------------------------------------------ prices from links
 
 
@@ -316,13 +332,14 @@ def test_every_rank_measures_and_decides_from_the_same_numbers():
 
 
 def _holds_the_check_schedule(decisions: list[dict], first_step: int, every: int, last_step: int) -> None:
-    """A run's decisions: one at each scheduled check, none skipped, while the choice is inexact (something more
-    accurate may still replace it); once it is the exact all-reduce (nccl) nothing is checked again."""
+    """A run's decisions: one at each scheduled check before the last step (issue 53: never at it), none
+    skipped, while the choice is inexact (something more accurate may still replace it); once it is the exact
+    all-reduce (nccl) nothing is checked again."""
     steps = [d["step"] for d in decisions]
-    assert steps == list(range(first_step, last_step + 1, every))[: len(steps)], steps
+    assert steps == list(range(first_step, last_step, every))[: len(steps)], steps
     assert all(d["choice"] != "nccl" for d in decisions[:-1]), decisions  # only an inexact choice is re-checked
     if decisions[-1]["choice"] != "nccl":
-        assert steps[-1] + every > last_step, steps  # ... and it is, to the end
+        assert steps[-1] + every >= last_step, steps  # ... and it is, to the step before the end
 
 
 @pytest.mark.slow
@@ -372,8 +389,8 @@ def test_auto_runs_choose_resume_with_their_choice_and_fall_back_when_links_are_
         assert restored[key].keys() == first[key].keys(), key
     for name, error in first["errors"].items():
         assert restored["errors"][name] == error and restored["worst_tensors"][name] == first["worst_tensors"][name]
-    # both runs check on the schedule (step 2, then every 2 steps to the end at 6); the resumed one goes on from the
-    # restored state. The two may differ after step 2, as their timed choices may: each is held to the rule
+    # both runs check on the schedule (step 2, then every 2 steps, never at the last, 6); the resumed one goes on from
+    # the restored state. The two may differ after step 2, as their timed choices may: each is held to the rule
     for run in (full, late):
         _holds_the_check_schedule(run["auto"]["decisions"], first_step=2, every=2, last_step=6)
     _, unknown = read_run(tmp_path / "unknown")

@@ -257,6 +257,7 @@ class AutoAggregator(Aggregator):
             warmup_steps=int(a.auto_warmup_steps),
             check_every=int(a.auto_check_every),
             trials=int(a.auto_trials),
+            last_step=int(cfg.trainer.max_steps),
         )
         self.trial_calls = int(a.auto_trial_calls)
         self.sample_values = int(a.auto_sample_values)

@@ -158,6 +158,7 @@ class AutoChoice:
     bounds: dict[str, float] = field(default_factory=dict)  # each candidate's last measured error bound
     trials: int = 3
     retry_at: int | None = None  # a check whose evidence was not finite: the step that checks again
+    last_step: int | None = None  # the run's last step (trainer.max_steps): never checked
 
     def __post_init__(self) -> None:
         if EXACT not in self.candidates:
@@ -179,8 +180,11 @@ class AutoChoice:
 
     def due(self, step: int) -> bool:
         """Whether `step` checks: the end of warm-up, then every check_every steps, while something can move
-        (never while unpriced)."""
+        (never while unpriced, nor at `last_step`: a check there costs seconds to change at most the one aggregation
+        left, issue 53)."""
         if not self.priced or step < self.warmup_steps or not self.to_measure():
+            return False
+        if self.last_step is not None and step >= self.last_step:
             return False
         if step == self.retry_at:
             return True
