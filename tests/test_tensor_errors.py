@@ -185,3 +185,27 @@ def test_nan_evidence_is_not_a_ratio():
     assert ratio_to_noise(torch.tensor([0.0, 4.0, 4.0]), torch.tensor([0.0, 0.0, 1.0])).tolist() == [0, math.inf, 2]
     rho, _, _ = worst_tensor(torch.tensor([1.0, math.nan]), torch.zeros(2), torch.ones(2))
     assert math.isnan(rho)
+
+
+@pytest.mark.quick
+def test_a_draw_given_its_probabilities_is_the_same_draw_and_the_grid_copies_nothing_it_need_not():
+    """The first check of aggregator=auto draws one sample per candidate; candidates of one layout (fp16 and bf16,
+    CERAR's c over 32- and 16-bit messages) share the units' inclusion probabilities, computed once (issue 53):
+    given them, a draw is the draw that computes them, unit for unit, from the same generator state. Where a
+    layout needs no padding the grid is a view of the values (a pad of width 0 would copy the gradient)."""
+    from train.aggregation.tensor_errors import TensorSample, _grid
+
+    G = torch.from_numpy(per_rank_gradients(seed=3))
+    d = G.shape[1]
+    for parts, pieces, unit in ((1, 1, 1), (1, 5, 1), (2, 4, 16)):
+        z = _grid(G.square().sum(0), d, parts, pieces, unit).sum((0, 1, 3)).double()
+        pi = TensorSample.inclusion(z, layout(), parts, pieces, unit, 40)
+        first = TensorSample.draw(z, layout(), parts, pieces, unit, torch.Generator().manual_seed(7), 40)
+        again = TensorSample.draw(z, layout(), parts, pieces, unit, torch.Generator().manual_seed(7), 40, pi)
+        assert 0 < first.count < z.numel()  # a sample, not every unit
+        assert torch.equal(first.indices, again.indices) and torch.equal(first.pi, again.pi)
+        assert torch.equal(first.tensor, again.tensor) and first.count == again.count
+    x = torch.arange(12.0)
+    assert _grid(x, 12, 1, 3, 4).data_ptr() == x.data_ptr()  # 12 = 1 x 3 x 4: nothing to pad
+    assert _grid(x, 12, 1, 5, 1).flatten()[:12].tolist() == x.tolist()  # 12 into 5 pieces of 3: padded with 3 zeros
+    assert _grid(x, 12, 1, 5, 1).sum() == x.sum() and _grid(x, 12, 1, 5, 1).numel() == 15

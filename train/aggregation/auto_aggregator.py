@@ -214,16 +214,18 @@ def measure_candidate(
     of `layout`) against the exact mean of the sample, each tensor's error estimated and set against its noise
     (`noise`: sigma_t), the worst tensor's (train/aggregation/tensor_errors.py). An aggregator that scales per tensor is
     given the scales it would use on the whole gradient, so that the sample gets the same arithmetic. `sizes`
-    keeps the units' sizes per layout (parts, pieces, unit) across the candidates of one check: candidates of
-    one layout (CERAR's c over 32- and 16-bit messages) share one all-reduce of them."""
+    keeps the units' sizes and inclusion probabilities per layout (parts, pieces, unit) across the candidates of
+    one check: candidates of one layout (fp16 and bf16; CERAR's c over 32- and 16-bit messages) share one
+    all-reduce of the sizes and one computation of the probabilities (each still draws its own units)."""
     from train.aggregation.tensor_errors import TensorSample, unit_sizes, worst_tensor
 
     shape = (cand.parts, cand.pieces, cand.unit)
     sizes = {} if sizes is None else sizes
     if shape not in sizes:
-        sizes[shape] = unit_sizes(flat, *shape)
-    z = sizes[shape]
-    sample = TensorSample.draw(z, layout, cand.parts, cand.pieces, cand.unit, generator, per_tensor)
+        z = unit_sizes(flat, *shape)
+        sizes[shape] = (z, TensorSample.inclusion(z, layout, *shape, per_tensor))
+    z, pi = sizes[shape]
+    sample = TensorSample.draw(z, layout, cand.parts, cand.pieces, cand.unit, generator, per_tensor, pi)
     x = sample.values(flat).float()
     exact = x.double()
     bounded(f"aggregator=auto: exact sample all_reduce ({cand.name})", lambda: dist.all_reduce(exact, async_op=True))

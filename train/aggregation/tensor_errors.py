@@ -172,9 +172,15 @@ def _grid(x: torch.Tensor, d: int, parts: int, pieces: int, unit: int) -> torch.
     P = -(-d // parts)
     M = -(-P // pieces)
     slots = -(-M // unit)
-    grid = pad(x, (0, parts * P - d)).view(parts, P)
-    grid = pad(grid, (0, pieces * M - P)).view(parts, pieces, M)
-    return pad(grid, (0, slots * unit - M)).view(parts, pieces, slots, unit)
+    grid = _pad_end(x, parts * P - d).view(parts, P)
+    grid = _pad_end(grid, pieces * M - P).view(parts, pieces, M)
+    return _pad_end(grid, slots * unit - M).view(parts, pieces, slots, unit)
+
+
+def _pad_end(x: torch.Tensor, extra: int) -> torch.Tensor:
+    """x with `extra` zeros after its last dimension's values; x itself where there are none (a pad of width 0
+    still copies: three copies of the gradient per layout at a check, issue 53)."""
+    return pad(x, (0, extra)) if extra else x
 
 
 def unit_sizes(local: torch.Tensor, parts: int, pieces: int, unit: int) -> torch.Tensor:
@@ -222,11 +228,24 @@ class TensorSample:
     @classmethod
     def draw(
         cls, z: torch.Tensor, layout: TensorLayout, parts: int, pieces: int, unit: int, generator: torch.Generator,
-        per_tensor: int = PER_TENSOR_UNITS,
+        per_tensor: int = PER_TENSOR_UNITS, pi: torch.Tensor | None = None,
     ) -> TensorSample:  # fmt: skip
         """Draw the sample from the units' sizes z (`unit_sizes`: the same on every rank, so with the same
-        generator state every rank draws the same units); per_tensor = 0 draws every unit."""
-        d = layout.d
+        generator state every rank draws the same units); per_tensor = 0 draws every unit. `pi`, the units'
+        inclusion probabilities (`inclusion`) where the caller has them from a draw of the same z, layout and
+        per_tensor: the same draw without computing them again."""
+        pi = cls.inclusion(z, layout, parts, pieces, unit, per_tensor) if pi is None else pi
+        draw = torch.rand(pi.numel(), generator=generator, dtype=torch.float64)
+        picked = torch.nonzero(draw < pi).reshape(-1)
+        count = picked.numel()
+        indices = unit_indices(layout.d, parts, pieces, unit, picked)
+        slot_of_value = torch.arange(count).view(1, 1, count, 1).expand(parts, pieces, count, unit).reshape(-1)
+        return cls(indices, count, pi[picked], layout.tensor_of(indices), slot_of_value, layout)
+
+    @staticmethod
+    def inclusion(z: torch.Tensor, layout: TensorLayout, parts: int, pieces: int, unit: int,
+                  per_tensor: int = PER_TENSOR_UNITS) -> torch.Tensor:  # fmt: skip
+        """pi_s, each unit's inclusion probability (float64 [units], module docstring) from the units' sizes z."""
         z = z.double().cpu()
         slots = z.numel()
         cz = torch.cat([z.new_zeros(1), z.cumsum(0)])
@@ -240,13 +259,7 @@ class TensorSample:
         for t, lo, hi in stretches:
             by_size = z[lo:hi] / Z[t] if Z[t] > 0 else torch.zeros(hi - lo, dtype=torch.float64)
             share[lo:hi] = torch.maximum(share[lo:hi], (by_size + 1 / U[t]) / 2)
-        pi = (per_tensor * share).clamp(max=1.0) if per_tensor > 0 else torch.ones(slots, dtype=torch.float64)
-        draw = torch.rand(slots, generator=generator, dtype=torch.float64)
-        picked = torch.nonzero(draw < pi).reshape(-1)
-        count = picked.numel()
-        indices = unit_indices(d, parts, pieces, unit, picked)
-        slot_of_value = torch.arange(count).view(1, 1, count, 1).expand(parts, pieces, count, unit).reshape(-1)
-        return cls(indices, count, pi[picked], layout.tensor_of(indices), slot_of_value, layout)
+        return (per_tensor * share).clamp(max=1.0) if per_tensor > 0 else torch.ones(slots, dtype=torch.float64)
 
     def scales(self, per_tensor: torch.Tensor) -> torch.Tensor:
         """Each sampled value's scale from per-tensor scales (an aggregator's `tensor_scales`; padding: 1)."""
