@@ -23,10 +23,10 @@ def module_name(path: Path, root: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
-    """module -> the modules of PACKAGES it imports (its own package's __init__ left out: Python runs it first
-    whatever the module imports)."""
-    paths = {module_name(p, root): p for package in PACKAGES for p in (root / package).rglob("*.py")}
+def import_graph(root: Path = ROOT, packages: tuple[str, ...] = PACKAGES) -> dict[str, set[str]]:
+    """module -> the modules of `packages` (folders under root) it imports (its own package's __init__ left out:
+    Python runs it first whatever the module imports)."""
+    paths = {module_name(p, root): p for package in packages for p in (root / package).rglob("*.py")}
 
     def known(name: str) -> str | None:  # the longest prefix that is one of our modules
         while name and name not in paths:
@@ -87,6 +87,13 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 @pytest.mark.quick
 def test_no_module_reaches_itself_through_its_imports():
     assert circles(import_graph()) == []
+
+
+@pytest.mark.quick
+def test_no_study_module_reaches_itself_through_its_imports():
+    """scripts/studies too (issue 53: the time-to-loss study's launch and report imported each other)."""
+    graph = import_graph(packages=("scripts/studies",))
+    assert "scripts.studies.ttl.report" in graph and circles(graph) == []
 
 
 @pytest.mark.quick

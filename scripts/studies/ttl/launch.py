@@ -1,9 +1,12 @@
 """The time-to-loss study's runs: one launch of ``train/main.py`` per run (in the network lab or on loopback), the
-numbers of a finished run folder, and the CSV rows, appended as runs finish and skipped when already there.
+numbers of a finished run folder, and the CSV rows, appended as runs finish (the order and the plan:
+``scripts/studies/ttl/plan.py``).
 
 Why one launch per run (not ``train/sweep.py``): the load average is recorded before and after each run, and each
-row's load is its own. The code that trains is a snapshot of one commit (``code_snapshot``: ``git archive`` of
-cerar, train and configs), so the ``commit`` column names exactly what ran, whatever else the checkout holds.
+row's load is its own; so is the CPU time its processes used (``cpu_s`` in its launch.json: the launched
+processes' user + system seconds, ``RUSAGE_CHILDREN``; runs launched before issue 53 lack it). The code that
+trains is a snapshot of one commit (``code_snapshot``: ``git archive`` of cerar, train and configs), so the
+``commit`` column names exactly what ran, whatever else the checkout holds.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ import csv
 import datetime
 import json
 import os
+import resource
 import shlex
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
+from scripts.studies.ttl import metric
+from scripts.studies.ttl.rows import evaluations, group, read_metrics, read_rows, run_folder
 from scripts.studies.ttl.settings import AGGREGATORS, COLUMNS, ROOT, SEQ_LEN, Setting
 
 
@@ -65,6 +70,13 @@ def overrides(setting: Setting, name: str, seed: int, steps: int, eval_every: in
     ]  # fmt: skip
 
 
+def children_cpu() -> float:
+    """User + system CPU seconds of this process's children that have ended and been waited for (their own
+    children's included): a run's, read before and after its launch."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def launch(setting: Setting, argv: list[str], code: Path, log_dir: Path, timeout: float, mtu: int, port: int):
     """Run ``train/main.py argv`` of the snapshot ``code`` on the setting's ranks; returns (ok, how it ended, the
     command shown). The lab is always torn down (netlab), a loopback launch is killed at ``timeout``."""
@@ -98,39 +110,6 @@ def launch(setting: Setting, argv: list[str], code: Path, log_dir: Path, timeout
 # --------------------------------------------------------------------------------------------- a run's numbers
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # a torn last line of a killed run
-    return out
-
-
-def curve(metrics: list[dict]) -> list[tuple[float, float]]:
-    """(wall seconds, validation loss) of every evaluation, in order (``time/wall``: the loop's clock, evaluations
-    included)."""
-    return [(float(r["time/wall"]), float(r["val_loss"])) for r in metrics if "val_loss" in r and "time/wall" in r]
-
-
-LOSS_RESOLUTION = 1e-6
-"""Relative: a validation loss within this of the target is at it. The loss is a float32 mean (float32's epsilon is
-1.2e-7 relative; a mean of many float32 values carries a few of them): an exact aggregation's run that ends
-3.5e-8 above nccl's loss (the pilot's auto, which aggregated exactly to step 100 and then in fp16) has reached it."""
-
-
-def time_to_target(points: list[tuple[float, float]], target: float | None) -> float | None:
-    """Wall seconds to the first evaluation at or below ``target`` (to ``LOSS_RESOLUTION``; None: never reached, or
-    no target)."""
-    if target is None:
-        return None
-    return next((t for t, loss in points if loss <= target * (1 + LOSS_RESOLUTION)), None)
-
-
 def chosen(name: str, summary: dict) -> str:
     """What aggregator=auto or c=auto chose and at which step ('fp16 at step 100'; moves joined by ' -> '), or
     'fallback: nccl (...)' where auto's probe left it exact; empty for fixed aggregators."""
@@ -159,7 +138,7 @@ def run_numbers(run_dir: Path) -> dict | None:
     """The CSV's numbers of one finished run folder (None while it has no summary.json): steps, wall_s (the loop,
     evaluations included), steps_s (the training steps alone: the sum of time/step), aggregate_share (mean over
     steps 2.. of time/aggregate / time/step; step 1 pays one-time costs), bytes_per_step (median of bytes_sent over
-    steps 2..), final_val_loss, the evaluation curve and what auto chose."""
+    steps 2..), final_val_loss, the evaluations and what auto chose."""
     path = run_dir / "summary.json"
     if not path.exists():
         return None
@@ -175,7 +154,7 @@ def run_numbers(run_dir: Path) -> dict | None:
         else None,  # fmt: skip
         "bytes_per_step": statistics.median(r.get("bytes_sent", 0) for r in steady) if steady else None,
         "final_val_loss": summary.get("final_val_loss"),
-        "curve": curve(metrics),
+        "evaluations": evaluations(metrics),
         "summary": summary,
     }
 
@@ -183,31 +162,24 @@ def run_numbers(run_dir: Path) -> dict | None:
 # --------------------------------------------------------------------------------------------- the CSV
 
 
-def read_rows(csv_path: Path) -> list[dict]:
-    """The CSV's rows; a file whose header is not the study's columns is refused, naming the difference."""
-    if not csv_path.exists() or csv_path.stat().st_size == 0:
-        return []
-    with open(csv_path, newline="") as f:
-        reader = csv.DictReader(f)
-        if reader.fieldnames != COLUMNS:
-            raise ValueError(f"{csv_path}: columns {reader.fieldnames} are not the study's {COLUMNS}")
-        return list(reader)
-
-
-def done_keys(rows: list[dict]) -> set[tuple]:
-    """(links, rate, hosts, ranks_per_host, model, aggregator, seed) of every row: the runs to skip."""
-    return {(r["links"], r["rate_mbit"], r["hosts"], r["ranks_per_host"], r["model"], r["aggregator"], r["seed"])
-            for r in rows}  # fmt: skip
-
-
-def append(csv_path: Path, rows: list[dict]) -> None:
+def append(csv_path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> None:
     csv_path.parent.mkdir(parents=True, exist_ok=True)
     new = not csv_path.exists() or csv_path.stat().st_size == 0
     with open(csv_path, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="raise")
+        w = csv.DictWriter(f, fieldnames=columns, extrasaction="raise")
         if new:
             w.writeheader()
         w.writerows(rows)
+
+
+def rewrite(csv_path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> None:
+    """The CSV with exactly ``rows`` (in their order), replaced in one rename."""
+    tmp = csv_path.with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, csv_path)
 
 
 def _num(x, digits: int = 6):
@@ -217,102 +189,40 @@ def _num(x, digits: int = 6):
     return int(round(float(x))) if digits == 0 else round(float(x), digits)
 
 
-def make_row(setting: Setting, name: str, seed: int, numbers: dict, launch_record: dict, target: float | None) -> dict:
-    """One CSV row: the run's numbers, its time to ``target`` (nccl's final validation loss at the same seed) and
-    the load and commit its launch recorded."""
+def make_row(setting: Setting, name: str, seed: int, numbers: dict, launch_record: dict) -> dict:
+    """One CSV row: the run's numbers and the load and commit its launch recorded; time_to_target_s is left to
+    ``retarget`` (the target is the setting's, from nccl's runs of every seed)."""
     links, rate, hosts, per_host, model = setting.row_key()
     return {
         "links": links, "rate_mbit": rate, "hosts": hosts, "ranks_per_host": per_host, "model": model,
         "aggregator": name, "chosen": chosen(name, numbers["summary"]), "seed": seed, "steps": numbers["steps"],
         "wall_s": _num(numbers["wall_s"], 3), "steps_s": _num(numbers["steps_s"], 3),
         "aggregate_share": _num(numbers["aggregate_share"], 4), "bytes_per_step": _num(numbers["bytes_per_step"], 0),
-        "final_val_loss": _num(numbers["final_val_loss"], 6),
-        "time_to_target_s": _num(time_to_target(numbers["curve"], target), 3),
+        "final_val_loss": _num(numbers["final_val_loss"], 6), "time_to_target_s": "",
         "load_before": launch_record.get("load_before", ""), "load_after": launch_record.get("load_after", ""),
         "commit": launch_record.get("commit", ""),
     }  # fmt: skip
 
 
-# --------------------------------------------------------------------------------------------- the study
-
-
-def rotated(names: list[str], k: int) -> list[str]:
-    """``names`` rotated left by k: seed k's order, so each aggregator runs early under some seeds, late under
-    others, and a slow drift of the load hits them alike."""
-    k %= len(names)
-    return names[k:] + names[:k]
-
-
-def run_study(args, settings: list[Setting]) -> int:
-    """Every (setting, seed, aggregator) not yet in the CSV, aggregators interleaved and rotated by seed; rows are
-    appended as soon as nccl's run of the same seed has finished (the target), the rest at the seed's end."""
-    commit = args.commit or head_commit()
-    code = None  # made at the first launch: a study whose runs are all rows already launches nothing
-    failures, k = 0, 0
-    for setting in settings:
-        # nccl always belongs: every ratio and target is against its run of the same seed (skipped where its row
-        # is in the CSV already, so `--aggregators auto` adds auto's runs to seeds that have nccl's)
-        names = [n for n in setting.aggregators if args.aggregators is None or n in args.aggregators or n == "nccl"]
-        folder = args.runs / setting.key
-        for seed in args.seeds:
-            order = rotated(names, seed - 1)  # by the seed itself: a later command for more seeds keeps the rule
-            for name in order:
-                done = done_keys(read_rows(args.csv))
-                key = (*setting.row_key(), name, str(seed))
-                run_dir = folder / f"{name}_s{seed}"
-                if key in done or (run_dir / "summary.json").exists():
-                    continue  # in the CSV, or finished and waiting for nccl's target
-                if code is None:
-                    problem = lab_problem(settings)
-                    if problem:
-                        print(f"time_to_loss: {problem}", file=sys.stderr)
-                        return 2
-                    code = args.code_dir or code_snapshot(commit, args.code_cache)
-                k += 1
-                argv = overrides(setting, name, seed, args.steps_for(setting), args.eval_for(setting),
-                                 args.micro_batch_for(setting), run_dir, args.extra)  # fmt: skip
-                record = {"commit": commit, "load_before": loadavg(), "started": _now()}
-                t0 = time.monotonic()
-                ok, how, shown = launch(setting, argv, code, folder / "logs" / f"{name}_s{seed}", args.timeout,
-                                        args.mtu, 29500 + (os.getpid() + k) % 400)  # fmt: skip
-                record.update(load_after=loadavg(), seconds=round(time.monotonic() - t0, 1), ended=how, ok=ok,
-                              command=shown.replace(str(code) + "/", ""))  # fmt: skip
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "launch.json").write_text(json.dumps(record, indent=1) + "\n")
-                failures += not ok
-                print(f"time_to_loss: {setting.key} {name} seed {seed}: {how} in {record['seconds']} s, load "
-                      f"{record['load_before']} -> {record['load_after']}", flush=True)  # fmt: skip
-                flush_rows(args.csv, setting, folder, seed, names, final=False)
-            flush_rows(args.csv, setting, folder, seed, names, final=True)
-    return 1 if failures else 0
-
-
-def lab_problem(settings: list[Setting]) -> str | None:
-    """Why the lab cannot run here (not root, no ip or tc), when a setting needs it; else None."""
-    if all(s.links == "loopback" for s in settings):
-        return None
-    from scripts.lab import netlab
-
-    return netlab.requirements_problem()
-
-
 def flush_rows(csv_path: Path, setting: Setting, folder: Path, seed: int, names: list[str], final: bool) -> int:
     """Append the rows of this seed's finished runs that the CSV lacks, once nccl's run of the seed has finished
-    (its final validation loss is every row's target) or, with ``final``, whatever has finished. Returns how many."""
-    nccl = run_numbers(folder / f"nccl_s{seed}")
-    if nccl is None and not final:
+    (every ratio is against it) or, with ``final``, whatever has finished; then recompute every row's
+    time_to_target_s (``retarget``: nccl's new seed moves the setting's target). Returns how many rows."""
+    if run_numbers(folder / f"nccl_s{seed}") is None and not final:
         return 0
-    target = nccl["final_val_loss"] if nccl else None
-    done = done_keys(read_rows(csv_path))
+    done = {(r["steps"], r["aggregator"], r["seed"]) for r in read_rows(csv_path)
+            if tuple(r[k] for k in ("links", "rate_mbit", "hosts", "ranks_per_host", "model")) == setting.row_key()}
     rows = []
     for name in names:
         run_dir = folder / f"{name}_s{seed}"
         numbers = run_numbers(run_dir)
-        if numbers is None or (*setting.row_key(), name, str(seed)) in done:
+        if numbers is None or (str(numbers["steps"]), name, str(seed)) in done:
             continue
         record = json.loads((run_dir / "launch.json").read_text()) if (run_dir / "launch.json").exists() else {}
-        rows.append(make_row(setting, name, seed, numbers, record, target))
+        rows.append(make_row(setting, name, seed, numbers, record))
     append(csv_path, rows)
+    if rows:
+        retarget(csv_path, folder.parent)
     return len(rows)
 
 
@@ -357,32 +267,30 @@ def calibrate(args, rates: list[float], model: str, steps: int) -> list[dict]:
     return rows
 
 
+def crossings(rows: list[dict], runs: Path) -> dict[int, metric.Crossing | None]:
+    """Each row's crossing of its setting's target (``metric``), by the row's position in ``rows``: the target is
+    nccl's mean loss at half the horizon over nccl's rows of the setting; rows whose folder has no evaluations, or
+    whose setting has no nccl run to set a target, are left out."""
+    out: dict[int, metric.Crossing | None] = {}
+    index = {id(r): k for k, r in enumerate(rows)}
+    for setting, srows in group(rows).items():
+        curves = {id(r): evaluations(read_metrics(run_folder(runs, r))) for r in srows}
+        goal = metric.target([curves[id(r)] for r in srows if r["aggregator"] == "nccl"], setting.steps)
+        for r in srows:
+            if goal is not None and curves[id(r)]:
+                out[index[id(r)]] = metric.crossing(curves[id(r)], goal[1])
+    return out
+
+
 def retarget(csv_path: Path, runs: Path) -> int:
-    """Recompute every row's time_to_target_s from its run folder and nccl's final validation loss at the same
-    seed (the current ``time_to_target`` rule), rewriting the CSV in place; rows whose folder is gone keep theirs.
-    Returns how many cells changed. For a rule that changed after rows were written (``LOSS_RESOLUTION``)."""
-    from scripts.studies.ttl.report import setting_of_row
-
+    """Recompute every row's time_to_target_s from the run folders (``crossings``; never reached: empty), rewriting
+    the CSV in place; rows whose folder is gone keep theirs. Returns how many cells changed."""
     rows = read_rows(csv_path)
-    finals = {(*r_key(r), r["seed"]): r["final_val_loss"] for r in rows if r["aggregator"] == "nccl"}
     changed = 0
-    for r in rows:
-        folder = runs / setting_of_row(r).key / f"{r['aggregator']}_s{r['seed']}"
-        target = finals.get((*r_key(r), r["seed"]))
-        if not (folder / "metrics.jsonl").exists() or target in (None, ""):
-            continue
-        value = _num(time_to_target(curve(read_metrics(folder)), float(target)), 3)
-        if str(value) != r["time_to_target_s"]:
-            r["time_to_target_s"], changed = value, changed + 1
-    tmp = csv_path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, csv_path)
+    for k, cross in crossings(rows, runs).items():
+        value = str(_num(None if cross is None else cross.seconds, 3))
+        if value != rows[k]["time_to_target_s"]:
+            rows[k]["time_to_target_s"], changed = value, changed + 1
+    if changed:
+        rewrite(csv_path, rows)
     return changed
-
-
-def r_key(r: dict) -> tuple:
-    """A row's setting: (links, rate, hosts, ranks per host, model)."""
-    return (r["links"], r["rate_mbit"], r["hosts"], r["ranks_per_host"], r["model"])

@@ -1,131 +1,56 @@
-"""The time-to-loss study's report, rebuilt from the CSV and the run folders alone: the arithmetic (ratios to nccl at
-the same seed, nccl's seed band, time to nccl's loss), the tables, the choice per setting, the paper's claims, the
-figures (validation loss against wall clock, one curve per aggregator).
+"""The time-to-loss study's report, rebuilt from the CSV, the retired rows and the run folders alone: per setting
+the time to its target and where the time went (issue 53), the end state apart, the commits its rows come from,
+aggregator=auto's run taken apart; then what the rows support as headlines, the paper's claims, and the closing
+sections (``appendix``).
 
-Definitions (every ratio is taken seed by seed against nccl's run of the same seed and setting, then averaged over
-the seeds where both ran):
-
-- wall / nccl: ``wall_s`` (the loop, evaluations included) over nccl's; steps / nccl: ``steps_s`` likewise;
-- gap: final validation loss / nccl's - 1 (positive: worse);
-- nccl's seed band: (max - min) / mean of nccl's final validation losses over its seeds (two seeds or more); an
-  aggregator ends inside it when its gap is at most the band at every seed (lower than nccl is inside);
-- time to nccl's loss / nccl's time: ``time_to_target_s`` (wall seconds to the first evaluation at or below nccl's
-  final validation loss at the same seed) over nccl's own (to its first evaluation at or below its final loss);
-  never reached: no ratio, and the aggregator is not a choice.
+Every ratio is taken seed by seed against nccl's run of the same seed and setting, then averaged over the seeds
+where both ran (the span of the seeds' ratios beside it). The metric's definitions are ``metric``'s; the report
+states them once, in "How to read it". A headline needs ``HEADLINE_SEEDS`` seeds of the aggregator and of nccl.
 """
 
 from __future__ import annotations
 
-import csv
-import functools
-import json
-import math
 import statistics
 from pathlib import Path
 
-from scripts.studies.ttl.launch import curve, read_metrics, read_rows
+from scripts.studies.ttl import appendix, metric
+from scripts.studies.ttl.figures import figure
+from scripts.studies.ttl.rows import (
+    code_differs,
+    evaluations,
+    group,
+    load_json,
+    read_metrics,
+    read_rows,
+    run_key,
+    setting_of_row,
+)
+from scripts.studies.ttl.rows import number as _f
 from scripts.studies.ttl.settings import (
     AGGREGATORS,
-    MODELS,
-    PAPER_SHARE,
-    RATES_CSV,
-    ROOT,
+    RETIRED_COLUMNS,
+    RETIRED_CSV,
+    WARMUP_STEPS,
     Setting,
     parse_settings,
 )
 
 TARGET = 1.10
-"""Issue 34: on the flat lab at tiny, auto reaches nccl's loss in at most 1.10x the time of the fastest fixed
+"""Issue 34: on the flat lab at tiny, auto reaches the target in at most 1.10x the time of the fastest fixed
 aggregator that ends inside nccl's seed band."""
-PROBE_CSV = ROOT / "reports" / "data" / "probe_under_load.csv"
+HEADLINE_SEEDS = 3
+"""Issue 53: a figure is a headline only with at least this many seeds (of the aggregator and of nccl)."""
 LOAD_MIX = 1.5
 """A run whose load (the mean of its 1-minute load at start and end) is more than this many times nccl's at the
-same seed, or less than its inverse, has its wall ratio marked: the ratio mixes the aggregator with the load."""
-
-
-def _f(x) -> float | None:
-    try:
-        v = float(x)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
+same seed, or less than its inverse, has its wall ratio marked: the ratio mixes the aggregator with the load; a
+setting whose loads span more than this factor says so."""
+GAP_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
+"""Where the end-state table also gives the gap to nccl: at the evaluations at these fractions of the horizon."""
 
 
 def _mean(xs) -> float | None:
     xs = [x for x in xs if x is not None]
-    return statistics.mean(xs) if xs else None
-
-
-def setting_of_row(r: dict) -> Setting:
-    return Setting(r["links"], _f(r["rate_mbit"]), int(r["hosts"]), int(r["ranks_per_host"]), r["model"])
-
-
-def group(rows: list[dict]) -> dict[Setting, list[dict]]:
-    out: dict[Setting, list[dict]] = {}
-    for r in rows:
-        out.setdefault(setting_of_row(r), []).append(r)
-    return out
-
-
-def aggregate_seconds(folder: Path | None) -> float | None:
-    """Mean time/aggregate over steps 2.. of a run folder (None without one): the aggregation phase alone, which
-    the machine's load moves less than the compute phases (a CPU-bound aggregator's arithmetic still feels it)."""
-    if folder is None:
-        return None
-    times = [float(r["time/aggregate"]) for r in read_metrics(folder) if r.get("step", 0) > 1 and "time/aggregate" in r]
-    return statistics.mean(times) if times else None
-
-
-def summarize(rows: list[dict], folder: Path | None = None) -> dict:
-    """One setting's arithmetic (module docstring): nccl's band and, per aggregator, its per-seed ratios and their
-    means (with ``folder``, the setting's run folders, also the aggregation seconds per step and their ratio).
-    Returns {"band", "nccl_losses", "aggregators": {name: {...}}} in the setting's order."""
-    by = {(r["aggregator"], r["seed"]): r for r in rows}
-    nccl = {seed: r for (name, seed), r in by.items() if name == "nccl"}
-    losses = [_f(r["final_val_loss"]) for r in nccl.values() if _f(r["final_val_loss"]) is not None]
-    band = (max(losses) - min(losses)) / statistics.mean(losses) if len(losses) >= 2 else None
-    names = list(dict.fromkeys(r["aggregator"] for r in rows))
-    order = list(AGGREGATORS)
-    names.sort(key=lambda n: order.index(n) if n in order else len(order))
-    out = {}
-    for name in names:
-        seeds = sorted((seed for (n, seed) in by if n == name), key=int)
-        per_seed = []
-        for seed in seeds:
-            r, base = by[(name, seed)], nccl.get(seed)
-            one = {"seed": seed, "row": r, "wall": None, "steps": None, "gap": None, "ttt": None, "agg_ratio": None}
-            one["agg_s"] = aggregate_seconds(folder / f"{name}_s{seed}" if folder else None)
-            if base is not None:
-                base_s = aggregate_seconds(folder / f"nccl_s{seed}" if folder else None)
-                one["agg_ratio"] = one["agg_s"] / base_s if one["agg_s"] is not None and base_s else None
-                one["wall"] = _ratio(r["wall_s"], base["wall_s"])
-                one["steps"] = _ratio(r["steps_s"], base["steps_s"])
-                one["gap"] = _ratio(r["final_val_loss"], base["final_val_loss"])
-                one["gap"] = None if one["gap"] is None else one["gap"] - 1
-                one["ttt"] = _ratio(r["time_to_target_s"], base["time_to_target_s"])
-                one["load"] = _ratio(_load1(r), _load1(base))  # this run's load over nccl's, both at their start
-            per_seed.append(one)
-        gaps = [s["gap"] for s in per_seed]
-        inside = None if band is None or any(g is None for g in gaps) else all(g <= band + 1e-12 for g in gaps)
-        reached = all(s["ttt"] is not None for s in per_seed) and bool(per_seed)
-        out[name] = {
-            "seeds": per_seed, "wall": _mean(s["wall"] for s in per_seed), "steps": _mean(s["steps"] for s in per_seed),
-            "gap": _mean(gaps), "ttt": _mean(s["ttt"] for s in per_seed) if reached else None, "inside": inside,
-            "reached": reached, "share": _mean(_f(s["row"]["aggregate_share"]) for s in per_seed),
-            "loss": _mean(_f(s["row"]["final_val_loss"]) for s in per_seed),
-            "bytes": _mean(_f(s["row"]["bytes_per_step"]) for s in per_seed),
-            "agg_s": _mean(s["agg_s"] for s in per_seed), "agg_ratio": _mean(s["agg_ratio"] for s in per_seed),
-            "load": _mean(s.get("load") for s in per_seed),
-            "chosen": "; ".join(dict.fromkeys(s["row"]["chosen"] for s in per_seed if s["row"]["chosen"])),
-            "fallback": any(s["row"]["chosen"].startswith("fallback") for s in per_seed),
-        }  # fmt: skip
-    return {"band": band, "nccl_losses": losses, "aggregators": out}
-
-
-def _load1(row: dict) -> float | None:
-    """A row's 1-minute load at the run's start and end, averaged (None when not recorded)."""
-    values = [_f(row[k].split()[0]) for k in ("load_before", "load_after") if row.get(k, "").strip()]
-    return _mean(values)
+    return statistics.fmean(xs) if xs else None
 
 
 def _ratio(a, b) -> float | None:
@@ -133,33 +58,131 @@ def _ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
 
-def recommend(summary: dict) -> tuple[str | None, str]:
-    """(the aggregator to take, why): the one that reaches nccl's loss soonest (mean of time to nccl's loss / nccl's
-    time) among those ending inside nccl's seed band at every seed; auto counts as users get it (a fallback is
-    its exact run). Without a band (one nccl seed) nothing is 'inside': the reason says so."""
+def _load1(row: dict) -> float | None:
+    """A row's 1-minute load at the run's start and end, averaged (None when not recorded)."""
+    return _mean(_f(row[k].split()[0]) for k in ("load_before", "load_after") if row.get(k, "").strip())
+
+
+def loads_vary(loads: list[float]) -> bool:
+    """Whether a setting's 1-minute loads span more than ``LOAD_MIX`` (a load of 0.00 is a load: it makes any
+    other one a span, issue 53)."""
+    return bool(loads) and max(loads) > LOAD_MIX * min(loads)
+
+
+# --------------------------------------------------------------------------------------------- the arithmetic
+
+
+def _run(folder: Path | None, name: str, seed: str, window: range) -> dict:
+    """What the report reads from one run folder: its evaluations, steady-state phases, CPU seconds, metrics."""
+    if folder is None:
+        return {"evaluations": [], "phases": None, "cpu": None, "metrics": []}
+    metrics = read_metrics(folder / f"{name}_s{seed}")
+    return {"evaluations": evaluations(metrics), "phases": metric.phases(metrics, window), "metrics": metrics,
+            "cpu": _f(load_json(folder / f"{name}_s{seed}" / "launch.json").get("cpu_s"))}  # fmt: skip
+
+
+def _loss_at(points: list[tuple[int, float, float]], step: int | None) -> float | None:
+    return next((loss for s, _, loss in points if s == step), None)
+
+
+def summarize(rows: list[dict], folder: Path | None = None, warmup: int = WARMUP_STEPS) -> dict:
+    """One setting's arithmetic (module docstring, ``metric``) from its rows and, with ``folder`` (its run
+    folders), the curves and phases: {"setting", "target", "band", "nccl_losses", "window", "aggregators": {name:
+    {"seeds": [per seed], and the means}}}, the aggregators in the study's order."""
+    setting = setting_of_row(rows[0])
+    by = {(r["aggregator"], r["seed"]): r for r in rows}
+    window = metric.steady_window(setting.steps, warmup)
+    runs = {key: _run(folder, *key, window) for key in by}
+    nccl = {seed: r for (name, seed), r in by.items() if name == "nccl"}
+    losses = [_f(r["final_val_loss"]) for r in nccl.values() if _f(r["final_val_loss"]) is not None]
+    band = (max(losses) - min(losses)) / statistics.fmean(losses) if len(losses) >= 2 else None
+    goal = metric.target([runs[("nccl", seed)]["evaluations"] for seed in sorted(nccl, key=int)], setting.steps)
+    evaluated = [s for s, _, _ in next((run["evaluations"] for run in runs.values() if run["evaluations"]), [])]
+    gap_steps = {f: metric.target_step(evaluated, setting.steps, f) for f in GAP_FRACTIONS}
+    order = list(AGGREGATORS)
+    names = sorted(dict.fromkeys(r["aggregator"] for r in rows), key=lambda n: (order + [n]).index(n))
+    out = {}
+    for name in names:
+        per_seed = []
+        for seed in sorted((s for (n, s) in by if n == name), key=int):
+            r, base = by[(name, seed)], nccl.get(seed)
+            mine, theirs = runs[(name, seed)], runs.get(("nccl", seed))
+            cross = metric.crossing(mine["evaluations"], goal[1]) if goal and mine["evaluations"] else None
+            one = {"seed": seed, "row": r, "crossing": cross, "phases": mine["phases"], "metrics": mine["metrics"]}
+            if base is not None:
+                cross0 = metric.crossing(theirs["evaluations"], goal[1]) if goal and theirs["evaluations"] else None
+                p, p0 = mine["phases"] or {}, theirs["phases"] or {}
+                one.update({
+                    "wall": _ratio(r["wall_s"], base["wall_s"]),
+                    "ttt": _ratio(cross.seconds, cross0.seconds) if cross and cross0 else None,
+                    "stt": _ratio(cross.step, cross0.step) if cross and cross0 else None,
+                    "steady": _ratio(p.get("step"), p0.get("step")),
+                    "agg": _ratio(p.get("aggregate"), p0.get("aggregate")),
+                    "compute": _ratio(p.get("compute"), p0.get("compute")),
+                    "cpu": _ratio(mine["cpu"], theirs["cpu"]),
+                    "load": _ratio(_load1(r), _load1(base)),
+                    "gap": None if _ratio(r["final_val_loss"], base["final_val_loss"]) is None
+                    else _ratio(r["final_val_loss"], base["final_val_loss"]) - 1,
+                    "gap_at": {f: None if _ratio(_loss_at(mine["evaluations"], s), _loss_at(theirs["evaluations"], s))
+                               is None else _ratio(_loss_at(mine["evaluations"], s),
+                                                   _loss_at(theirs["evaluations"], s)) - 1
+                               for f, s in gap_steps.items()},
+                })  # fmt: skip
+            per_seed.append(one)
+        out[name] = _aggregate(name, per_seed, band)
+    return {"setting": setting, "target": goal, "band": band, "nccl_losses": losses, "window": window,
+            "warmup": warmup, "gap_steps": gap_steps, "aggregators": out}  # fmt: skip
+
+
+def _aggregate(name: str, per_seed: list[dict], band: float | None) -> dict:
+    """One aggregator's seeds, summed up: the mean (and span) of each ratio over the seeds where it exists, the
+    end state's mean gap and t interval, whether every seed ended within nccl's band."""
+    paired = [s for s in per_seed if "wall" in s]
+    gaps = [s["gap"] for s in paired if s["gap"] is not None]
+    mean_gap, half = metric.t_interval(gaps) if gaps else (None, None)
+    reached = bool(paired) and all(s["crossing"] is not None and s["ttt"] is not None for s in paired)
+    out = {
+        "seeds": per_seed, "n": len(per_seed), "gap": mean_gap, "gap_half": half, "gaps": gaps,
+        "inside": None if band is None or not gaps or len(gaps) < len(paired) else all(g <= band + 1e-12 for g in gaps),
+        "reached": reached, "never": [s["seed"] for s in per_seed if s["crossing"] is None],
+        "loss": _mean(_f(s["row"]["final_val_loss"]) for s in per_seed),
+        "chosen": "; ".join(dict.fromkeys(s["row"]["chosen"] for s in per_seed if s["row"]["chosen"])),
+        "fallback": any(s["row"]["chosen"].startswith("fallback") for s in per_seed),
+        "commits": sorted({s["row"]["commit"] for s in per_seed}),
+        "gap_at": {f: _mean(s["gap_at"][f] for s in paired) for f in GAP_FRACTIONS} if paired else {},
+    }  # fmt: skip
+    for key in ("wall", "ttt", "stt", "steady", "agg", "compute", "cpu", "load"):
+        values = [s[key] for s in paired if s.get(key) is not None]
+        out[key] = statistics.fmean(values) if values and (key not in ("ttt", "stt") or reached) else None
+        out[key + "_span"] = (min(values), max(values)) if len(values) >= 2 else None
+    return out
+
+
+def headline(summary: dict) -> tuple[str | None, str]:
+    """(the aggregator the rows support taking, why): the one with the least time to the target among those with
+    ``HEADLINE_SEEDS`` seeds or more that ended within nccl's band at every seed, nccl itself with as many; else
+    None and what is missing."""
     aggs = summary["aggregators"]
-    if summary["band"] is None:
-        return None, "nccl has one seed here: no seed band to judge a loss against yet"
-    fits = {n: a for n, a in aggs.items() if a["inside"] and a["ttt"] is not None}
+    n_nccl = aggs.get("nccl", {}).get("n", 0)
+    if n_nccl < HEADLINE_SEEDS:
+        return None, f"nccl {n_nccl} seed{'s' * (n_nccl != 1)}: not a headline"
+    fits = {n: a for n, a in aggs.items() if a["n"] >= HEADLINE_SEEDS and a["inside"] and a["ttt"] is not None}
+    few = sorted((n for n, a in aggs.items() if a["n"] < HEADLINE_SEEDS), key=lambda n: aggs[n]["n"])
+    tail = "; " + ", ".join(f"{n} {aggs[n]['n']} seed{'s' * (aggs[n]['n'] != 1)}" for n in few) + (
+        ": not headlines") if few else ""  # fmt: skip
     if not fits:
-        return None, "no aggregator both ended inside nccl's band and reached nccl's loss"
+        return None, f"no aggregator with {HEADLINE_SEEDS} seeds ended within nccl's band and reached the target{tail}"
     best = min(fits, key=lambda n: fits[n]["ttt"])
-    a = fits[best]
-    others = sorted((n for n in fits if n != best), key=lambda n: fits[n]["ttt"])
-    why = (f"reaches nccl's loss in {a['ttt']:.3f}x nccl's time (wall {a['wall']:.3f}x) and ends {_pct(a['gap'])} "
-           f"from nccl, inside its {100 * summary['band']:.2f} % band")  # fmt: skip
-    if others:
-        n = others[0]
-        why += f"; next: {n} at {fits[n]['ttt']:.3f}x"
-    outside = [n for n, x in aggs.items() if x["inside"] is False]
-    if outside:
-        why += "; outside the band: " + ", ".join(f"{n} ({_pct(aggs[n]['gap'])})" for n in outside)
-    return best, why
+    commits = sorted({s["row"]["commit"] for a in aggs.values() for s in a["seeds"]})
+    mixed = any(code_differs(commits[0], c) for c in commits[1:])
+    caveat = f"; **rows from {len(commits)} commits whose code differs**" if mixed else ""
+    return best, f"{describe_time(fits[best])}; ends {_gap(fits[best])}{caveat}{tail}"
 
 
-def auto_target(summary: dict, candidates: list[str] | None = None) -> str | None:
-    """Issue 34's target on this setting: auto's time to nccl's loss against the fastest fixed aggregator inside the
-    band (met when <= TARGET x), and whether every measured aggregator auto may choose ends inside the band."""
+def auto_verdict(summary: dict) -> str | None:
+    """Issue 34's target on a setting, on the time to the target: auto's ratio over the fastest fixed aggregator's
+    that ended within the band, seed by seed and on average, with the seed counts; not a headline below
+    ``HEADLINE_SEEDS`` seeds of either."""
     aggs = summary["aggregators"]
     auto = aggs.get("auto")
     if auto is None:
@@ -168,194 +191,202 @@ def auto_target(summary: dict, candidates: list[str] | None = None) -> str | Non
     if summary["band"] is None:
         return "not judged: nccl has one seed here (no band)"
     if not fixed:
-        return "not judged: no fixed aggregator ended inside nccl's band"
+        return "not judged: no fixed aggregator ended within nccl's band and reached the target"
     best = min(fixed, key=lambda n: fixed[n]["ttt"])
     if auto["ttt"] is None:
-        verdict = f"MISSED: auto did not reach nccl's loss at every seed (fastest fixed inside the band: {best})"
-    else:
-        ratio = auto["ttt"] / fixed[best]["ttt"]
-        verdict = (f"{'met' if ratio <= TARGET else 'MISSED'}: auto {auto['ttt']:.3f}x nccl's time against {best}'s "
-                   f"{fixed[best]['ttt']:.3f}x: {ratio:.3f} (target <= {TARGET:.2f})")  # fmt: skip
+        return f"MISSED: auto did not reach the target at every seed (fastest fixed within the band: {best})"
+    theirs = {s["seed"]: s["ttt"] for s in fixed[best]["seeds"]}
+    per_seed = [f"{s['ttt'] / theirs[s['seed']]:.3f}" for s in auto["seeds"]
+                if s.get("ttt") is not None and theirs.get(s["seed"])]  # fmt: skip
+    ratio = auto["ttt"] / fixed[best]["ttt"]
+    n = min(auto["n"], fixed[best]["n"], aggs["nccl"]["n"])
+    verdict = (f"{'met' if ratio <= TARGET else 'MISSED'}: auto {auto['ttt']:.3f}x nccl's time to the target against "
+               f"{best}'s {fixed[best]['ttt']:.3f}x: {ratio:.3f} (target <= {TARGET:.2f}); per seed "
+               f"{', '.join(per_seed) or '-'}")  # fmt: skip
+    if n < HEADLINE_SEEDS:
+        verdict += f"; {n} seed{'s' * (n != 1)}: not a headline"
     if auto["fallback"]:
         verdict += "; auto's probe fell back (exact throughout): counts against it"
-    pool = [n for n in aggs if n != "auto" and (candidates is None or n in candidates)]
-    out = [n for n in pool if aggs[n]["inside"] is False]
-    verdict += ("; every measured aggregator auto may choose ends inside the band" if not out else
-                "; outside the band, auto may choose: " + ", ".join(out))  # fmt: skip
     return verdict
 
 
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:+.2f} %"
+def auto_apart(summary: dict) -> str:
+    """aggregator=auto's run taken apart (issue 53), seed by seed: its steady-state step, aggregation and
+    forward+backward against the fixed aggregator it chose at the same seed (the same work once it has chosen),
+    and its mean step over the run as steady + warm-up + checks + the rest (``metric.amortized``), against that
+    aggregator's mean step."""
+    aggs = summary["aggregators"]
+    parts = []
+    for one in (aggs.get("auto") or {}).get("seeds", []):
+        choice = (final_choice(one) or "").replace("-", "_")
+        fixed = next((s for s in aggs.get(choice, {}).get("seeds", []) if s["seed"] == one["seed"]), None)
+        if not one["phases"] or fixed is None or not fixed["phases"]:
+            continue
+        mine, theirs = one["phases"], fixed["phases"]
+        budget = metric.amortized(one["metrics"], mine["step"], summary["warmup"])
+        fixed_mean = statistics.fmean(float(r["time/step"]) for r in fixed["metrics"] if "time/step" in r)
+        parts.append(
+            f"seed {one['seed']} (chose {choice}): steady step {mine['step'] / theirs['step']:.3f}x {choice}'s, "
+            f"aggregation {mine['aggregate'] / theirs['aggregate']:.3f}x, forward+backward "
+            f"{mine['compute'] / theirs['compute']:.3f}x; its mean step {_s(budget['total'])} s = steady "
+            f"{_s(budget['steady'])} + warm-up {_s(budget['warmup'])} + checks {_s(budget['checks'])} + rest "
+            f"{_s(budget['rest'])}, {budget['total'] / fixed_mean:.3f}x {choice}'s {_s(fixed_mean)} s"
+        )
+    if not parts:
+        return ""
+    return ("aggregator=auto taken apart (seconds per step over its run; warm-up: its exact steps to the first "
+            "check above its steady step; checks: every check's seconds): " + "; ".join(parts) + ".")  # fmt: skip
 
 
-def _span(xs: list[float]) -> str:
-    """'0.825' for one value (or equal ones), '0.825..0.983' for several."""
-    return f"{min(xs):.3f}" if min(xs) == max(xs) else f"{min(xs):.3f}..{max(xs):.3f}"
+def final_choice(one: dict) -> str | None:
+    """The last choice auto's run made, from its row's ``chosen`` ('fp16 at step 100 -> ...')."""
+    chosen = one["row"]["chosen"]
+    if not chosen or chosen.startswith("fallback"):
+        return None
+    return chosen.split(" -> ")[-1].split(" at step ")[0]
 
 
-def _mb(x: float | None) -> str:
-    return "-" if x is None else f"{x / 1e6:.2f} MB"
+# --------------------------------------------------------------------------------------------- the text
 
 
 def _x(x: float | None, digits: int = 3) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-# --------------------------------------------------------------------------------------------- the figures
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.3f} %"
 
 
-def figure(setting: Setting, summary: dict, runs: Path, path: Path) -> bool:
-    """Validation loss against wall clock for one setting, one colour per aggregator (its seeds dashed after the
-    first), nccl's final loss at seed 1 dotted. False when no run folder holds a curve."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    drawn = False
-    colours = plt.get_cmap("tab10")
-    for i, (name, agg) in enumerate(summary["aggregators"].items()):
-        for j, one in enumerate(agg["seeds"]):
-            points = curve(read_metrics(runs / setting.key / f"{name}_s{one['seed']}"))
-            if not points:
-                continue
-            t, loss = zip(*points, strict=True)
-            ax.plot(t, loss, color=colours(i % 10), linestyle="-" if j == 0 else "--", linewidth=1.2,
-                    label=name if j == 0 else None)  # fmt: skip
-            drawn = True
-    if not drawn:
-        plt.close(fig)
-        return False
-    if any(len(agg["seeds"]) > 1 for agg in summary["aggregators"].values()):
-        ax.plot([], [], color="black", linestyle="--", linewidth=1.2, label="(dashed: its later seeds)")
-    if summary["nccl_losses"]:
-        ax.axhline(summary["nccl_losses"][0], color="grey", linestyle=":", linewidth=1, label="nccl's final (seed 1)")
-    ax.set_xlabel("wall clock, s (the loop, evaluations included)")
-    ax.set_ylabel("validation loss")
-    ax.set_title(f"{setting.describe()}: validation loss against wall clock")
-    ax.set_ylim(top=min(ax.get_ylim()[1], max(summary["nccl_losses"] or [10]) + 2.5))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+def _with_span(a: dict, key: str) -> str:
+    """The mean, and the seeds' span where it is one (``0.906 (0.847..0.984)``)."""
+    span = a.get(key + "_span")
+    return _x(a[key]) + (f" ({span[0]:.3f}..{span[1]:.3f})" if span and _x(span[0]) != _x(span[1]) else "")
 
 
-def figures(csv_path: Path, runs: Path, out: Path) -> list[Path]:
-    """Every setting's figure (``time_to_loss_<setting>.png``) from the CSV and run folders: what
-    ``scripts/reporting/make_figures.py`` rebuilds, the same files ``write_report`` links."""
-    written = []
-    for setting, srows in group(read_rows(csv_path)).items():
-        path = out / f"time_to_loss_{setting.key}.png"
-        if figure(setting, summarize(srows, runs / setting.key), runs, path):
-            written.append(path)
-    return written
+def _s(x: float) -> str:
+    """Seconds to 3 decimals, a rounded -0 as 0."""
+    return f"{round(x, 3) + 0.0:.3f}"
 
 
-# --------------------------------------------------------------------------------------------- the text
+def _gap(a: dict) -> str:
+    """The end state: mean gap and its t interval (or the seed count that has none)."""
+    if a["gap"] is None:
+        return "-"
+    if a["gap_half"] is None:
+        return f"{_pct(a['gap'])} (1 seed: no interval)"
+    lo, hi = a["gap"] - a["gap_half"], a["gap"] + a["gap_half"]
+    return f"{_pct(a['gap'])} [{100 * lo:+.3f}, {100 * hi:+.3f}] %"
 
 
-def _rel(p: Path) -> str:
-    p = Path(p).resolve()
-    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+def describe_time(a: dict) -> str:
+    """An aggregator's headline figures with their seed count and phase ratios beside them."""
+    return (f"time to the target {_with_span(a, 'ttt')}x nccl's ({a['n']} seeds; wall {_x(a['wall'])}x), steady "
+            f"step {_x(a['steady'])}x, aggregation {_x(a['agg'])}x, forward+backward {_x(a['compute'])}x "
+            "(the control)")  # fmt: skip
 
 
-def _by_model(cerar: list) -> str:
-    """CERAR c=16's training time / nccl per kind of link, model by model (with nccl's aggregation share there, since
-    the lab's rate is chosen per model), where a kind of link has two models or more."""
-    kinds: dict[str, list[str]] = {}
-    for setting, a, _ in cerar:
-        if a["wall"] is not None:
-            share = a.get("nccl_share")
-            kinds.setdefault(setting.links, []).append(
-                f"{setting.model} {_x(a['wall'])}" + (f" (nccl's share {share:.2f})" if share is not None else "")
-            )
-    compared = [f"{links}: {', '.join(models)}" for links, models in kinds.items() if len(models) > 1]
-    if not compared:
-        return "needs two models on one kind of link; measured: " + ", ".join(sorted({s.model for s, _, _ in cerar}))
-    return "; ".join(compared)
-
-
-def rates_section(rows: list[dict]) -> list[str]:
-    if not RATES_CSV.exists():
-        return []
-    with open(RATES_CSV, newline="") as f:
-        rates = list(csv.DictReader(f))
-    if not rates:
-        return []
-    used = sorted({r["rate_mbit"] for r in rows if r["links"].startswith("lab")})
-    lines = ["", "## The lab's rate", "",
-             f"nccl's aggregation share of a step, flat lab, `--calibrate` (`{_rel(RATES_CSV)}`; mean over steps "
-             "2.. of time/aggregate / time/step). The paper's PCIe setting: -17 % training time from -47 % "
-             f"all-reduce time means the all-reduce was at least {PAPER_SHARE:.0%} of a step; the rate whose "
-             "share is closest is the study's.", "",
-             "| rate Mbit/s | model | steps | nccl's share | aggregate s | step s | load before -> after | commit |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for r in rates:
-        lines.append(f"| {r['rate_mbit']} | {r['model']} | {r['steps']} | {r['aggregate_share']} | "
-                     f"{r['aggregate_s']} | {r['step_s']} | {r['load_before']} -> {r['load_after']} | "
-                     f"{r['commit']} |")  # fmt: skip
-    closest = []
-    for model in dict.fromkeys(r["model"] for r in rates):  # per model: the share moves with the step's compute
-        best = min(
-            (r for r in rates if r["model"] == model), key=lambda r: abs(float(r["aggregate_share"]) - PAPER_SHARE)
-        )
-        closest.append(f"{model}: {best['rate_mbit']} Mbit/s ({best['aggregate_share']})")
-    lines += ["", f"Closest to {PAPER_SHARE:.2f}, per model: {'; '.join(closest)}; the lab rows here ran at "
-              f"{', '.join(used) or '-'} Mbit/s. The share moves with the load (the ranks' compute slows, the link "
-              "does not): each row's own share is in the tables."]  # fmt: skip
-    return lines
-
-
-def probe_section() -> list[str]:
-    if not PROBE_CSV.exists():
-        return []
-    with open(PROBE_CSV, newline="") as f:
-        rows = list(csv.DictReader(f))
-    if not rows:
-        return []
-    by: dict[tuple, list[dict]] = {}
+def commits_paragraph(summary: dict, retired: list[dict]) -> str:
+    """Which commits the setting's rows come from, whether their code differs (``git diff`` of cerar/, train/,
+    configs/), and every retired row of the setting beside the row that replaced it."""
+    rows = [s["row"] for a in summary["aggregators"].values() for s in a["seeds"]]
+    seeds_of: dict[str, dict[str, list[str]]] = {}  # commit -> aggregator -> its seeds there
     for r in rows:
-        where = f"{r['where']} ({r['rate_mbit']} Mbit/s)" if r.get("rate_mbit") else r["where"]
-        by.setdefault((r["code_commit"], where, r["load_ranks"]), []).append(r)
-    lines = ["", "## aggregator=auto's link probe under load", "",
-             f"`scripts/studies/probe_under_load.py` (`{_rel(PROBE_CSV)}`): auto's probe and fit (`measure_links`, "
-             "`cluster_from_timings`) on 4 ranks beside a second training run (model=tiny on loopback), with the code "
-             "before the robust probe and after it.", "",
-             "| code | where | load ranks beside | probes | refused (auto exact) | fit RMS median | max "
-             "| probe s median (max) | 1-min load |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
-    for (commit, where, load), rs in by.items():
-        rms = [_f(r["rel_rmse"]) for r in rs if _f(r["rel_rmse"]) is not None]
-        loads = [_f(r["load_before"]) for r in rs if _f(r["load_before"]) is not None]
-        refused = sum(1 for r in rs if r["fit"] != "ok")
-        seconds = [_f(r["probe_s"]) for r in rs if _f(r["probe_s"]) is not None]
-        lines.append(f"| {commit} | {where} | {load} | {len(rs)} | {refused} | "
-                     f"{_x(statistics.median(rms)) if rms else '-'} | {_x(max(rms)) if rms else '-'} | "
-                     f"{_x(statistics.median(seconds), 1)} ({_x(max(seconds), 1)}) | "
-                     f"{_x(min(loads), 1)}..{_x(max(loads), 1)} |")  # fmt: skip
-    return lines
+        seeds_of.setdefault(r["commit"], {}).setdefault(r["aggregator"], []).append(f"s{r['seed']}")
+    by_commit = {c: [f"{name} ({', '.join(seeds)})" for name, seeds in names.items()] for c, names in seeds_of.items()}
+    commits = sorted(by_commit)
+    if len(commits) == 1:
+        text = f"Every row from commit {commits[0]}."
+    else:
+        differ = [code_differs(commits[0], c) for c in commits[1:]]
+        state = ("their code differs (cerar/, train/ or configs/): **compare across commits with care**"
+                 if any(differ) else "their cerar/, train/ and configs/ are identical: one code" if not
+                 any(d is None for d in differ) else "git could not compare them all")  # fmt: skip
+        text = (f"**Rows from {len(commits)} commits**, {state}: "
+                + "; ".join(f"{c}: {', '.join(by_commit[c])}" for c in commits) + ".")  # fmt: skip
+    mine = [r for r in retired if run_key(r)[:6] == run_key(rows[0])[:6]]
+    if mine:
+        now = {run_key(r): r for r in rows}
+        each = []
+        for r in mine:
+            new = now.get(run_key(r))
+            replaced = (f"by {new['commit']}'s ({float(new['wall_s']):.0f} s, load {new['load_before'].split()[0]} "
+                        f"-> {new['load_after'].split()[0]})" if new else "not rerun")  # fmt: skip
+            each.append(f"{r['aggregator']} s{r['seed']} of {r['commit']} ({float(r['wall_s']):.0f} s, load "
+                        f"{r['load_before'].split()[0]} -> {r['load_after'].split()[0]}) retired in {r['retired_in']}, "
+                        f"replaced {replaced}")  # fmt: skip
+        reasons = sorted({r["reason"] for r in mine})
+        text += f" Retired rows ({len(mine)}): " + "; ".join(each) + ". Why: " + " / ".join(reasons)
+        text += "" if text.endswith(".") else "."
+    return text
 
 
-def same_code(commits: list[str]) -> str:
-    """Whether the commits the rows name trained the same code (cerar/, train/, configs/ alike), as a sentence; ''
-    for one commit."""
-    import subprocess
+def setting_section(setting: Setting, srows: list[dict], runs: Path, figures: Path, retired: list[dict]):
+    """One setting's part of the report: (lines, summary)."""
+    folder = runs / setting.key
+    summary = summarize(srows, folder)
+    aggs = summary["aggregators"]
+    band, goal, window = summary["band"], summary["target"], summary["window"]
+    seeds = sorted({r["seed"] for r in srows}, key=int)
+    lines = ["", f"## {setting.describe()}", ""]
+    crossed = [s["crossing"].at for a in aggs.values() for s in a["seeds"] if s["crossing"] is not None]
+    never = [f"{n} s{seed}" for n, a in aggs.items() for seed in a["never"]]
+    target = ("no target (no nccl run)" if goal is None else
+              f"target: nccl's mean validation loss at step {goal[0]} over its {goal[2]} seed{'s' * (goal[2] > 1)}, "
+              f"{goal[1]:.4f}; " + (f"every run crosses it (at evaluations {min(crossed)}..{max(crossed)})"
+                                    if not never else f"never crossed by {', '.join(never)}"))  # fmt: skip
+    lines.append(f"Seeds {', '.join(seeds)}; {setting.steps} steps{appendix_shape(folder)}; {target}. nccl's final "
+                 f"validation loss: {', '.join(f'{x:.4f}' for x in summary['nccl_losses']) or '-'}, its seed band "
+                 f"{'-' if band is None else f'{100 * band:.2f} %'}. Steady state: steps {window.start}.."
+                 f"{window.stop - 1}.")  # fmt: skip
+    lines += ["", commits_paragraph(summary, retired)]
+    lines += ["", "| aggregator | seeds | chose | wall / nccl | time to target / nccl | steps to target / nccl "
+              "| steady step / nccl | aggregation / nccl | forward+backward / nccl (control) | CPU / nccl "
+              "| load / nccl's |", "|" + " --- |" * 11]  # fmt: skip
+    for name, a in aggs.items():
+        ttt = _with_span(a, "ttt") if a["reached"] else f"never at s{', s'.join(a['never'])}"
+        lines.append(f"| {name} | {a['n']} | {a['chosen'] or '-'} | {_with_span(a, 'wall')} | {ttt} | "
+                     f"{_x(a['stt'])} | {_x(a['steady'])} | {_x(a['agg'])} | {_x(a['compute'])} | {_x(a['cpu'])} | "
+                     f"{_with_span(a, 'load')} |")  # fmt: skip
+    fractions = " / ".join(f"{summary['gap_steps'][f]}" for f in GAP_FRACTIONS)
+    lines += ["", f"| aggregator | seeds | final val loss (mean) | gap to nccl, paired by seed: mean [95 % t "
+              f"interval] | gap at steps {fractions} | within nccl's band at every seed |", "|" + " --- |" * 6]
+    for name, a in aggs.items():
+        at = " / ".join(_pct(a["gap_at"].get(f)) for f in GAP_FRACTIONS) if a["gap_at"] else "-"
+        inside = {None: "-", True: "yes", False: "**no**"}[a["inside"]]
+        lines.append(f"| {name} | {a['n']} | {_x(a['loss'], 4)} | {_gap(a)} | {at} | {inside} |")
+    lines += ["", "The wall includes the evaluations. Once a run's replicas may differ (CERAR's codes; `c=auto` and "
+              "`aggregator=auto` only once they choose one) each rank evaluates the whole validation set, N times "
+              "the work of ranks that split it (docs/training.md, `eval/each_replica`): a coded run's wall ratio is "
+              "above its steady-step ratio by that much."]  # fmt: skip
+    loads = [_f(r[k].split()[0]) for r in srows for k in ("load_before", "load_after") if r[k].strip()]
+    if loads_vary(loads):
+        compute = [s["compute"] for a in aggs.values() for s in a["seeds"] if s.get("compute") is not None]
+        lines += ["", f"The 1-minute load ran from {min(loads):.2f} to {max(loads):.2f} across these runs (2 cores, "
+                  "shared; 4-8 of the ranks are the run's own): a wall ratio between runs at different loads mixes "
+                  "the aggregator with the load."
+                  + (f" forward+backward / nccl, the same work, shows how much: {min(compute):.3f}.."
+                     f"{max(compute):.3f} across these runs." if compute else "")]  # fmt: skip
+    verdict = auto_verdict(summary)
+    if verdict:
+        lines += ["", f"Issue 34's target for auto here: {verdict}." + probe_fits(folder, summary)]
+    apart = auto_apart(summary)
+    if apart:
+        lines += ["", apart]
+    name = f"time_to_loss_{setting.key}.png"
+    if figure(setting, summary, runs, figures / name):
+        lines += ["", f"![validation loss against wall clock]({appendix.rel(figures / name).replace('reports/', '')})"]
+    return lines, summary
 
-    if len(commits) < 2:
-        return ""
-    for other in commits[1:]:
-        rc = subprocess.run(["git", "-C", str(ROOT), "diff", "--quiet", commits[0], other, "--", "cerar", "train",
-                             "configs"], capture_output=True).returncode  # fmt: skip
-        if rc == 1:
-            return f" Commits {commits[0]} and {other} differ in cerar/, train/ or configs/: compare rows with care."
-        if rc != 0:
-            return f" (Could not compare the code of {commits[0]} and {other}.)"
-    return f" Their cerar/, train/ and configs/ are identical (`git diff {commits[0]} {commits[-1]}`): one code."
+
+def appendix_shape(folder: Path) -> str:
+    """The shape the setting's runs trained at, as ", micro-batch M of S tokens per rank" (their summaries), or
+    "" where no run has a summary."""
+    shapes = set()
+    for path in sorted(folder.glob("*/summary.json")):
+        s = load_json(path)
+        if "micro_batch_size" in s and "seq_len" in s:
+            shapes.add((int(s["micro_batch_size"]), int(s["seq_len"])))
+    return "".join(f", micro-batch {m} of {t} tokens per rank" for m, t in sorted(shapes))
 
 
 def probe_fits(folder: Path, summary: dict) -> str:
@@ -373,164 +404,104 @@ def probe_fits(folder: Path, summary: dict) -> str:
     return " Auto's link probe, " + "; ".join(parts) + "." if parts else ""
 
 
-def _shape(folder: Path) -> str:
-    """The shape the setting's runs trained at, as ", micro-batch M of S tokens per rank" (their summaries;
-    settings.MICRO_BATCH and SEQ_LEN), or "" where no run has a summary."""
-    shapes = set()
-    for summary in sorted(folder.glob("*/summary.json")):
-        s = json.loads(summary.read_text())
-        if "micro_batch_size" in s and "seq_len" in s:
-            shapes.add((int(s["micro_batch_size"]), int(s["seq_len"])))
-    return "".join(f", micro-batch {m} of {t} tokens per rank" for m, t in sorted(shapes))
+def paper_claims(cerar: list[tuple[Setting, dict]]) -> list[str]:
+    """CERAR c=16 (the paper's setting) on every setting it ran, each figure with its seeds and phase ratios."""
+    if not cerar:
+        return ["CERAR c=16 not measured yet."]
+    lines = ["CERAR c=16 (the paper's setting), measured on every setting it ran:", "",
+             "| setting | seeds | wall / nccl | time to target / nccl | steady step / nccl | aggregation / nccl "
+             "| forward+backward / nccl | gap to nccl [95 % t interval] |", "|" + " --- |" * 8]  # fmt: skip
+    for setting, a in cerar:
+        ttt = _x(a["ttt"]) if a["reached"] else "never"
+        lines.append(f"| {setting.describe()} | {a['n']} | {_x(a['wall'])} | {ttt} | {_x(a['steady'])} | "
+                     f"{_x(a['agg'])} | {_x(a['compute'])} | {_gap(a)} |")  # fmt: skip
+
+    def claim(settings: list[tuple[Setting, dict]]) -> str:
+        if not settings:
+            return "not measured yet"
+        parts = [f"{s.describe()}: time to target {_x(a['ttt'])}x nccl's, aggregation {_x(a['agg'])}x, "
+                 f"forward+backward {_x(a['compute'])}x ({a['n']} seed{'s' * (a['n'] != 1)}"
+                 + ("" if a["n"] >= HEADLINE_SEEDS else ": not a headline") + ")" for s, a in settings]
+        return "; ".join(parts)
+
+    slow = [(s, a) for s, a in cerar if s.links != "loopback"]
+    fast = [(s, a) for s, a in cerar if s.links == "loopback"]
+    models = {s.model: s.rate_mbit for s, _ in slow}
+    lines += ["", "- *Faster on slow links* (the paper: about 17 % at identical loss): " + claim(slow) + ".",
+              "- *Slower on fast links* (NVLink; here unshaped loopback): " + claim(fast) + ".",
+              "- *The gap narrows with model size*: not measured: in the lab the model and the link rate change "
+              "together (" + ", ".join(f"{m} at {r:g} Mbit/s" for m, r in models.items()) + ", each rate chosen for "
+              "nccl's share), and on loopback CERAR c=16 has one seed per model."]  # fmt: skip
+    return lines
 
 
-@functools.cache
-def model_parameters(model: str) -> int:
-    """The parameter count of ``model`` (configs/model/), from its GPTNeoX config on the meta device: no memory.
-    Cached: a report asks for each model once per unmeasured setting."""
-    import torch
-    from hydra import compose, initialize_config_dir
-    from transformers import GPTNeoXForCausalLM
-
-    from train.config import register_configs
-    from train.model import count_parameters, gpt_neox_config
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        m = compose(config_name="config", overrides=[f"model={model}"]).model
-    with torch.device("meta"):
-        return count_parameters(GPTNeoXForCausalLM(gpt_neox_config(m)))
-
-
-def unmeasured_cost(rows: list[dict], missing: list[str]) -> str:
-    """For each unmeasured ``links:model``, what the same runs would cost on this machine: the runs measured on
-    the same links at the next smaller model of the study, their wall seconds summed and scaled by the ratio of
-    the two models' parameters (from pythia-14m up a step's compute and bytes grow about with it; not from tiny,
-    whose steps are mostly fixed costs: on loopback pythia-14m's nccl runs took 2.4x tiny's for 12x the
-    parameters). No estimate where that model was not measured there."""
-    parts = []
-    for key in missing:
-        links, model = key.split(":")
-        position = MODELS.index(model)
-        base = MODELS[position - 1] if position > 1 else None
-        measured = [r for r in rows if r["links"] == links and r["model"] == base]
-        if not measured:
-            continue
-        ratio = model_parameters(model) / model_parameters(base)
-        hours = sum(float(r["wall_s"]) for r in measured) / 3600
-        parts.append(
-            f"{key} ({model_parameters(model) / 1e6:.1f} M parameters, {ratio:.1f}x {base}'s): the "
-            f"{len(measured)} runs measured at {base} there took {hours:.1f} h, the same at {model} about "
-            f"{hours * ratio:.1f} h"
-        )
-    if not parts:
-        return ""
-    return " What the unmeasured settings would cost on this 2-core machine: " + "; ".join(parts) + "."
-
-
-def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
-    """Rebuild the report and its figures from ``csv_path`` and the run folders under ``runs``; returns the text."""
+def write_report(csv_path: Path, runs: Path, path: Path, figures_dir: Path, retired_csv: Path = RETIRED_CSV) -> str:
+    """Rebuild the report and its figures from ``csv_path``, ``retired_csv`` and the run folders under ``runs``;
+    returns the text."""
     rows = read_rows(csv_path)
+    retired = read_rows(retired_csv, RETIRED_COLUMNS)
     settings = group(rows)
     planned = parse_settings("all", 1.0)
     measured_kinds = {(s.links, s.model) for s in settings}
     missing = [f"{s.links}:{s.model}" for s in planned if (s.links, s.model) not in measured_kinds]
     commits = sorted({r["commit"] for r in rows})
     lines = [
-        "# Time to nccl's loss: every aggregator, slow and fast links (issue 34)",
+        "# Time to nccl's loss: every aggregator, slow and fast links (issues 34, 53)",
         "",
-        f"Generated by `.venv/bin/python scripts/studies/time_to_loss.py --report` from `{_rel(csv_path)}` "
-        f"({len(rows)} runs, code of commit(s) {', '.join(commits) or '-'}) and the run folders under "
-        f"`{_rel(runs)}`. Each run: one `train/main.py` launch, the setting's aggregators one after another, order "
-        "rotated by seed, the load average (1/5/15 min) recorded before and after each. Ratios are to nccl at the "
-        "same seed; the definitions are in `scripts/studies/ttl/report.py`." + same_code(commits),
+        f"Generated by `.venv/bin/python scripts/studies/time_to_loss.py --report` from `{appendix.rel(csv_path)}` "
+        f"({len(rows)} runs, code of {len(commits)} commit{'s' * (len(commits) != 1)}; {len(retired)} retired rows "
+        f"in `{appendix.rel(retired_csv)}`) and the run folders under `{appendix.rel(runs)}`. Each run: one "
+        "`train/main.py` launch, the setting's aggregators one after another, the order rotated or shuffled by "
+        "seed, the load average (1/5/15 min) recorded before and after each. The definitions: "
+        "`scripts/studies/ttl/metric.py`, `report.py`.",
+        "",
+        "## How to read it (issue 53)",
+        "",
+        f"- **Time to target.** A setting's target is nccl's mean validation loss, over its seeds there, at its "
+        f"first evaluation at or after {metric.FRACTION:.0%} of the horizon (step 150 of 300). A run's time to it "
+        "is the wall time (`time/wall`: evaluations and auto's checks included) at which its validation loss first "
+        "reaches it, linear in step and in time between the two evaluations around the crossing (the first "
+        "evaluation at or below the target and the one before it); its steps to the target likewise. The ratio is "
+        "to nccl's own time to the target at the same seed. The target at nccl's final loss (issue 34's, with its "
+        "1e-6 gate) is gone: every run reached that one, if at all, at its last evaluation.",
+        f"- **The end state**, judged apart: each seed's gap of the final validation loss to nccl's at the same "
+        f"seed, L / L_nccl - 1 (paired: the seed fixes the initial weights and the batches); their mean with a "
+        f"two-sided {metric.LEVEL:.0%} Student t interval on n - 1 degrees of freedom (none for one seed); "
+        "*within nccl's band* when every seed's gap is at most nccl's seed band, (max - min) / mean of its final "
+        "losses over two seeds or more. The gap at each quarter of the horizon shows whether it grows.",
+        f"- **Where the time went**, over the steady state (after auto's {WARMUP_STEPS}-step exact warm-up, "
+        "before the last step; a step holding a check left out): the step, the aggregation phase, and "
+        "forward+backward, the same work for every aggregator of a setting, so that its ratio to nccl's is the "
+        "contention the run met, not its aggregator. CPU: the run's processes' user + system seconds "
+        "(launch.json's `cpu_s`); no row here has it (the launcher records it from issue 53 on). Load: the run's "
+        "mean 1-minute load, start and end, over nccl's at the same seed. Brackets: the seeds' span.",
+        f"- **Headlines** need {HEADLINE_SEEDS} seeds of the aggregator and of nccl; a figure with fewer says "
+        "\"n seeds: not a headline\". A setting whose rows come from more than one commit says so, whether their "
+        "code differs, and every retired (replaced) row.",
     ]  # fmt: skip
     if missing:
-        lines += ["", f"**Status: a pilot.** Measured: {', '.join(s.describe() for s in settings) or 'nothing yet'}. "
-                  f"Still to run: {', '.join(missing)}; and on the measured settings, every aggregator of issue 34's "
-                  "list not in the tables below. Full study: `sudo nohup .venv/bin/python "
-                  "scripts/studies/time_to_loss.py --settings all --seeds 1,2 > /tmp/time_to_loss.log 2>&1 &` "
-                  "(resumable)." + unmeasured_cost(rows, missing)]  # fmt: skip
-    choices, cerar = [], []
+        lines += ["", f"**Status: a pilot.** Measured: {'; '.join(s.describe() for s in settings) or 'nothing yet'}. "
+                  f"Still to run: {', '.join(missing)}; on the measured settings, every aggregator of issue 34's "
+                  "list not in the tables below, and the seeds that make a headline. Issue 53's plans, one command "
+                  "each (root for the lab; `--dry-run` lists the runs and their hours): `sudo nohup .venv/bin/python "
+                  "scripts/studies/time_to_loss.py --plan headline > /tmp/ttl-headline.log 2>&1 &` (the flat lab at "
+                  "tiny and pythia-14m, the two tiers at both: seeds 1-3 of every aggregator, shuffled, stale rows "
+                  "retired and rerun at one commit) and `... --plan long` (the flat lab at pythia-14m to 1,500 "
+                  "steps: nccl, bf16, CERAR c=16, CERAR c=8 over fp16 messages, seeds 1-3)."
+                  + appendix.unmeasured_cost(rows, missing)]  # fmt: skip
+    heads, cerar = [], []
     for setting, srows in settings.items():
-        summary = summarize(srows, runs / setting.key)
-        band = summary["band"]
-        lines += ["", f"## {setting.describe()}", ""]
-        seeds = sorted({r["seed"] for r in srows}, key=int)
-        steps = sorted({r["steps"] for r in srows})
-        lines.append(f"Seeds {', '.join(seeds)}; {', '.join(steps)} steps{_shape(runs / setting.key)}. nccl's "
-                     "final validation loss: "
-                     f"{', '.join(f'{x:.4f}' for x in summary['nccl_losses']) or '-'}; its seed band "
-                     f"{'-' if band is None else f'{100 * band:.2f} %'}.")  # fmt: skip
-        lines += ["", "| aggregator | seeds | chose | training time / nccl (wall) | steps / nccl | final val loss "
-                  "| gap to nccl | inside nccl's band | time to nccl's loss / nccl's time | aggregate share "
-                  "| aggregate s/step (/ nccl) | bytes/step | load (1 min) before -> after |",
-                  "|" + " --- |" * 13]  # fmt: skip
-        for name, a in summary["aggregators"].items():
-            loads = ", ".join(f"{s['row']['load_before'].split()[0]} -> {s['row']['load_after'].split()[0]}"
-                              for s in a["seeds"] if s["row"]["load_before"])  # fmt: skip
-            inside = {None: "-", True: "yes", False: "**no**"}[a["inside"]]
-            ttt = _x(a["ttt"]) if a["reached"] else "never (at some seed)"
-            wall = _x(a["wall"]) + (f" (at {a['load']:.1f}x nccl's load)" if a["load"] and not
-                                    1 / LOAD_MIX < a["load"] < LOAD_MIX else "")  # fmt: skip
-            lines.append(f"| {name} | {len(a['seeds'])} | {a['chosen'] or '-'} | {wall} | {_x(a['steps'])} | "
-                         f"{_x(a['loss'], 4)} | {_pct(a['gap'])} | {inside} | {ttt} | {_x(a['share'], 3)} | "
-                         f"{_x(a['agg_s'])} ({_x(a['agg_ratio'])}) | {_mb(a['bytes'])} | {loads} |")  # fmt: skip
-        lines += ["", "The wall includes the evaluations. Once a run's replicas may differ (CERAR's codes; "
-                  "`c=auto` and `aggregator=auto` only once they choose one) each rank evaluates the whole "
-                  "validation set, N times the work of ranks that split it (docs/training.md, "
-                  "`eval/each_replica`): a coded run's wall ratio is above its steps ratio by that much."]  # fmt: skip
-        loads = [_f(r[k].split()[0]) for r in srows for k in ("load_before", "load_after") if r[k].strip()]
-        if loads and min(loads) > 0 and max(loads) > 1.5 * min(loads):
-            lines += ["", f"The 1-minute load ran from {min(loads):.1f} to {max(loads):.1f} across these runs (2 "
-                      "cores, shared): a ratio between runs at different loads mixes the aggregator with the load; "
-                      "the order rotated by seed evens it out only over several seeds."]  # fmt: skip
-            nccl_runs = [s["row"] for s in summary["aggregators"].get("nccl", {}).get("seeds", [])]
-            if len(nccl_runs) >= 2:
-                walls = [_f(r["wall_s"]) for r in nccl_runs]
-                each = ", ".join(f"{w:.0f} s at load {r['load_before'].split()[0]} -> {r['load_after'].split()[0]}"
-                                 for w, r in zip(walls, nccl_runs, strict=True))  # fmt: skip
-                lines[-1] += (
-                    f" nccl's own runs, the same job but for the seed: {each}, {max(walls) / min(walls):.2f}x apart."
-                )
-        best, why = recommend(summary)
-        choices.append((setting, best, why))
-        target = auto_target(summary)
-        if target:
-            lines += ["", f"Issue 34's target for auto here: {target}." + probe_fits(runs / setting.key, summary)]
+        section, summary = setting_section(setting, srows, runs, figures_dir, retired)
+        lines += section
+        heads.append((setting, *headline(summary)))
         if "cerar_c16" in summary["aggregators"]:
-            nccl_share = summary["aggregators"].get("nccl", {}).get("share")
-            cerar.append((setting, {**summary["aggregators"]["cerar_c16"], "nccl_share": nccl_share}, band))
-        name = f"time_to_loss_{setting.key}.png"
-        if figure(setting, summary, runs, figures / name):
-            lines += ["", f"![validation loss against wall clock]({_rel(figures / name).replace('reports/', '')})"]
-    lines += ["", "## Which aggregator to take", ""]
-    for setting, best, why in choices:
-        lines.append(f"- {setting.describe()}: **{best or 'not decided'}**: {why}.")
-    lines += ["", "## The paper's claims", ""]
-    if cerar:
-        lines += ["CERAR c=16 (the paper's setting), measured on every setting it ran:", "",
-                  "| setting | training time / nccl | gap to nccl | nccl's band | time to nccl's loss / nccl's |",
-                  "| --- | --- | --- | --- | --- |"]  # fmt: skip
-        for setting, a, band in cerar:
-            lines.append(
-                f"| {setting.describe()} | {_x(a['wall'])} | {_pct(a['gap'])} | "
-                f"{'-' if band is None else f'{100 * band:.2f} %'} | {_x(a['ttt']) if a['reached'] else 'never'} |"
-            )
-        slow = [a["wall"] for s, a, _ in cerar if s.links != "loopback" and a["wall"] is not None]
-        fast = [a["wall"] for s, a, _ in cerar if s.links == "loopback" and a["wall"] is not None]
-        lines += [
-            "",
-            "- *Faster on slow links* (the paper: about 17 % at identical loss): "
-            + (f"training time {_span(slow)}x nccl's in the lab." if slow else "not measured yet."),
-        ]
-        lines.append("- *Slower on fast links* (NVLink; here unshaped loopback): "
-                     + (f"{_span(fast)}x nccl's." if fast else "not measured yet."))  # fmt: skip
-        lines.append("- *The gap narrows with model size*: " + _by_model(cerar) + ".")
-    else:
-        lines.append("CERAR c=16 not measured yet.")
-    lines += rates_section(rows)
-    lines += probe_section()
+            cerar.append((setting, summary["aggregators"]["cerar_c16"]))
+    lines += ["", "## What the rows support", ""]
+    for setting, best, why in heads:
+        lines.append(f"- {setting.describe()}: **{best or 'no headline'}**: {why}.")
+    lines += ["", "## The paper's claims", "", *paper_claims(cerar)]
+    lines += appendix.rates_section(rows)
+    lines += appendix.probe_section()
     lines += ["", "## Rebuilding", "", "    .venv/bin/python scripts/studies/time_to_loss.py --report", ""]
     text = "\n".join(lines)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -538,5 +509,12 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures: Path) -> str:
     return text
 
 
-def load_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.exists() else {}
+def figures(csv_path: Path, runs: Path, out: Path) -> list[Path]:
+    """Every setting's figure (``time_to_loss_<setting>.png``) from the CSV and run folders: what
+    ``scripts/reporting/make_figures.py`` rebuilds, the same files ``write_report`` links."""
+    written = []
+    for setting, srows in group(read_rows(csv_path)).items():
+        path = out / f"time_to_loss_{setting.key}.png"
+        if figure(setting, summarize(srows, runs / setting.key), runs, path):
+            written.append(path)
+    return written
