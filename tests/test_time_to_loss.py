@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -339,6 +340,7 @@ def test_runs_already_in_the_csv_are_not_launched_again(tmp_path, monkeypatch):
     monkeypatch.setattr(study, "launch", lambda *a, **k: launched.append(a) or (False, "not run", ""))
     loopback = Setting("loopback", None, 1, 2, "tiny", steps=4)
     args = study_args(tmp_path, ["nccl", "fp16"], [1, 2], code_dir=tmp_path)
+    shutil.rmtree(runs / LAB.key / "fp16_s2")  # the row is what counts, not its folder
     assert planning.run_study(args, [LAB]) == 0 and launched == []  # every run is a row already
     before = [rows.run_key(r) for r in rows.read_rows(csv_path)]
     # a run finished but not yet a row (its nccl still to come) is not launched again either
