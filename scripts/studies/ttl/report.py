@@ -22,6 +22,7 @@ from scripts.studies.ttl.rows import (
     load_json,
     read_metrics,
     read_rows,
+    run_folder,
     run_key,
     setting_of_row,
 )
@@ -458,9 +459,9 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures_dir: Path, reti
         "## How to read it (issue 53)",
         "",
         f"- **Time to target.** A setting's target is nccl's mean validation loss, over its seeds there, at its "
-        f"first evaluation at or after {metric.FRACTION:.0%} of the horizon (step 150 of 300). A run's time to it "
-        "is the wall time (`time/wall`: evaluations and auto's checks included) at which its validation loss first "
-        "reaches it, linear in step and in time between the two evaluations around the crossing (the first "
+        f"first evaluation at or after {metric.FRACTION:.0%} of the horizon (step 150 of a 300-step run). A run's "
+        "time to it is the wall time (`time/wall`: evaluations and auto's checks included) at which its validation "
+        "loss first reaches it, linear in step and in time between the two evaluations around the crossing (the first "
         "evaluation at or below the target and the one before it); its steps to the target likewise. The ratio is "
         "to nccl's own time to the target at the same seed. The target at nccl's final loss (issue 34's, with its "
         "1e-6 gate) is gone: every run reached that one, if at all, at its last evaluation.",
@@ -473,7 +474,8 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures_dir: Path, reti
         "before the last step; a step holding a check left out): the step, the aggregation phase, and "
         "forward+backward, the same work for every aggregator of a setting, so that its ratio to nccl's is the "
         "contention the run met, not its aggregator. CPU: the run's processes' user + system seconds "
-        "(launch.json's `cpu_s`); no row here has it (the launcher records it from issue 53 on). Load: the run's "
+        f"(launch.json's `cpu_s`, recorded from issue 53 on: {cpu_recorded(rows, runs)} of these {len(rows)} runs "
+        "have it). Load: the run's "
         "mean 1-minute load, start and end, over nccl's at the same seed. Brackets: the seeds' span.",
         f"- **Headlines** need {HEADLINE_SEEDS} seeds of the aggregator and of nccl; a figure with fewer says "
         "\"n seeds: not a headline\". A setting whose rows come from more than one commit says so, whether their "
@@ -507,6 +509,11 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures_dir: Path, reti
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return text
+
+
+def cpu_recorded(rows: list[dict], runs: Path) -> int:
+    """How many of the rows' runs recorded their CPU seconds (launch.json's ``cpu_s``)."""
+    return sum("cpu_s" in load_json(run_folder(runs, r) / "launch.json") for r in rows)
 
 
 def figures(csv_path: Path, runs: Path, out: Path) -> list[Path]:
