@@ -90,6 +90,7 @@ def test_root_defaults_are_the_cpu_quick_start():
         (["trainer.max_steps=0"], "trainer.max_steps=0"),
         (["resume=maybe"], "resume='maybe'"),
         (["wandb.mode=sometimes"], "wandb.mode='sometimes'"),
+        (["data.cache_lock_timeout_s=0"], "data.cache_lock_timeout_s=0.0 must be > 0"),
         (["aggregator=powersgd", "trainer.overlap=false"], "needs trainer.overlap=true"),
         (["data.seq_len=4096"], "data.seq_len=4096"),
         (["model.num_heads=5"], "divisible by model.num_heads=5"),

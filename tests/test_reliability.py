@@ -103,6 +103,64 @@ def test_bad_configurations_are_refused_at_start_with_one_line(tmp_path):
     assert not run_dir.exists() and not cache.exists()
 
 
+LOCK_TIMEOUT_S, LOCK_SLACK_S = 3.0, 12.0  # data.cache_lock_timeout_s; the waiter's start-up and a loaded host
+
+HOLDER = """
+import os, signal, sys
+from pathlib import Path
+
+from train.data import bpe_token_arrays
+
+
+def stop_while_building():
+    os.kill(os.getpid(), signal.SIGSTOP)  # a peer stopped as it builds the token cache, holding its lock
+    raise SystemExit("continued")
+
+
+bpe_token_arrays(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), stop_while_building)
+"""
+
+
+def _state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_stopped_while_building_the_token_cache_ends_the_preflight_with_one_line(tmp_path):
+    """A peer stopped (SIGSTOP) while it builds the token cache holds the cache's lock for ever: train/main.py's
+    pre-flight, the first to build it (before any process group or watchdog), waits data.cache_lock_timeout_s (3 s)
+    of the holder's silence, not longer, then exits 2 with one line naming the lock file, the holder (its pid,
+    stopped) and what to do. Before, it waited in flock for ever, and under torchrun the whole job with it."""
+    from tests.runs import composed
+    from train.data import EMBEDDED_KEY, bpe_tokenizer_file
+
+    cache = tmp_path / "cache"
+    cfg = composed(f"data.cache_dir={cache}")
+    entry = bpe_tokenizer_file(cfg.data).parent
+    args = [str(cache), EMBEDDED_KEY, str(cfg.data.bpe_vocab_size)]
+    (tmp_path / "holder.py").write_text(HOLDER)
+    holder = ScriptProcess(tmp_path / "holder.py", args, chaos._env(None), ROOT, tmp_path / "holder")
+    try:
+        deadline = time.monotonic() + 60
+        while _state_of(holder.pid) != "T":
+            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr()
+            time.sleep(0.05)
+        overrides = [f"data.cache_dir={cache}", f"data.cache_lock_timeout_s={LOCK_TIMEOUT_S}"]
+        started = time.monotonic()
+        proc = run_script(ROOT / "train" / "main.py", [*overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+                          chaos._env(None), ROOT, timeout_s=LOCK_TIMEOUT_S + LOCK_SLACK_S + 30)  # fmt: skip
+        took = time.monotonic() - started
+    finally:
+        holder.kill()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert LOCK_TIMEOUT_S <= took <= LOCK_TIMEOUT_S + LOCK_SLACK_S, took
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"the token cache's lock {cache / entry.name}.lock is held by pid {holder.pid} on host" in lines[0], lines
+    assert "stopped now (state T)" in lines[0] and f"data.cache_lock_timeout_s={LOCK_TIMEOUT_S:g}" in lines[0], lines
+    assert not entry.exists() or not (entry / "tokenizer.json").exists()
+
+
 # ------------------------------------------------------------------ 4, 6, 7 and the clean reference run
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -376,6 +377,72 @@ def test_bpe_cache_is_built_once(tmp_path):
     assert len(calls) == 1 and np.array_equal(first[0], second[0]) and first[2] == second[2]
 
 
+LOCK_S, LOCK_SLACK_S = 1.0, 2.0  # data.cache_lock_timeout_s here; the waiter's last pause (0.5 s) and a loaded host
+
+
+def _unit_docs():
+    return ["alpha beta gamma delta " * 50] * 4, ["alpha beta " * 50]
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(30)
+def test_a_silent_holder_of_the_cache_lock_ends_the_waiter_within_its_timeout(tmp_path):
+    """Another process holds the cache's lock and sleeps (it never rewrites the lock file, as a holder stopped with
+    SIGSTOP would not): the waiter stops with one CacheLockError naming the lock file and its setting once the file
+    has been silent for data.cache_lock_timeout_s, not before, and builds nothing. Before, it waited in flock for
+    ever."""
+    import subprocess
+
+    from train.data import CacheLockError
+
+    lock = tmp_path / "unit-bpe300-v1.lock"  # the lock of bpe_token_arrays(tmp_path, "unit", 300, ...)
+    hold = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+    hold += "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with pytest.raises(CacheLockError) as raised:
+            bpe_token_arrays(tmp_path, "unit", 300, pytest.fail, lock_timeout_s=LOCK_S)
+        waited = time.monotonic() - started
+    finally:
+        holder.kill()
+        holder.wait()
+    assert LOCK_S <= waited <= LOCK_S + LOCK_SLACK_S, waited
+    message = str(raised.value)
+    assert f"the token cache's lock {lock} is held by a process that did not name itself" in message, message
+    assert f"data.cache_lock_timeout_s={LOCK_S:g}" in message and "\n" not in message, message
+    assert not (tmp_path / "unit-bpe300-v1").exists()
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(60)
+def test_a_live_holder_of_the_cache_lock_keeps_its_waiter_past_the_timeout(tmp_path):
+    """A holder that builds for three times the waiter's timeout (LOCK_S) but beats (rewrites the lock file every
+    LOCK_S / 4) keeps the waiter: it gets the holder's cache when the build ends, and builds nothing itself. A
+    deadline counted from the start of the wait, not from the holder's last sign of life, would end it at LOCK_S."""
+    import threading
+
+    building = threading.Event()
+
+    def slow_docs():
+        building.set()
+        time.sleep(3 * LOCK_S)
+        return _unit_docs()
+
+    holder = threading.Thread(target=bpe_token_arrays, args=(tmp_path, "unit", 300, slow_docs, LOCK_S))
+    holder.start()  # flock conflicts between two opens of the file, in one process too
+    try:
+        assert building.wait(30)
+        started = time.monotonic()
+        tokens, _, vocab = bpe_token_arrays(tmp_path, "unit", 300, pytest.fail, lock_timeout_s=LOCK_S)
+        waited = time.monotonic() - started
+    finally:
+        holder.join()
+    assert waited >= 2 * LOCK_S, waited  # past its own timeout, for the holder's build
+    assert len(tokens) > 0 and vocab <= 300
+
+
 # ----------------------------------------------------------------------------- the step
 
 
@@ -529,3 +596,4 @@ def test_peak_flops_from_config_or_known_gpus():
     assert KNOWN_PEAK_TFLOPS["A100"] == (312.0, 19.5) and KNOWN_PEAK_TFLOPS["H100"] == (989.0, 67.0)
     names = list(KNOWN_PEAK_TFLOPS)
     assert names.index("H100 PCIe") < names.index("H100") and names.index("A10G") < names.index("A10")
+

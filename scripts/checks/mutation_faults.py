@@ -610,4 +610,24 @@ FAULTS = [
         "taken from the peers it waits for",
         quick=True,
     ),
+    # --- issue 51: the token cache's lock, the logger's start and close ---
+    Fault(
+        name="cache-lock-blocks",
+        file="train/data.py",
+        original="            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        replacement="            fcntl.flock(fd, fcntl.LOCK_EX)\n",
+        tests=("tests/test_train_units.py -k silent_holder_of_the_cache_lock",),
+        why="a waiter blocks in flock for ever behind a holder that is stopped (the job hangs with no line)",
+        quick=True,
+    ),
+    Fault(
+        name="cache-lock-deadline-from-the-start",
+        file="train/data.py",
+        original="        if words != seen:\n",
+        replacement="        if False:\n",
+        tests=("tests/test_train_units.py -k live_holder_of_the_cache_lock",),
+        why="the lock's deadline counts from the start of the wait, not from the holder's last sign of life: a live "
+        "rank building a large cache ends its waiters (and the job, which restarts and builds it again)",
+        quick=True,
+    ),
 ]
