@@ -90,6 +90,8 @@ def test_root_defaults_are_the_cpu_quick_start():
         (["trainer.max_steps=0"], "trainer.max_steps=0"),
         (["resume=maybe"], "resume='maybe'"),
         (["wandb.mode=sometimes"], "wandb.mode='sometimes'"),
+        (["wandb.close_timeout_s=0"], "wandb.close_timeout_s=0.0 must be > 0"),
+        (["wandb.start_timeout_s=-1"], "wandb.start_timeout_s=-1.0 must be > 0"),
         (["data.cache_lock_timeout_s=0"], "data.cache_lock_timeout_s=0.0 must be > 0"),
         (["aggregator=powersgd", "trainer.overlap=false"], "needs trainer.overlap=true"),
         (["data.seq_len=4096"], "data.seq_len=4096"),

@@ -597,3 +597,93 @@ def test_peak_flops_from_config_or_known_gpus():
     names = list(KNOWN_PEAK_TFLOPS)
     assert names.index("H100 PCIe") < names.index("H100") and names.index("A10G") < names.index("A10")
 
+
+# ----------------------------------------------------------------------------- the run's logger (W&B)
+
+LOGGER_S, LOGGER_SLACK_S = 1.0, 2.0  # wandb.start_timeout_s / close_timeout_s here; a loaded host
+
+
+def _logger_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _held_past_its_deadline(call, release) -> str:
+    """``call()``, whose W&B call is held until ``release`` is set, must raise LoggerError at its deadline (LOGGER_S),
+    not before, and within LOGGER_SLACK_S after: its message. ``release`` is set after, whatever happened."""
+    from train.metrics import LoggerError
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(LoggerError) as raised:
+            call()
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+    assert LOGGER_S <= waited <= LOGGER_S + LOGGER_SLACK_S, waited
+    return str(raised.value)
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(60)
+def test_a_w_and_b_start_past_its_deadline_ends_with_one_line_naming_it_and_its_mode(tmp_path, monkeypatch):
+    """wandb.init held past wandb.start_timeout_s (here by a network that never answers): RunLogger stops waiting at
+    the deadline, not before, with one LoggerError naming W&B, its mode and the setting. Before, nothing bounded it."""
+    import threading
+
+    import wandb
+
+    from train.metrics import RunLogger
+
+    answer = threading.Event()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: answer.wait(20))
+    cfg = _logger_cfg("wandb.mode=offline", f"wandb.start_timeout_s={LOGGER_S}")
+    message = _held_past_its_deadline(lambda: RunLogger(cfg, tmp_path, 2, True, 0), release=answer)
+    assert message.startswith("W&B (wandb.mode=offline), the run's logger, did not start within 1s "), message
+    assert "(wandb.start_timeout_s)" in message and "\n" not in message, message
+
+
+@pytest.mark.timeout(120)
+def test_a_w_and_b_close_past_its_deadline_ends_with_one_line_naming_its_files(tmp_path, monkeypatch):
+    """A real offline W&B run whose finish (online: the upload) is held past wandb.close_timeout_s: close() stops
+    waiting at the deadline with one LoggerError naming W&B, its mode, the setting and the files to sync later."""
+    import threading
+
+    import wandb
+
+    from train.metrics import RunLogger
+
+    cfg = _logger_cfg("wandb.mode=offline", f"wandb.close_timeout_s={LOGGER_S}")
+    logger = RunLogger(cfg, tmp_path, world_size=2, is_main=True, resumed_step=0)
+    run, finish, uploaded, finished = logger.wandb_run, wandb.Run.finish, threading.Event(), threading.Event()
+
+    def slow_finish(self, *args, **kwargs):
+        uploaded.wait(20)
+        try:
+            return finish(self, *args, **kwargs)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(wandb.Run, "finish", slow_finish)
+    message = _held_past_its_deadline(logger.close, release=uploaded)
+    assert message.startswith("W&B (wandb.mode=offline), the run's logger, did not close within 1s "), message
+    assert f"`wandb sync {tmp_path / 'wandb'}/*run-*-{run.id}`" in message and "\n" not in message, message
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run.id}"))) == 1  # what that command uploads
+    assert finished.wait(60)  # the finish left behind, let go, ends the run
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(60)
+def test_a_w_and_b_online_start_without_a_key_ends_with_one_line_naming_it(tmp_path, monkeypatch):
+    """W&B online with no key (no WANDB_API_KEY, no ~/.netrc): W&B's own refusal, as one LoggerError naming W&B, its
+    mode and what to check."""
+    from train.metrics import LoggerError, RunLogger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    with pytest.raises(LoggerError) as raised:
+        RunLogger(_logger_cfg("wandb.mode=online"), tmp_path / "run", world_size=2, is_main=True, resumed_step=0)
+    message = str(raised.value)
+    assert message.startswith("W&B (wandb.mode=online), the run's logger, failed to start (online: "), message
+    assert "`wandb login`" in message and "UsageError: No API key configured" in message, message

@@ -224,6 +224,10 @@ class WandbConfig:
     entity: str | None = None
     group: str | None = None  # None: derived from model, data, aggregator, c and N
     tags: list[str] = field(default_factory=list)
+    # the longest W&B's start (wandb.init) and close (finish: online, the upload) may take on rank 0; the other
+    # ranks wait that long (+ T) at the barrier that follows each. Past it: one line naming W&B and its mode, exit 3
+    start_timeout_s: float = 300.0
+    close_timeout_s: float = 600.0
 
 
 @dataclass
@@ -395,6 +399,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
     _require(ck.write_timeout_s > 0, f"checkpoint.write_timeout_s={ck.write_timeout_s} must be > 0")
     _one_of(cfg.wandb.mode, ("offline", "online", "disabled"), "wandb.mode")
+    for key in ("start_timeout_s", "close_timeout_s"):
+        _require(cfg.wandb[key] > 0, f"wandb.{key}={cfg.wandb[key]} must be > 0")
     if world_size is not None and a.kind == "cerar":
         _validate_cerar_code(cfg, world_size)
     if a.kind in HIERARCHICAL_KINDS:
