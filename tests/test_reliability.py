@@ -412,13 +412,15 @@ def test_ranks_running_different_code_stop_at_start(tmp_path, cache_dir):
 
 WRITE_S, SHORT_TIMEOUT_S = 8.0, 3.0  # a checkpoint write longer than the collective timeout
 CLOSE_S = 4 * SHORT_TIMEOUT_S + 1.0  # rank 0's W&B finish, past 4T, as an upload can take
+START_S = 2 * SHORT_TIMEOUT_S  # rank 0's W&B init, past the first collective's T, as an online start can take
 
 
 def _training_with_a_slow_checkpoint_writer_and_logger(rank, world_size, cache, run_dir, slow):
     """One step of model=tiny with W&B offline, resumed from its run folder's checkpoint if any (resume=auto). With
-    ``slow``, its checkpoint takes WRITE_S to write, as a large model's does on a slow disk, and rank 0's W&B finish
-    CLOSE_S, as an upload can; every other wait is bounded by SHORT_TIMEOUT_S (the process group's timeout and the
-    trainer's). Returns the final step and how many evaluations this launch ran on this rank."""
+    ``slow``, its checkpoint takes WRITE_S to write, as a large model's does on a slow disk, and rank 0's W&B init
+    START_S and finish CLOSE_S, as an online start and an upload can; every other wait is bounded by SHORT_TIMEOUT_S
+    (the process group's timeout and the trainer's). Returns the final step and how many evaluations this launch
+    ran on this rank."""
     import wandb
 
     from tests.runs import composed
@@ -427,12 +429,16 @@ def _training_with_a_slow_checkpoint_writer_and_logger(rank, world_size, cache, 
     from train.run import run
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    save, finish, evaluate = ckpt.save_checkpoint, wandb.Run.finish, Trainer.evaluate
+    save, init, finish, evaluate = ckpt.save_checkpoint, wandb.init, wandb.Run.finish, Trainer.evaluate
     evaluations = []
 
     def slow_save(*args, **kwargs):
         time.sleep(WRITE_S)
         return save(*args, **kwargs)
+
+    def slow_init(*args, **kwargs):
+        time.sleep(START_S)
+        return init(*args, **kwargs)
 
     def slow_finish(self, *args, **kwargs):
         time.sleep(CLOSE_S)
@@ -443,7 +449,7 @@ def _training_with_a_slow_checkpoint_writer_and_logger(rank, world_size, cache, 
         return evaluate(self, *args, **kwargs)
 
     if slow:
-        ckpt.save_checkpoint, wandb.Run.finish = slow_save, slow_finish
+        ckpt.save_checkpoint, wandb.init, wandb.Run.finish = slow_save, slow_init, slow_finish
     Trainer.evaluate = counted_evaluate
     overrides = [*chaos.JOB, "trainer.max_steps=1", "checkpoint.every=1", "aggregator=ring", f"data.cache_dir={cache}"]
     overrides += [f"trainer.collective_timeout_s={SHORT_TIMEOUT_S}", "checkpoint.write_timeout_s=120"]
@@ -458,11 +464,12 @@ def test_the_ranks_wait_for_a_checkpoint_write_and_a_logger_close_longer_than_th
 ):
     """Rank N-1 writes the checkpoint while the others wait at a barrier: that wait is bounded by
     checkpoint.write_timeout_s, not by trainer.collective_timeout_s, so a write that outlasts the collective
-    timeout (8 s against 3 s here) ends in a checkpoint, not in a collective failure. Likewise rank 0's W&B close
-    (13 s, past 4T): the others wait for it at the barrier after it, up to wandb.close_timeout_s + T, and both ranks
-    end the run with its summary (before, they waited T at the final barrier: exit 3 on both, a finished run
-    restarted). A rerun in the folder (resume=auto) finds the run finished at its last checkpoint: it neither
-    trains nor evaluates again, and its summary keeps the validation loss."""
+    timeout (8 s against 3 s here) ends in a checkpoint, not in a collective failure. Likewise rank 0's W&B start
+    (6 s) and close (13 s, past 4T): the others wait for each at the barrier after it, up to
+    wandb.start_timeout_s / close_timeout_s + T, and both ranks end the run with its summary (before, they waited T
+    at the final barrier: exit 3 on both, a finished run restarted). A rerun in the folder (resume=auto) finds the
+    run finished at its last checkpoint: it neither trains nor evaluates again, and its summary keeps the
+    validation loss."""
     run_dir = tmp_path / "run"
     args = (str(cache_dir), str(run_dir))
     worker = _training_with_a_slow_checkpoint_writer_and_logger

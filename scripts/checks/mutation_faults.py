@@ -673,4 +673,13 @@ FAULTS = [
         why="W&B's refusal to start (or a start or close past its deadline) ends the run in a traceback and exit 1, "
         "after a teardown that may wait on W&B's thread, instead of one line and exit 3",
     ),
+    Fault(
+        name="no-barrier-after-the-logger-start",
+        file="train/run.py",
+        original='    barrier_after_the_logger(cfg, "start", launch.rank)\n',
+        replacement="",
+        tests=("tests/test_reliability.py -k logger_close_longer_than_the_collective_timeout",),
+        why="the other ranks go on to the first step while rank 0's W&B starts: an online start longer than T ends "
+        "them in its first collective",
+    ),
 ]
