@@ -103,6 +103,79 @@ def test_bad_configurations_are_refused_at_start_with_one_line(tmp_path):
     assert not run_dir.exists() and not cache.exists()
 
 
+LOCK_TIMEOUT_S, LOCK_SLACK_S = 3.0, 12.0  # data.cache_lock_timeout_s; the waiter's start-up and a loaded host
+
+HOLDER = """
+import os, signal, sys
+from pathlib import Path
+
+from train.data import bpe_token_arrays
+
+
+def stop_while_building():
+    os.kill(os.getpid(), signal.SIGSTOP)  # a peer stopped as it builds the token cache, holding its lock
+    raise SystemExit("continued")
+
+
+bpe_token_arrays(Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), stop_while_building)
+"""
+
+
+def _state_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_stopped_while_building_the_token_cache_ends_the_preflight_with_one_line(tmp_path):
+    """A peer stopped (SIGSTOP) while it builds the token cache holds the cache's lock for ever: train/main.py's
+    pre-flight, the first to build it (before any process group or watchdog), waits data.cache_lock_timeout_s (3 s)
+    of the holder's silence, not longer, then exits 2 with one line naming the lock file, the holder (its pid,
+    stopped) and what to do. Before, it waited in flock for ever, and under torchrun the whole job with it."""
+    from tests.runs import composed
+    from train.data import EMBEDDED_KEY, bpe_tokenizer_file
+
+    cache = tmp_path / "cache"
+    cfg = composed(f"data.cache_dir={cache}")
+    entry = bpe_tokenizer_file(cfg.data).parent
+    args = [str(cache), EMBEDDED_KEY, str(cfg.data.bpe_vocab_size)]
+    (tmp_path / "holder.py").write_text(HOLDER)
+    holder = ScriptProcess(tmp_path / "holder.py", args, chaos._env(None), ROOT, tmp_path / "holder")
+    try:
+        deadline = time.monotonic() + 60
+        while _state_of(holder.pid) != "T":
+            assert holder.poll() is None and time.monotonic() < deadline, holder.stderr()
+            time.sleep(0.05)
+        overrides = [f"data.cache_dir={cache}", f"data.cache_lock_timeout_s={LOCK_TIMEOUT_S}"]
+        started = time.monotonic()
+        proc = run_script(ROOT / "train" / "main.py", [*overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+                          chaos._env(None), ROOT, timeout_s=LOCK_TIMEOUT_S + LOCK_SLACK_S + 30)  # fmt: skip
+        took = time.monotonic() - started
+    finally:
+        holder.kill()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert LOCK_TIMEOUT_S <= took <= LOCK_TIMEOUT_S + LOCK_SLACK_S, took
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"the token cache's lock {cache / entry.name}.lock is held by pid {holder.pid} on host" in lines[0], lines
+    assert "stopped now (state T)" in lines[0] and f"data.cache_lock_timeout_s={LOCK_TIMEOUT_S:g}" in lines[0], lines
+    assert not entry.exists() or not (entry / "tokenizer.json").exists()
+
+
+def test_w_and_b_online_without_a_key_ends_the_run_with_exit_3_and_one_line(tmp_path):
+    """train/main.py with wandb.mode=online and no key (no WANDB_API_KEY, no ~/.netrc): W&B refuses to start on rank
+    0; the run leaves as after a collective failure, with exit status 3 and one line naming W&B, its mode and what
+    to check, no traceback (its thread could still be inside W&B: no teardown waits for it)."""
+    env = {k: v for k, v in chaos._env(None).items() if k != "WANDB_API_KEY"}
+    env.update(HOME=str(tmp_path), WANDB_CONFIG_DIR=str(tmp_path / "wandb-config"))
+    args = [*chaos.JOB, "trainer.max_steps=1", "wandb.mode=online", f"hydra.run.dir={tmp_path / 'run'}"]
+    proc = run_script(ROOT / "train" / "main.py", args, env, ROOT, timeout_s=120)
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert lines[0].startswith("error: W&B (wandb.mode=online), the run's logger, failed to start (online: "), lines
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step was trained
+
+
 # ------------------------------------------------------------------ 4, 6, 7 and the clean reference run
 
 
@@ -338,40 +411,78 @@ def test_ranks_running_different_code_stop_at_start(tmp_path, cache_dir):
 
 
 WRITE_S, SHORT_TIMEOUT_S = 8.0, 3.0  # a checkpoint write longer than the collective timeout
+CLOSE_S = 4 * SHORT_TIMEOUT_S + 1.0  # rank 0's W&B finish, past 4T, as an upload can take
+START_S = 2 * SHORT_TIMEOUT_S  # rank 0's W&B init, past the first collective's T, as an online start can take
 
 
-def _training_with_a_slow_checkpoint_writer(rank, world_size, cache, run_dir):
-    """One step of model=tiny whose checkpoint takes WRITE_S to write, as a large model's does on a slow disk;
-    every other wait is bounded by SHORT_TIMEOUT_S (the process group's timeout and the trainer's)."""
+def _training_with_a_slow_checkpoint_writer_and_logger(rank, world_size, cache, run_dir, slow):
+    """One step of model=tiny with W&B offline, resumed from its run folder's checkpoint if any (resume=auto). With
+    ``slow``, its checkpoint takes WRITE_S to write, as a large model's does on a slow disk, and rank 0's W&B init
+    START_S and finish CLOSE_S, as an online start and an upload can; every other wait is bounded by SHORT_TIMEOUT_S
+    (the process group's timeout and the trainer's). Returns the final step and how many evaluations this launch
+    ran on this rank."""
+    import wandb
+
     from tests.runs import composed
     from train import checkpoint as ckpt
+    from train.loop import Trainer
     from train.run import run
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
-    save = ckpt.save_checkpoint
+    save, init, finish, evaluate = ckpt.save_checkpoint, wandb.init, wandb.Run.finish, Trainer.evaluate
+    evaluations = []
 
     def slow_save(*args, **kwargs):
         time.sleep(WRITE_S)
         return save(*args, **kwargs)
 
-    ckpt.save_checkpoint = slow_save
+    def slow_init(*args, **kwargs):
+        time.sleep(START_S)
+        return init(*args, **kwargs)
+
+    def slow_finish(self, *args, **kwargs):
+        time.sleep(CLOSE_S)
+        return finish(self, *args, **kwargs)
+
+    def counted_evaluate(self, *args, **kwargs):
+        evaluations.append(self.state.step)
+        return evaluate(self, *args, **kwargs)
+
+    if slow:
+        ckpt.save_checkpoint, wandb.init, wandb.Run.finish = slow_save, slow_init, slow_finish
+    Trainer.evaluate = counted_evaluate
     overrides = [*chaos.JOB, "trainer.max_steps=1", "checkpoint.every=1", "aggregator=ring", f"data.cache_dir={cache}"]
     overrides += [f"trainer.collective_timeout_s={SHORT_TIMEOUT_S}", "checkpoint.write_timeout_s=120"]
-    return run(composed(*overrides), Path(run_dir))["final_step"]
+    overrides += ["wandb.mode=offline"]  # wandb.close_timeout_s: 600 s
+    return run(composed(*overrides), Path(run_dir))["final_step"], len(evaluations)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_the_ranks_wait_for_a_checkpoint_write_longer_than_the_collective_timeout(tmp_path, cache_dir):
+@pytest.mark.timeout(400)
+def test_the_ranks_wait_for_a_checkpoint_write_and_a_logger_close_longer_than_the_collective_timeout(
+    tmp_path, cache_dir
+):
     """Rank N-1 writes the checkpoint while the others wait at a barrier: that wait is bounded by
     checkpoint.write_timeout_s, not by trainer.collective_timeout_s, so a write that outlasts the collective
-    timeout (8 s against 3 s here) ends in a checkpoint, not in a collective failure."""
-    args = (str(cache_dir), str(tmp_path / "run"))
-    steps = run_workers(
-        _training_with_a_slow_checkpoint_writer, 2, args=args, timeout_s=240, group_timeout_s=SHORT_TIMEOUT_S
-    )
-    assert steps == [1, 1]
-    assert (tmp_path / "run" / "checkpoints" / "step-00000001.pt").exists()
+    timeout (8 s against 3 s here) ends in a checkpoint, not in a collective failure. Likewise rank 0's W&B start
+    (6 s) and close (13 s, past 4T): the others wait for each at the barrier after it, up to
+    wandb.start_timeout_s / close_timeout_s + T, and both ranks end the run with its summary (before, they waited T
+    at the final barrier: exit 3 on both, a finished run restarted). A rerun in the folder (resume=auto) finds the
+    run finished at its last checkpoint: it neither trains nor evaluates again, and its summary keeps the
+    validation loss."""
+    run_dir = tmp_path / "run"
+    args = (str(cache_dir), str(run_dir))
+    worker = _training_with_a_slow_checkpoint_writer_and_logger
+    done = run_workers(worker, 2, args=(*args, True), timeout_s=240, group_timeout_s=SHORT_TIMEOUT_S)
+    assert done == [(1, 1), (1, 1)]  # one step, evaluated once, on each rank
+    assert (run_dir / "checkpoints" / "step-00000001.pt").exists()
+    first = summary_of(run_dir)
+    assert first["final_step"] == 1 and first["resumed_from_step"] is None
+    assert list((run_dir / "wandb").glob("offline-run-*"))  # W&B's own files, closed
+    again = run_workers(worker, 2, args=(*args, False), timeout_s=240, group_timeout_s=SHORT_TIMEOUT_S)
+    assert again == [(1, 0), (1, 0)]  # no evaluation repeated
+    rerun = summary_of(run_dir)
+    assert rerun["resumed_from_step"] == 1 and rerun["final_val_loss"] == first["final_val_loss"]
 
 
 STALL_WRITE_TIMEOUT_S, STALL_SLACK_S = 4.0, 12.0  # well under the collective timeout and the group's (60 s)

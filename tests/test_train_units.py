@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -376,6 +377,72 @@ def test_bpe_cache_is_built_once(tmp_path):
     assert len(calls) == 1 and np.array_equal(first[0], second[0]) and first[2] == second[2]
 
 
+LOCK_S, LOCK_SLACK_S = 1.0, 2.0  # data.cache_lock_timeout_s here; the waiter's last pause (0.5 s) and a loaded host
+
+
+def _unit_docs():
+    return ["alpha beta gamma delta " * 50] * 4, ["alpha beta " * 50]
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(30)
+def test_a_silent_holder_of_the_cache_lock_ends_the_waiter_within_its_timeout(tmp_path):
+    """Another process holds the cache's lock and sleeps (it never rewrites the lock file, as a holder stopped with
+    SIGSTOP would not): the waiter stops with one CacheLockError naming the lock file and its setting once the file
+    has been silent for data.cache_lock_timeout_s, not before, and builds nothing. Before, it waited in flock for
+    ever."""
+    import subprocess
+
+    from train.data import CacheLockError
+
+    lock = tmp_path / "unit-bpe300-v1.lock"  # the lock of bpe_token_arrays(tmp_path, "unit", 300, ...)
+    hold = "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+    hold += "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)"
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(lock)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with pytest.raises(CacheLockError) as raised:
+            bpe_token_arrays(tmp_path, "unit", 300, pytest.fail, lock_timeout_s=LOCK_S)
+        waited = time.monotonic() - started
+    finally:
+        holder.kill()
+        holder.wait()
+    assert LOCK_S <= waited <= LOCK_S + LOCK_SLACK_S, waited
+    message = str(raised.value)
+    assert f"the token cache's lock {lock} is held by a process that did not name itself" in message, message
+    assert f"data.cache_lock_timeout_s={LOCK_S:g}" in message and "\n" not in message, message
+    assert not (tmp_path / "unit-bpe300-v1").exists()
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(60)
+def test_a_live_holder_of_the_cache_lock_keeps_its_waiter_past_the_timeout(tmp_path):
+    """A holder that builds for three times the waiter's timeout (LOCK_S) but beats (rewrites the lock file every
+    LOCK_S / 4) keeps the waiter: it gets the holder's cache when the build ends, and builds nothing itself. A
+    deadline counted from the start of the wait, not from the holder's last sign of life, would end it at LOCK_S."""
+    import threading
+
+    building = threading.Event()
+
+    def slow_docs():
+        building.set()
+        time.sleep(3 * LOCK_S)
+        return _unit_docs()
+
+    holder = threading.Thread(target=bpe_token_arrays, args=(tmp_path, "unit", 300, slow_docs, LOCK_S))
+    holder.start()  # flock conflicts between two opens of the file, in one process too
+    try:
+        assert building.wait(30)
+        started = time.monotonic()
+        tokens, _, vocab = bpe_token_arrays(tmp_path, "unit", 300, pytest.fail, lock_timeout_s=LOCK_S)
+        waited = time.monotonic() - started
+    finally:
+        holder.join()
+    assert waited >= 2 * LOCK_S, waited  # past its own timeout, for the holder's build
+    assert len(tokens) > 0 and vocab <= 300
+
+
 # ----------------------------------------------------------------------------- the step
 
 
@@ -529,3 +596,94 @@ def test_peak_flops_from_config_or_known_gpus():
     assert KNOWN_PEAK_TFLOPS["A100"] == (312.0, 19.5) and KNOWN_PEAK_TFLOPS["H100"] == (989.0, 67.0)
     names = list(KNOWN_PEAK_TFLOPS)
     assert names.index("H100 PCIe") < names.index("H100") and names.index("A10G") < names.index("A10")
+
+
+# ----------------------------------------------------------------------------- the run's logger (W&B)
+
+LOGGER_S, LOGGER_SLACK_S = 1.0, 2.0  # wandb.start_timeout_s / close_timeout_s here; a loaded host
+
+
+def _logger_cfg(*overrides: str):
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def _held_past_its_deadline(call, release) -> str:
+    """``call()``, whose W&B call is held until ``release`` is set, must raise LoggerError at its deadline (LOGGER_S),
+    not before, and within LOGGER_SLACK_S after: its message. ``release`` is set after, whatever happened."""
+    from train.metrics import LoggerError
+
+    started = time.monotonic()
+    try:
+        with pytest.raises(LoggerError) as raised:
+            call()
+        waited = time.monotonic() - started
+    finally:
+        release.set()
+    assert LOGGER_S <= waited <= LOGGER_S + LOGGER_SLACK_S, waited
+    return str(raised.value)
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(60)
+def test_a_w_and_b_start_past_its_deadline_ends_with_one_line_naming_it_and_its_mode(tmp_path, monkeypatch):
+    """wandb.init held past wandb.start_timeout_s (here by a network that never answers): RunLogger stops waiting at
+    the deadline, not before, with one LoggerError naming W&B, its mode and the setting. Before, nothing bounded it."""
+    import threading
+
+    import wandb
+
+    from train.metrics import RunLogger
+
+    answer = threading.Event()
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: answer.wait(20))
+    cfg = _logger_cfg("wandb.mode=offline", f"wandb.start_timeout_s={LOGGER_S}")
+    message = _held_past_its_deadline(lambda: RunLogger(cfg, tmp_path, 2, True, 0), release=answer)
+    assert message.startswith("W&B (wandb.mode=offline), the run's logger, did not start within 1s "), message
+    assert "(wandb.start_timeout_s)" in message and "\n" not in message, message
+
+
+@pytest.mark.timeout(120)
+def test_a_w_and_b_close_past_its_deadline_ends_with_one_line_naming_its_files(tmp_path, monkeypatch):
+    """A real offline W&B run whose finish (online: the upload) is held past wandb.close_timeout_s: close() stops
+    waiting at the deadline with one LoggerError naming W&B, its mode, the setting and the files to sync later."""
+    import threading
+
+    import wandb
+
+    from train.metrics import RunLogger
+
+    cfg = _logger_cfg("wandb.mode=offline", f"wandb.close_timeout_s={LOGGER_S}")
+    logger = RunLogger(cfg, tmp_path, world_size=2, is_main=True, resumed_step=0)
+    run, finish, uploaded, finished = logger.wandb_run, wandb.Run.finish, threading.Event(), threading.Event()
+
+    def slow_finish(self, *args, **kwargs):
+        uploaded.wait(20)
+        try:
+            return finish(self, *args, **kwargs)
+        finally:
+            finished.set()
+
+    monkeypatch.setattr(wandb.Run, "finish", slow_finish)
+    message = _held_past_its_deadline(logger.close, release=uploaded)
+    assert message.startswith("W&B (wandb.mode=offline), the run's logger, did not close within 1s "), message
+    assert f"`wandb sync {tmp_path / 'wandb'}/*run-*-{run.id}`" in message and "\n" not in message, message
+    assert len(list((tmp_path / "wandb").glob(f"offline-run-*-{run.id}"))) == 1  # what that command uploads
+    assert finished.wait(60)  # the finish left behind, let go, ends the run
+
+
+@pytest.mark.quick
+@pytest.mark.timeout(60)
+def test_a_w_and_b_online_start_without_a_key_ends_with_one_line_naming_it(tmp_path, monkeypatch):
+    """W&B online with no key (no WANDB_API_KEY, no ~/.netrc): W&B's own refusal, as one LoggerError naming W&B, its
+    mode and what to check."""
+    from train.metrics import LoggerError, RunLogger
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    with pytest.raises(LoggerError) as raised:
+        RunLogger(_logger_cfg("wandb.mode=online"), tmp_path / "run", world_size=2, is_main=True, resumed_step=0)
+    message = str(raised.value)
+    assert message.startswith("W&B (wandb.mode=online), the run's logger, failed to start (online: "), message
+    assert "`wandb login`" in message and "UsageError: No API key configured" in message, message

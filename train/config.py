@@ -69,6 +69,9 @@ class DataConfig:
     kind: str = MISSING  # embedded | pile | local
     seq_len: int = 128
     cache_dir: str = "${oc.env:CERAR_PYTHIA_CACHE,'~/.cache/cerar-pythia'}"
+    # how long a rank waits for the cache lock's holder to show a sign of life (it rewrites the lock file every few
+    # seconds while it builds) before it stops with one line naming the holder: a peer stopped while building
+    cache_lock_timeout_s: float = 120.0
     # embedded / local: a byte-level BPE tokenizer trained on the training text on first use
     bpe_vocab_size: int = 8192
     val_fraction: float = 0.05  # the last documents (embedded/local) form the fixed validation split
@@ -221,6 +224,10 @@ class WandbConfig:
     entity: str | None = None
     group: str | None = None  # None: derived from model, data, aggregator, c and N
     tags: list[str] = field(default_factory=list)
+    # the longest W&B's start (wandb.init) and close (finish: online, the upload) may take on rank 0; the other
+    # ranks wait that long (+ T) at the barrier that follows each. Past it: one line naming W&B and its mode, exit 3
+    start_timeout_s: float = 300.0
+    close_timeout_s: float = 600.0
 
 
 @dataclass
@@ -243,6 +250,7 @@ HIERARCHICAL_KINDS = ("hier_cerar", "hier_ring")
 HIERARCHICAL_FIELDS = ("local_size", "coded_on_two_nodes")  # in a run's identity only for the hierarchical kinds
 HOOK_ONLY_AGGREGATORS = ("powersgd",)
 AUTO_C = "auto"  # c=auto: train/aggregation/auto_c.py
+NOT_TRAINING_DATA_FIELDS = (("data", "cache_dir"), ("data", "cache_lock_timeout_s"))  # where and how long to wait
 AUTO_C_FIELDS = ("error_budget", "auto_warmup_steps", "auto_check_every", "auto_candidates", "auto_sample_values")
 CERAR_CONSTRUCTIONS = ("exact", "vandermonde", "perturbation", "optimized")
 TRANSPORT_KINDS = ("ring", "cerar", "hier_cerar", "hier_ring")  # the aggregators that take aggregator.transport
@@ -310,6 +318,7 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
         f"data.seq_len={d.seq_len} must be in [2, model.max_position_embeddings={m.max_position_embeddings}]",
     )
     _require(0 < d.val_fraction < 1, f"data.val_fraction={d.val_fraction} must be in (0, 1)")
+    _require(d.cache_lock_timeout_s > 0, f"data.cache_lock_timeout_s={d.cache_lock_timeout_s} must be > 0")
     if d.kind in ("embedded", "local"):
         _require(
             256 < d.bpe_vocab_size <= m.vocab_size,
@@ -390,6 +399,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
     _require(ck.write_timeout_s > 0, f"checkpoint.write_timeout_s={ck.write_timeout_s} must be > 0")
     _one_of(cfg.wandb.mode, ("offline", "online", "disabled"), "wandb.mode")
+    for key in ("start_timeout_s", "close_timeout_s"):
+        _require(cfg.wandb[key] > 0, f"wandb.{key}={cfg.wandb[key]} must be > 0")
     if world_size is not None and a.kind == "cerar":
         _validate_cerar_code(cfg, world_size)
     if a.kind in HIERARCHICAL_KINDS:
@@ -595,7 +606,7 @@ TRAINING_TRAINER_FIELDS = (
 
 
 def training_identity(cfg, world_size: int) -> dict:
-    """Every value that changes what a run trains, by dotted name: model, data (but its cache folder),
+    """Every value that changes what a run trains, by dotted name: model, data (but its cache folder and lock wait),
     aggregator (its c=auto settings only when c=auto), c, seed, world size, and the trainer's batch, steps (the
     lr schedule spans them), precision, overlap and resync. The batch is recorded as it acts (global batch and
     grad_accum derived), so spelling the same batch another way is no change. A resumed run must match its
@@ -622,7 +633,7 @@ def training_identity(cfg, world_size: int) -> dict:
                 continue  # the default: absent, as in the runs from before the field
             if section == "aggregator" and key == "equilibrate" and cfg.aggregator.kind not in EQUILIBRATE_KINDS:
                 continue  # ignored by the aggregators that do not code: absent from their identities
-            if (section, key) != ("data", "cache_dir") and (auto or not auto_setting):
+            if (section, key) not in NOT_TRAINING_DATA_FIELDS and (auto or not auto_setting):
                 identity[f"{section}.{key}"] = value
     # c as asked: "auto" stays "auto" whatever it has chosen (the choice is checkpointed and resumed)
     identity["c"], identity["seed"], identity["world_size"] = cfg.c if auto else int(cfg.c), int(cfg.seed), world_size

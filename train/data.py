@@ -12,7 +12,8 @@ Three sources, one interface (`DataBundle`):
 Each rank reads its own shard; the train stream's position is a small dict (`state_dict`) saved in
 checkpoints so that a resumed run reads exactly the batches an uninterrupted one would have read.
 Cache building is safe under concurrent ranks: a file lock serialises it and files are renamed into
-place atomically, so it needs no process group.
+place atomically, so it needs no process group. A rank waits for the lock as long as its holder shows it is
+alive, and stops with one line once the holder has been silent for data.cache_lock_timeout_s (`_file_lock`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import json
 import logging
 import os
 import re
+import socket
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +40,7 @@ import numpy as np
 import torch
 
 from train.checkpoint import atomic_write
-from train.config import UserError
+from train.config import DataConfig, UserError
 
 log = logging.getLogger(__name__)
 
@@ -175,16 +178,107 @@ def local_documents(folder: str, text_field: str, val_fraction: float) -> tuple[
 # ----------------------------------------------------------------------------- cache
 
 
+class CacheLockError(DataError):
+    """The token cache's lock is held by a process that has shown no sign of life for data.cache_lock_timeout_s."""
+
+
+_FIRST_LOCK_PAUSE_S, _LAST_LOCK_PAUSE_S = 0.01, 0.5  # between a waiter's tries, doubling: at most 0.5 s late
+
+
 @contextlib.contextmanager
-def _file_lock(path: Path):
-    """Exclusive advisory lock: one rank builds a cache entry while the others wait."""
+def _file_lock(path: Path, timeout_s: float):
+    """Exclusive advisory lock: one rank builds a cache entry while the others wait, each for as long as the holder
+    shows it is alive. The holder writes who it is into the lock file and rewrites it every `_beat_s` seconds from
+    a thread of its own (the heartbeat); a waiter tries the lock without blocking (``LOCK_NB``) and, once the file
+    has not changed for ``timeout_s`` (data.cache_lock_timeout_s), stops with one CacheLockError naming the file,
+    the holder and what to do. A holder stopped (SIGSTOP) or frozen beats no more; a live one building a large
+    cache for an hour keeps its waiters. Before this, a waiter blocked in ``flock`` for ever, and under torchrun the
+    whole job with it."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # never truncated by a waiter: the holder's words stay
+    try:
+        _acquire(fd, path, timeout_s)
+        stop = threading.Event()
+        beating = threading.Thread(target=_beat, args=(fd, stop, _beat_s(timeout_s)), name="cache-lock", daemon=True)
+        beating.start()
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            stop.set()
+            beating.join()
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _beat_s(timeout_s: float) -> float:
+    """How often the holder rewrites the lock file: four times within a waiter's timeout, at least every 5 s."""
+    return min(5.0, timeout_s / 4)
+
+
+def _acquire(fd: int, path: Path, timeout_s: float) -> None:
+    """Take the lock, or raise CacheLockError once its holder has not rewritten the file for ``timeout_s``."""
+    started = last_change = time.monotonic()
+    seen, pause = _holder_words(fd), _FIRST_LOCK_PAUSE_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        now, words = time.monotonic(), _holder_words(fd)
+        if words != seen:
+            seen, last_change = words, now
+        elif now - last_change >= timeout_s:
+            raise CacheLockError(
+                f"the token cache's lock {path} is held by {_describe_holder(words)}, which has shown no sign of "
+                f"life for {now - last_change:.0f}s (data.cache_lock_timeout_s={timeout_s:g}; waited "
+                f"{now - started:.0f}s): it is stopped or frozen while building the cache. End it (the next run "
+                f"builds the cache again), or raise data.cache_lock_timeout_s if that machine is merely that slow"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, _LAST_LOCK_PAUSE_S)
+
+
+def _beat(fd: int, stop: threading.Event, every_s: float) -> None:
+    """The holder's heartbeat: who holds the lock (pid, host, rank, since when) and a count, rewritten in place
+    (written, then cut to its length: a reader never finds it empty) until ``stop``."""
+    since, beats = time.strftime("%Y-%m-%d %H:%M:%S"), 0
+    rank = os.environ.get("RANK")
+    who = f"pid {os.getpid()} on host {socket.gethostname()}" + (f" (rank {rank})" if rank is not None else "")
+    while True:
+        words = f"{who}, holding it since {since}; beat {beats}\n".encode()
+        with contextlib.suppress(OSError):  # a full disk: the waiters see silence and say so
+            os.pwrite(fd, words, 0)
+            os.ftruncate(fd, len(words))
+        beats += 1
+        if stop.wait(every_s):
+            return
+
+
+def _holder_words(fd: int) -> bytes:
+    try:
+        return os.pread(fd, 4096, 0)
+    except OSError:
+        return b""
+
+
+def _describe_holder(words: bytes) -> str:
+    """The holder as its heartbeat named it, with its state when it runs on this host (Linux's /proc); or that it
+    did not say (a process that took the lock without this module's heartbeat)."""
+    text = words.decode(errors="replace").strip()
+    match = re.match(r"pid (\d+) on host ([^\s,;]+)", text)
+    if match is None:
+        return "a process that did not name itself (it holds the lock without the trainer's heartbeat)"
+    who = text.split(";")[0]
+    if match.group(2) != socket.gethostname():
+        return who
+    try:
+        state = Path(f"/proc/{match.group(1)}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return who
+    states = {"T": "stopped", "t": "stopped by a debugger", "D": "in uninterruptible I/O", "Z": "a zombie"}
+    return f"{who}, {states.get(state, 'running or sleeping')} now (state {state})"
 
 
 def _save_array(path: Path, array: np.ndarray) -> None:
@@ -212,36 +306,47 @@ def bpe_tokenizer_file(d) -> Path:
     return _bpe_entry(_cache_dir(d), key, d.bpe_vocab_size) / "tokenizer.json"
 
 
-def bpe_token_arrays(cache_dir: Path, key: str, vocab_size: int, load_docs) -> tuple[np.ndarray, np.ndarray, int]:
-    """Train (once) a byte-level BPE on the training documents and tokenise both splits, cached by key."""
-    from tokenizers import ByteLevelBPETokenizer, Tokenizer
+def bpe_token_arrays(
+    cache_dir: Path, key: str, vocab_size: int, load_docs, lock_timeout_s: float = DataConfig.cache_lock_timeout_s
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Train (once) a byte-level BPE on the training documents and tokenise both splits, cached by key. A complete
+    entry is read without the lock (its tokenizer.json is renamed into place last); a missing one is built under it
+    (`_file_lock`: a waiter gives up once the holder has shown no sign of life for ``lock_timeout_s``)."""
+    from tokenizers import Tokenizer
 
     entry = _bpe_entry(cache_dir, key, vocab_size)
     files = [entry / "tokenizer.json", entry / "train.npy", entry / "val.npy"]
-    with _file_lock(cache_dir / f"{entry.name}.lock"):
-        if not all(f.exists() for f in files):
-            log.info("building tokenizer and token cache in %s (first use only)", entry)
-            started = time.perf_counter()
-            entry.mkdir(parents=True, exist_ok=True)
-            train_docs, val_docs = load_docs()
-            size_mb = sum(len(doc) for doc in train_docs) / 1e6
-            log.info("training a %d-token BPE on %d documents (%.1f MB)", vocab_size, len(train_docs), size_mb)
-            tokenizer = ByteLevelBPETokenizer()
-            tokenizer.train_from_iterator(
-                train_docs,
-                vocab_size=vocab_size,
-                min_frequency=2,
-                special_tokens=[EOS_TOKEN],
-                show_progress=sys.stderr.isatty(),
-            )
-            eos_id = tokenizer.token_to_id(EOS_TOKEN)
-            log.info("tokenizing %d + %d documents", len(train_docs), len(val_docs))
-            _save_array(files[1], _tokenize(tokenizer, train_docs, eos_id))
-            _save_array(files[2], _tokenize(tokenizer, val_docs, eos_id))
-            log.info("token cache built in %.0f s", time.perf_counter() - started)
-            atomic_write(files[0], tokenizer.to_str().encode())  # written last: marks the entry complete
+    if not all(f.exists() for f in files):
+        with _file_lock(cache_dir / f"{entry.name}.lock", lock_timeout_s):
+            if not all(f.exists() for f in files):  # not built by the rank that held the lock before
+                _build_bpe_entry(entry, files, vocab_size, load_docs)
     tokenizer = Tokenizer.from_file(str(files[0]))
     return np.load(files[1]), np.load(files[2]), tokenizer.get_vocab_size()
+
+
+def _build_bpe_entry(entry: Path, files: list[Path], vocab_size: int, load_docs) -> None:
+    from tokenizers import ByteLevelBPETokenizer
+
+    log.info("building tokenizer and token cache in %s (first use only)", entry)
+    started = time.perf_counter()
+    entry.mkdir(parents=True, exist_ok=True)
+    train_docs, val_docs = load_docs()
+    size_mb = sum(len(doc) for doc in train_docs) / 1e6
+    log.info("training a %d-token BPE on %d documents (%.1f MB)", vocab_size, len(train_docs), size_mb)
+    tokenizer = ByteLevelBPETokenizer()
+    tokenizer.train_from_iterator(
+        train_docs,
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        show_progress=sys.stderr.isatty(),
+    )
+    eos_id = tokenizer.token_to_id(EOS_TOKEN)
+    log.info("tokenizing %d + %d documents", len(train_docs), len(val_docs))
+    _save_array(files[1], _tokenize(tokenizer, train_docs, eos_id))
+    _save_array(files[2], _tokenize(tokenizer, val_docs, eos_id))
+    log.info("token cache built in %.0f s", time.perf_counter() - started)
+    atomic_write(files[0], tokenizer.to_str().encode())  # written last: marks the entry complete
 
 
 # ----------------------------------------------------------------------------- streams
@@ -420,10 +525,10 @@ def prepare_data(cfg, world_size: int) -> None:
 
 def _bpe_arrays(d) -> tuple[np.ndarray, np.ndarray, int]:
     if d.kind == "embedded":
-        return bpe_token_arrays(_cache_dir(d), EMBEDDED_KEY, d.bpe_vocab_size, embedded_documents)
-    return bpe_token_arrays(
-        _cache_dir(d), _local_key(d), d.bpe_vocab_size, lambda: local_documents(d.path, d.text_field, d.val_fraction)
-    )
+        key, load_docs = EMBEDDED_KEY, embedded_documents
+    else:
+        key, load_docs = _local_key(d), lambda: local_documents(d.path, d.text_field, d.val_fraction)
+    return bpe_token_arrays(_cache_dir(d), key, d.bpe_vocab_size, load_docs, d.cache_lock_timeout_s)
 
 
 def build_data(cfg, rank: int, world_size: int) -> DataBundle:

@@ -677,7 +677,7 @@ class Trainer:
         if bar is not None:
             bar.close()
         finished = self.state.step == t.max_steps
-        if finished and (self.state.last_val_loss is None or start_step == t.max_steps):
+        if finished and self.state.last_val_loss is None:  # a run resumed at its last step keeps the last one's
             self.state.last_val_loss = self.evaluate()["val_loss"]
         return {
             "wall_seconds": time.perf_counter() - start_wall,

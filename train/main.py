@@ -10,7 +10,8 @@ before torch or any process group is touched, and `train.run.run` does the run (
 composition errors included, and an output directory that cannot be written) is one line on stderr
 and exit status 2, before any run directory, data cache or process group exists. A collective that
 fails during the run (a peer died or stalled) aborts the process groups and exits with status 3 and
-one line naming it, before any teardown (`train.distributed.exit_after_collective_failure`).
+one line naming it, before any teardown (`train.distributed.exit_after_collective_failure`); so does a
+logger (W&B) that does not start or close within its deadline (wandb.start_timeout_s, wandb.close_timeout_s).
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def main(cfg: DictConfig) -> None:
         try:
             run(cfg, Path(HydraConfig.get().runtime.output_dir))
         except RuntimeError as err:
-            if is_collective_failure(err):  # before any teardown, which could hang on NCCL
-                from train.distributed import exit_after_collective_failure
+            if is_collective_failure(err) or is_logger_failure(err):  # before any teardown, which could hang on
+                from train.distributed import exit_after_collective_failure  # NCCL (or wait for W&B's thread)
 
                 exit_after_collective_failure(err, code=3)
             raise
@@ -71,6 +72,14 @@ def is_collective_failure(err: BaseException) -> bool:
     from train.distributed import TrainCollectiveError
 
     return isinstance(err, (TrainCollectiveError, CollectiveError))
+
+
+def is_logger_failure(err: BaseException) -> bool:
+    """W&B did not start or close within its deadline, or failed to (train.metrics.LoggerError): its thread may
+    still be inside W&B, so the process leaves as after a collective failure (one line, exit 3)."""
+    from train.metrics import LoggerError
+
+    return isinstance(err, LoggerError)
 
 
 def one_line(message: str) -> str:

@@ -5,6 +5,11 @@ turns it off; `online` needs a logged-in user. The W&B run id is kept in the run
 run continues the same W&B run. Runs compare on `step` (every metric's x axis) and on the minimum
 `val_loss`; N, the global batch and grad_accum are in each run's W&B config.
 
+W&B's start (``wandb.init``) and close (``finish``: online, the upload of what is left) talk to its service
+and, online, to its server: each runs on a thread of its own and is waited for at most ``wandb.start_timeout_s``
+/ ``wandb.close_timeout_s``; past that, or when it fails, one `LoggerError` names W&B, its mode and the setting
+(train/main.py: that line and exit 3).
+
 Besides the loop's record each logged step gets `mfu` (model FLOPs utilisation: achieved model FLOP/s per
 device over the device's peak, when the peak is known) and, on GPUs, `memory/peak_gib` (rank 0's peak
 allocated memory so far).
@@ -15,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -77,6 +83,35 @@ def parameter_sha256(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
+class LoggerError(RuntimeError):
+    """The run's logger (W&B) did not start or close within its deadline, or failed to: the message is one line
+    naming W&B, its mode, the setting and what to do."""
+
+
+def within(seconds: float, call, expired: str, failed: str):
+    """``call()`` on a daemon thread, waited for at most ``seconds``: its result, or LoggerError(``expired``) when
+    it is still running then (the thread is left to the process's exit), or LoggerError(``failed``: its error
+    appended) when it raised."""
+    box: dict = {}
+
+    def target() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as err:  # handed to the caller's thread, whatever it is
+            box["error"] = err
+
+    thread = threading.Thread(target=target, name="run-logger", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise LoggerError(expired)
+    if "error" in box:
+        err = box["error"]
+        detail = (str(err).strip().splitlines() or [""])[0][:300]
+        raise LoggerError(f"{failed}: {type(err).__name__}: {detail}") from err
+    return box.get("value")
+
+
 class RunLogger:
     """One JSON object per logged step in metrics.jsonl, mirrored to W&B; summary.json at the end."""
 
@@ -98,18 +133,27 @@ class RunLogger:
         self.run_dir = Path(run_dir)
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.wandb_run = None
+        self.mode, self.close_timeout_s = cfg.wandb.mode, cfg.wandb.close_timeout_s
         if not is_main:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._truncate_after(resumed_step)
         if cfg.wandb.mode != "disabled":
-            import wandb
+            self.wandb_run = self._start_wandb(cfg, world_size, resumed_step, extra_config)
 
-            os.environ["WANDB_DIR"] = str(self.run_dir)
-            os.environ.setdefault("WANDB_SILENT", "true")
-            name, group, tags = run_identity(cfg, world_size)
-            run_id = self._wandb_run_id(resumed_step)
-            self.wandb_run = wandb.init(
+    def _start_wandb(self, cfg, world_size: int, resumed_step: int, extra_config: dict | None):
+        """wandb.init, waited for at most wandb.start_timeout_s (`within`), and the metrics' axes."""
+        import wandb
+
+        os.environ["WANDB_DIR"] = str(self.run_dir)
+        os.environ.setdefault("WANDB_SILENT", "true")
+        name, group, tags = run_identity(cfg, world_size)
+        run_id = self._wandb_run_id(resumed_step)
+        seconds, what = cfg.wandb.start_timeout_s, f"W&B (wandb.mode={self.mode}), the run's logger,"
+        online = " (online: the network, its server, the key: `wandb login`)" if self.mode == "online" else ""
+        run = within(
+            seconds,
+            lambda: wandb.init(
                 project=cfg.wandb.project,
                 entity=cfg.wandb.entity,
                 name=name,
@@ -120,10 +164,15 @@ class RunLogger:
                 dir=str(self.run_dir),
                 id=run_id,
                 resume="allow",
-            )
-            self.wandb_run.define_metric("step")
-            self.wandb_run.define_metric("*", step_metric="step")
-            self.wandb_run.define_metric("val_loss", step_metric="step", summary="min")
+            ),
+            expired=f"{what} did not start within {seconds:g}s (wandb.start_timeout_s){online}: raise "
+            "wandb.start_timeout_s, or run with wandb.mode=offline and `wandb sync` later, or wandb.mode=disabled",
+            failed=f"{what} failed to start{online}",
+        )
+        run.define_metric("step")
+        run.define_metric("*", step_metric="step")
+        run.define_metric("val_loss", step_metric="step", summary="min")
+        return run
 
     def _wandb_run_id(self, resumed_step: int) -> str:
         """A resumed run continues its W&B run (id kept in the run dir); a fresh one starts a new id."""
@@ -177,6 +226,17 @@ class RunLogger:
             self.wandb_run.summary.update(summary)
 
     def close(self) -> None:
-        if self.wandb_run is not None:
-            self.wandb_run.finish()
-            self.wandb_run = None
+        """Finish the W&B run (online: its upload), waited for at most wandb.close_timeout_s."""
+        if self.wandb_run is None:
+            return
+        run, self.wandb_run = self.wandb_run, None
+        seconds, what = self.close_timeout_s, f"W&B (wandb.mode={self.mode}), the run's logger,"
+        files = f"{self.run_dir / 'wandb'}/*run-*-{run.id}"
+        within(
+            seconds,
+            run.finish,
+            expired=f"{what} did not close within {seconds:g}s (wandb.close_timeout_s); metrics.jsonl, summary.json "
+            f"and the checkpoints are written: upload its files later with `wandb sync {files}`, or raise "
+            "wandb.close_timeout_s",
+            failed=f"{what} failed to close (its files: {files})",
+        )

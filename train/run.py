@@ -117,6 +117,7 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         if launch.world_size > 1:  # the loop's gloo groups now, not at the first checkpoint or evaluation
             group_with_timeout(T)
             group_with_timeout(cfg.checkpoint.write_timeout_s)
+            group_with_timeout(logger_group_timeout_s(cfg))  # the barriers after the logger's start and close
 
     overlap = effective_overlap(cfg)
     set_phase("start-up: DDP")
@@ -164,17 +165,18 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         "global_batch_size": cfg.trainer.micro_batch_size * cfg.trainer.grad_accum * launch.world_size,
         "grad_accum": cfg.trainer.grad_accum,
     }
-    set_phase("start-up: logger")  # W&B's start talks to its service, not to a peer: not watched
+    set_phase("start-up: logger")  # W&B's start, bounded by the logger itself (wandb.start_timeout_s)
     trainer.logger = RunLogger(
         cfg, run_dir, launch.world_size, launch.rank == 0, trainer.state.step, device=device, extra_config=batch
     )
+    barrier_after_the_logger(cfg, "start", launch.rank)
     result = trainer.fit()
     set_phase("end")
     if trainer.state.step < cfg.trainer.max_steps:  # trainer.stop_after_step: a simulated preemption
         log.warning("stopped after step %d of %d (trainer.stop_after_step)", trainer.state.step, cfg.trainer.max_steps)
-        set_phase("end: closing the logger")  # W&B's upload: its service, not a peer
+        set_phase("end: closing the logger")  # W&B's upload, bounded by the logger itself (wandb.close_timeout_s)
         trainer.logger.close()
-        bounded("final barrier", lambda: dist.barrier(async_op=True))
+        barrier_after_the_logger(cfg, "close", launch.rank)
         return None
     summary = {
         **run_description(cfg, launch.world_size, trainer),
@@ -192,10 +194,10 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
     }
     if device.type == "cuda":
         summary["memory/peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
-    set_phase("end: closing the logger")  # W&B's upload: its service, not a peer
+    set_phase("end: closing the logger")  # W&B's upload, bounded by the logger itself (wandb.close_timeout_s)
     trainer.logger.summary(summary)
     trainer.logger.close()
-    bounded("final barrier", lambda: dist.barrier(async_op=True))
+    barrier_after_the_logger(cfg, "close", launch.rank)
     if launch.rank == 0 and "auto" in summary:  # aggregator=auto: its choice, predicted beside measured
         auto = summary["auto"]
         log.info(
@@ -284,6 +286,36 @@ def run_description(cfg: DictConfig, world_size: int, trainer: Trainer) -> dict:
     if a.kind == "auto" and world_size > 1:
         description["auto"] = trainer.aggregator.summary()
     return json.loads(json.dumps(description))  # JSON's view: c as string keys, as summary.json will hold them
+
+
+def logger_wait_s(cfg: DictConfig, which: str) -> float:
+    """How long the other ranks wait at the barrier after rank 0's logger ``which`` ("start" or "close"): the
+    logger's own deadline (wandb.start_timeout_s, wandb.close_timeout_s) + T; T when W&B is off."""
+    T = cfg.trainer.collective_timeout_s
+    return T if cfg.wandb.mode == "disabled" else T + cfg.wandb[f"{which}_timeout_s"]
+
+
+def logger_group_timeout_s(cfg: DictConfig) -> float:
+    """The gloo group of both barriers after the logger (made at start-up): gloo's own timeout past either wait."""
+    return max(logger_wait_s(cfg, "start"), logger_wait_s(cfg, "close"))
+
+
+def barrier_after_the_logger(cfg: DictConfig, which: str, rank: int) -> None:
+    """Every rank meets after rank 0's logger start or close (W&B's init or finish: online, an upload). The others
+    wait as long as the logger may take (`logger_wait_s`), so a slow but live W&B is no stall: before, they
+    waited T at the final barrier while rank 0 uploaded, and a finished run ended in exit 3 (and its restart
+    evaluated and closed again). Rank 0, there last, waits T for ranks that should already be there. No collective
+    follows the close but this barrier, and NCCL's teardown after it finds every rank past the logger (its
+    ``ncclCommDestroy`` waits for the peers connected to this rank's proxy: nccl's proxy.cc ``ncclProxyService``
+    serves ``while (stop == PROXY_RUNNING || npeers > 0)``, and ``commFree`` joins that thread)."""
+    if dist.get_world_size() < 2:
+        return
+    group = group_with_timeout(logger_group_timeout_s(cfg))
+    bounded(
+        f"barrier after the logger's {which} (rank 0: W&B, wandb.{which}_timeout_s)",
+        lambda: dist.barrier(group=group, async_op=True),
+        timeout_s=deadline_s() if rank == 0 else logger_wait_s(cfg, which),
+    )
 
 
 def write_pid_file(run_dir: Path, rank: int) -> None:

@@ -34,6 +34,7 @@ from train.distributed import (
     pick_device,
 )
 from train.main import fail
+from train.metrics import LoggerError
 from train.run import run
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -88,7 +89,7 @@ def main(argv: list[str]) -> None:
             print(json.dumps({"sweep": summaries}, indent=2))
     except UserError as err:
         fail(str(err))
-    except (TrainCollectiveError, CollectiveError) as err:  # a peer died or stalled: abort, one line, exit 3
+    except (TrainCollectiveError, CollectiveError, LoggerError) as err:  # a peer died or stalled, or W&B: exit 3
         exit_after_collective_failure(err, code=3)  # before the teardown below, which could hang on NCCL
     except Exception as err:  # hydra composition errors (unknown option, bad type) and the like
         if type(err).__module__.startswith(("hydra", "omegaconf")):

@@ -692,4 +692,76 @@ FAULTS = [
         why="the sample grid copies the gradient for every pad of width 0 (three copies per layout at a check)",
         quick=True,
     ),
+    # --- issue 51: the token cache's lock, the logger's start and close ---
+    Fault(
+        name="cache-lock-blocks",
+        file="train/data.py",
+        original="            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n",
+        replacement="            fcntl.flock(fd, fcntl.LOCK_EX)\n",
+        tests=("tests/test_train_units.py -k silent_holder_of_the_cache_lock",),
+        why="a waiter blocks in flock for ever behind a holder that is stopped (the job hangs with no line)",
+        quick=True,
+    ),
+    Fault(
+        name="cache-lock-deadline-from-the-start",
+        file="train/data.py",
+        original="        if words != seen:\n",
+        replacement="        if False:\n",
+        tests=("tests/test_train_units.py -k live_holder_of_the_cache_lock",),
+        why="the lock's deadline counts from the start of the wait, not from the holder's last sign of life: a live "
+        "rank building a large cache ends its waiters (and the job, which restarts and builds it again)",
+        quick=True,
+    ),
+    Fault(
+        name="logger-start-deadline-a-year",
+        file="train/metrics.py",
+        original="        seconds, what = cfg.wandb.start_timeout_s, ",
+        replacement="        seconds, what = 365 * 24 * 3600.0, ",
+        tests=("tests/test_train_units.py -k w_and_b_start_past_its_deadline",),
+        why="W&B's start is waited for a year: an init that never answers holds rank 0, and the job, with no line",
+        quick=True,
+    ),
+    Fault(
+        name="logger-close-deadline-a-year",
+        file="train/metrics.py",
+        original="        seconds, what = self.close_timeout_s, ",
+        replacement="        seconds, what = 365 * 24 * 3600.0, ",
+        tests=("tests/test_train_units.py -k w_and_b_close_past_its_deadline",),
+        why="W&B's close (online: its upload) is waited for a year: a finished run never ends",
+    ),
+    Fault(
+        name="logger-barrier-waits-T",
+        file="train/run.py",
+        original='    return T if cfg.wandb.mode == "disabled" else T + cfg.wandb[f"{which}_timeout_s"]\n',
+        replacement="    return T\n",
+        tests=("tests/test_reliability.py -k logger_close_longer_than_the_collective_timeout",),
+        why="the other ranks wait T, not the logger's deadline, for rank 0's W&B close: a slow upload (4T) turns a "
+        "finished run into exit 3 on every rank",
+    ),
+    Fault(
+        name="finished-run-evaluates-again",
+        file="train/loop.py",
+        original="        if finished and self.state.last_val_loss is None:",
+        replacement="        if finished and (self.state.last_val_loss is None or start_step == t.max_steps):",
+        tests=("tests/test_reliability.py -k logger_close_longer_than_the_collective_timeout",),
+        why="a rerun (or torchrun's restart) of a finished run evaluates again from its last checkpoint",
+    ),
+    Fault(
+        name="logger-failure-traceback",
+        file="train/main.py",
+        original="            if is_collective_failure(err) or is_logger_failure(err):",
+        replacement="            if is_collective_failure(err):",
+        tests=("tests/test_reliability.py -k online_without_a_key",),
+        why="W&B's refusal to start (or a start or close past its deadline) ends the run in a traceback and exit 1, "
+        "after a teardown that may wait on W&B's thread, instead of one line and exit 3",
+    ),
+    Fault(
+        name="no-barrier-after-the-logger-start",
+        file="train/run.py",
+        original='    barrier_after_the_logger(cfg, "start", launch.rank)\n',
+        replacement="",
+        tests=("tests/test_reliability.py -k logger_close_longer_than_the_collective_timeout",),
+        why="the other ranks go on to the first step while rank 0's W&B starts: an online start longer than T ends "
+        "them in its first collective",
+    ),
 ]
