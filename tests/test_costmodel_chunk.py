@@ -52,19 +52,20 @@ def test_each_rounds_traffic_is_what_one_chunk_runs_between_its_posts(N, c, stor
 @pytest.mark.quick
 def test_a_one_chunk_call_priced_by_hand():
     """N = 4, c = 16, storage "messages", d = 16 x 4096 (m = 4096: one chunk), fp32. Before the first
-    post x(1)'s encoding, 17 m values; after each of the 18 arrivals an addition, 3 m; after the last,
-    the decoding, (c + L) m + c m = 50 m: 17 + 54 + 50 = 121 m in series with the transfers. Beside
-    round 1's transfer the rest of the encoding, 31 m; beside rounds 4..15 an injection, 3 m."""
+    post x(1)'s encoding, 17 m values; after each of the 18 arrivals the round's one operation, 4 m in
+    rounds 4..15 (y, u(t-3) and u(t+1) read, y written), 3 m in the other 6; after the last, the decoding,
+    (c + L) m + c m = 50 m: 17 + 66 + 50 = 133 m in series with the transfers. Beside round 1's transfer
+    the rest of the encoding, 31 m; beside the others nothing."""
     N, c, m = 4, 16, 4096
     d, mb = c * m, m * 4
     pcie = cm.LinkModel(10e-6, 25e9, 1.5e12, storage="messages")
-    by_hand = 121 * mb / 1.5e12 + 18 * (10e-6 + mb / 25e9)  # every transfer longer than what runs beside it
+    by_hand = 133 * mb / 1.5e12 + 18 * (10e-6 + mb / 25e9)  # every transfer longer than what runs beside it
     assert pcie.cerar_time_overlapped(d, N, c) == pytest.approx(by_hand, rel=1e-12)
     assert pcie.cerar_time_overlapped(d, N, c) > pcie.cerar_time_pipelined(d, N, c)  # the old best case
     # NVLink-like: no latency, 400 GB/s, the transfers' 2 m of HBM traffic beside the arithmetic: round 1
-    # waits for the encoding (31 + 2 m), the 12 injection rounds for 3 + 2 m, the other 5 for the link
+    # waits for the encoding (31 + 2 m), the other 17 for the link
     nvlink = cm.LinkModel(0.0, 400e9, 1.5e12, storage="messages", shares_memory=True)
-    by_hand = 121 * mb / 1.5e12 + 33 * mb / 1.5e12 + 12 * 5 * mb / 1.5e12 + 5 * mb / 400e9
+    by_hand = 133 * mb / 1.5e12 + 33 * mb / 1.5e12 + 17 * mb / 400e9
     assert nvlink.cerar_time_overlapped(d, N, c) == pytest.approx(by_hand, rel=1e-12)
 
 

@@ -113,8 +113,8 @@ FAULTS = [
     Fault(
         name="off-by-one-round",
         file="cerar/ring/rounds.py",
-        original="        new, old = t + 1, t - self.N + 1  # rows outside 1..c are zero",
-        replacement="        new, old = t + 1, t - self.N + 2  # rows outside 1..c are zero",
+        original="        new, old = t + 1, t - self.N + 1\n",
+        replacement="        new, old = t + 1, t - self.N + 2\n",
         tests=("tests/test_spec_reference.py -k test_every_ring_size_and_c_on_small_gradients",),
         why="a worker takes out its own contribution one round early: u_i(t - N + 2) instead of u_i(t - N + 1)",
         quick=True,
@@ -134,8 +134,8 @@ FAULTS = [
     Fault(
         name="dropped-agreement-field",
         file="cerar/ring/protocol.py",
-        original='            "tensor length d": d,\n            "dtype": str(tensor.dtype),\n            "transport": transport_name(transport),\n        },',
-        replacement='            "dtype": str(tensor.dtype),\n            "transport": transport_name(transport),\n        },',
+        original='        "tensor length d": tensor.numel(),\n',
+        replacement="",
         tests=("tests/test_protocol.py::test_bad_input_gets_a_clear_error_on_every_rank[gloo]",),
         why="ranks of different tensor lengths are no longer refused by name: with the same m they sum garbage",
         quick=True,
@@ -285,7 +285,7 @@ FAULTS = [
     Fault(
         name="wire-transport-not-agreed",
         file="cerar/ring/protocol.py",
-        original='            "transport": transport_name(transport),',
+        original='        "transport": transport_name(transport),\n',
         replacement="",
         tests=("tests/test_cerar_16bit.py::test_ranks_that_disagree_on_the_transport_are_refused_on_every_rank",),
         why="ranks that send float16 and float32 messages are not refused before the rounds",
