@@ -3,6 +3,8 @@ addition and makes round 2's post wait for the rest of the encoding; on NVLink t
 HBM with the arithmetic. Held to what the protocol's worker code dispatches between its posts
 (counted by ``tests/test_costmodel.py``'s counter) and to a computation by hand."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,7 @@ import cerar
 import cerar.planning.costmodel as cm
 from cerar.coding.matrices import device_matrices
 from cerar.ddp import DDP_DEFAULT_BUCKET_CAP_MB, default_bucket_cap_mb
-from cerar.ring.rounds import CodedRingRank, pipeline_chunks
+from cerar.ring.rounds import CodedRingRank, default_pipeline_chunks, pipeline_chunks
 from tests.test_costmodel import ArithmeticCounter
 
 
@@ -89,4 +91,33 @@ def test_the_models_mirrors_of_torch_side_constants_agree():
         assert cm.ddp_bucket_cap_mb(N, c) == default_bucket_cap_mb(N, c)
     for m in (1, 2**16, 2**17 - 1, 2**17, 2**20):
         assert cm.pipeline_chunk_count(m) == len(pipeline_chunks(m))
+        assert cm.pipeline_chunk_count(m, cm.CUDA_PIPELINE_MAX_CHUNKS) == len(pipeline_chunks(m, 1))
+    assert default_pipeline_chunks(torch.device("cuda")) == cm.CUDA_PIPELINE_MAX_CHUNKS
+    assert default_pipeline_chunks(torch.device("cpu")) == cm.PIPELINE_MAX_CHUNKS
     assert cm.pipeline_chunk_count(cm.DDP_FIRST_BUCKET_BYTES // 4 // 4) == 1  # c = 4: DDP's first bucket, one chunk
+
+
+@pytest.mark.quick
+def test_an_eager_call_on_a_fast_link_is_bound_by_its_posts_so_cuda_sends_one_chunk():
+    """Why ``CUDA_PIPELINE_MAX_CHUNKS`` is 1, priced: an H200-class node (NVLink 450 GB/s a direction, 4 TB/s of
+    HBM copied, alpha 5 us). With a host that keeps ahead (a CUDA graph's replay) two chunks hide each round's
+    product beside the other chunk's transfer, and win. An eager call's host posts each message (a
+    ``batch_isend_irecv``, its ``wait()``, the round's launch): at 50 us a message, L x chunks x 50 us sets the
+    time on NVLink, so twice the posts cost more than the exposed products, at 64 MiB and 256 MiB; on PCIe
+    (25 GB/s) the link sets the time either way and one chunk loses at most 3 %."""
+    nvlink = cm.LinkModel(5e-6, 450e9, 4.0e12, shares_memory=True)
+    pcie = cm.LinkModel(10e-6, 25e9, 4.0e12)
+    eager_nvlink = dataclasses.replace(nvlink, host_per_message=50e-6)
+    eager_pcie = dataclasses.replace(pcie, host_per_message=50e-6)
+    for N, c, mib in ((4, 16, 64), (8, 32, 256)):
+        d = mib * 2**20 // 4
+        assert nvlink.best_chunks(d, N, c) == 2  # replayed: the host costs nothing
+        assert eager_nvlink.best_chunks(d, N, c) == cm.CUDA_PIPELINE_MAX_CHUNKS == 1
+        L = c + N - 2
+        assert eager_nvlink.cerar_time_chunks(d, N, c, 2) == pytest.approx(2 * L * 50e-6)  # the posts, by hand
+        one, two = (eager_pcie.cerar_time_chunks(d, N, c, k) for k in (1, 2))
+        assert one <= 1.03 * two
+    # the host term bounds the time from below and changes nothing where the host keeps ahead
+    d = 64 * 2**20 // 4
+    assert eager_pcie.cerar_time_chunks(d, 4, 16, 1) == pcie.cerar_time_chunks(d, 4, 16, 1)
+    assert nvlink.cerar_time_overlapped(d, 4, 16) == nvlink.cerar_time_chunks(d, 4, 16, cm.PIPELINE_MAX_CHUNKS)

@@ -14,8 +14,8 @@ products and additions are memory bound), and
 algorithm     rounds                bytes sent per worker       values the arithmetic moves per worker
 ============  ====================  ==========================  ==========================================
 exact ring    2(N-1)                2(N-1) ceil(d/N) itemsize   3 (N-1) ceil(d/N) (reduce-scatter adds)
-CERAR         L = c+N-2             L m itemsize, m=ceil(d/c)   ``cerar_arithmetic``: about 22 d for
-                                                                ``storage="spec"``, 12 d for
+CERAR         L = c+N-2             L m itemsize, m=ceil(d/c)   ``cerar_arithmetic``: about 20 d for
+                                                                ``storage="spec"``, 10 d for
                                                                 ``"messages"`` (``cerar.ring.rounds``)
 ============  ====================  ==========================  ==========================================
 

@@ -69,6 +69,11 @@ DEFAULT_WARMUP_CALLS = 1
 DEFAULT_MAX_GRAPHS = 16
 """Keys captured at most: each graph keeps its static buffer and working storage, (2 + N/c) d ("spec")."""
 
+GRAPH_PIPELINE_MAX_CHUNKS = 2
+"""Chunks a replayed call cuts its blocks into: with no host cost per message (``LinkModel.host_per_message`` = 0),
+two chunks hide each round's product beside the other chunk's transfer (``LinkModel.best_chunks``: 11-25 % on
+NVLink at 64-256 MiB, 2 % on PCIe); an eager call on CUDA sends one (``cerar.ring.rounds.CUDA_PIPELINE_MAX_CHUNKS``)."""
+
 EAGER, CAPTURE, REPLAY = "eager", "capture", "replay"
 
 
@@ -166,8 +171,9 @@ class _Captured:
 
 class GraphedAllReduce:
     """``cerar.all_reduce`` through CUDA graphs where a call's shapes repeat (module docstring). Call it as
-    ``cerar.all_reduce`` (no timers: a graph has none). ``backend``: ``CudaGraphs()`` for CUDA tensors
-    (default), ``HostGraphs()`` to run the plan on a CPU (tests); None on a CPU: every call eager."""
+    ``cerar.all_reduce`` (no timers: a graph has none; ``chunks`` default ``GRAPH_PIPELINE_MAX_CHUNKS``, every
+    call of a key, its eager ones too). ``backend``: ``CudaGraphs()`` for CUDA tensors (default),
+    ``HostGraphs()`` to run the plan on a CPU (tests); None on a CPU: every call eager, ``cerar.all_reduce``'s."""
 
     def __init__(self, warmup: int = DEFAULT_WARMUP_CALLS, max_graphs: int = DEFAULT_MAX_GRAPHS, backend=None):
         self.plan = CapturePlan(warmup, max_graphs)
@@ -175,23 +181,14 @@ class GraphedAllReduce:
         self.graphs: dict[GraphKey, _Captured] = {}
         self.steps: list[str] = []  # what each call did, in order (for the checks and the benchmark)
 
-    def __call__(
-        self,
-        tensor: torch.Tensor,
-        code: Code,
-        group=None,
-        op: str = "sum",
-        timeout=None,
-        storage: str = DEFAULT_STORAGE,
-        *,
-        transport=None,
-        chunks: int | None = None,
-    ) -> AllReduceStats:
+    def __call__(self, tensor: torch.Tensor, code: Code, group=None, op: str = "sum", timeout=None,
+                 storage: str = DEFAULT_STORAGE, *, transport=None, chunks=None) -> AllReduceStats:  # fmt: skip
         operation = "cerar.GraphedAllReduce"
         check_coded_call(tensor, code, op, storage, operation, transport)
         check_chunks(chunks, operation)
         backend = self.backend or (CudaGraphs() if tensor.device.type == "cuda" else None)
-        chunks = default_pipeline_chunks(tensor.device) if chunks is None else chunks
+        if chunks is None:
+            chunks = default_pipeline_chunks(tensor.device) if backend is None else GRAPH_PIPELINE_MAX_CHUNKS
         eager = dict(timed=False, transport=transport, chunks=chunks)
         ring = _Ring.of(group, timeout, operation)
         # a graph holds device work only: a host-waited contract (gloo) has rounds the host must wait for
