@@ -107,6 +107,7 @@ def expected_per_call(N: int, c: int, d: int, storage: str, chunks: int) -> int:
     return total + (whole < c) + 2 * (rest > 0)  # the tail zeroed; the partial row copied in and out
 
 
+@pytest.mark.quick
 def test_the_counts_the_issue_states():
     """N=4, c=16, one chunk (CUDA's): 2 encoding products, 18 rounds' one operation, 6 decoding products ("spec")
     or 1 ("messages"); N=8, c=32: 38 rounds. Before: 12 (N=4) and 24 (N=8) more, the injections."""

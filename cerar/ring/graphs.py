@@ -116,24 +116,37 @@ class CapturePlan:
 
 
 class CudaGraphs:
-    """torch's CUDA graphs. A capture runs on a side stream that first waits for the current one, in
-    thread-local mode (another thread's CUDA calls, the watchdog's event queries or the training loop's,
-    do not break it), and the current stream then waits for the side stream; unlike ``torch.cuda.graph``
-    it does not synchronise the device first."""
+    """torch's CUDA graphs. Captures run on a side stream of their own per device, in thread-local mode
+    (another thread's CUDA calls, the watchdog's event queries or the training loop's, do not break it); the
+    side stream first waits for the current one, and the current one then waits for it. Unlike
+    ``torch.cuda.graph`` nothing synchronises the device. ``eager`` runs a warm-up call on the same side stream,
+    so that the per-stream state the capture needs (cuBLAS's handle and workspace) exists before it."""
 
-    def capture(self, fn, device: torch.device):
-        graph = torch.cuda.CUDAGraph()
+    def __init__(self):
+        self.streams: dict[str, torch.cuda.Stream] = {}
+
+    def _on_side(self, fn, device: torch.device, capture=None):
+        side = self.streams.setdefault(str(device), torch.cuda.Stream(device))
         current = torch.cuda.current_stream(device)
-        side = torch.cuda.Stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                fn()
-            finally:
-                graph.capture_end()
+            if capture is None:
+                result = fn()
+            else:
+                capture.capture_begin(capture_error_mode="thread_local")
+                try:
+                    fn()
+                finally:
+                    capture.capture_end()
+                result = capture
         current.wait_stream(side)
-        return graph
+        return result
+
+    def eager(self, fn, device: torch.device):
+        return self._on_side(fn, device)
+
+    def capture(self, fn, device: torch.device):
+        return self._on_side(fn, device, torch.cuda.CUDAGraph())
 
     def replay(self, graph) -> None:
         graph.replay()
@@ -148,6 +161,9 @@ class CudaGraphs:
 class HostGraphs:
     """The stand-in for CUDA graphs on a CPU (tests): "capturing" keeps the host function, a replay
     calls it; completion is a no-op issued on the call's device queue (in order after its work)."""
+
+    def eager(self, fn, device: torch.device):  # noqa: ARG002
+        return fn()
 
     def capture(self, fn, device: torch.device):  # noqa: ARG002
         return fn
@@ -205,8 +221,8 @@ class GraphedAllReduce:
         )
         step = self.plan.next(key)
         self.steps.append(step)
-        if step == EAGER:
-            return all_reduce(tensor, code, group, op, timeout, storage, **eager)
+        if step == EAGER:  # on the stream the capture will use
+            return backend.eager(lambda: all_reduce(tensor, code, group, op, timeout, storage, **eager), tensor.device)
         if step == CAPTURE:
             self.graphs[key] = self._capture(backend, ring, tensor, code, op, storage, transport, chunks)
         return self._replay(backend, ring, self.graphs[key], tensor)

@@ -47,8 +47,9 @@ def one_rank_arithmetic(code, d: int, device: torch.device, *, graph: bool | Non
     ``graph`` (default: on CUDA): the whole call captured once into a CUDA graph (``cerar.ring.graphs.CudaGraphs``,
     after one eager call that makes the injection row and cuBLAS's workspaces), and the callable replays it, as
     ``cerar.ring.graphs.GraphedAllReduce`` replays a real NCCL call (NCCL's point-to-point captured under torch's
-    ProcessGroupNCCL: ``docs/gpus.md``, and ``captured_selfloop`` checks it). ``graph=False``: eager, one launch
-    per operation, the host's time included (what an eager ``cerar.all_reduce`` pays, its posts left out)."""
+    ProcessGroupNCCL: ``docs/gpus.md``, and ``captured_selfloop`` checks it); if CUDA refuses the capture, the
+    eager callable comes back with the reason in its ``graph_failure``. ``graph=False``: eager, one launch per
+    operation, the host's time included (what an eager ``cerar.all_reduce`` pays, its posts left out)."""
     graph = device.type == "cuda" if graph is None else graph
     matrices = device_matrices(code, code.N - 1, torch.float32, device)
     flat = torch.randn(d, device=device)
@@ -67,10 +68,14 @@ def one_rank_arithmetic(code, d: int, device: torch.device, *, graph: bool | Non
 
     if not graph:
         return run
-    with cerar.full_fp32_products(device):  # the products' precision is fixed when they are captured
-        run()
-        torch.cuda.synchronize(device)
-        captured = CudaGraphs().capture(run, device)
+    graphs = CudaGraphs()
+    try:
+        with cerar.full_fp32_products(device):  # the products' precision is fixed when they are captured
+            graphs.eager(run, device)  # the injection row, cuBLAS's handle and workspace on the capture's stream
+            captured = graphs.capture(run, device)
+    except RuntimeError as error:  # a refused capture is a finding: the eager call, with the reason on it
+        run.graph_failure = f"{type(error).__name__}: {error}"[:300]
+        return run
     return captured.replay
 
 
@@ -162,17 +167,18 @@ def captured_selfloop(N: int = 4, c: int = 8, d: int = 2**20 + 3, replays: int =
             flats[i].copy_(G[i])
         return G
 
-    results = []
+    results, graphs = [], CudaGraphs()
     with torch.no_grad(), cerar.full_fp32_products(device):
         G = gradients(0)
+        torch.cuda.synchronize(device)
         start = time.perf_counter()
-        call(ring).finish()
+        graphs.eager(lambda: call(ring).finish(), device)  # on the stream the capture uses
         eager_s = time.perf_counter() - start
         results.append(spec_judged(torch.stack([f.cpu() for f in flats]), G, code))
         torch.cuda.synchronize(device)
         try:
-            graph = CudaGraphs().capture(lambda: call(captured_ring), device)
-        except Exception as error:  # the finding: what torch or NCCL refused, in one line
+            graph = graphs.capture(lambda: call(captured_ring), device)
+        except Exception as error:  # noqa: BLE001  the finding: what torch or NCCL refused, in one line
             return {"status": "FAIL", "reason": f"capture failed: {type(error).__name__}: {error}"[:400]}
         replay_s = []
         for k in range(1, replays + 1):
