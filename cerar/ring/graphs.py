@@ -7,9 +7,10 @@ at 0.81 ms of GPU time in 2.75 ms of wall time, ``docs/gpus.md``). A graph repla
 NCCL's included, from one launch.
 
 Whether NCCL's point-to-point can be captured under torch's ProcessGroupNCCL: yes, on conditions this module
-keeps (``docs/gpus.md``, "CUDA graphs", cites the functions): the communicator and its connections to both
-peers exist before the capture (an eager call made them); no host poll of a work inside the capture (asking an
-event captured in a graph whether it completed is an error: ``TransportContract.host_polls=False``); the same
+keeps (``docs/gpus.md``, "CUDA graphs and NCCL's point-to-point", cites the functions): the communicator and
+its connections to both peers exist before the capture (an eager call made them); no host poll of a work
+inside the capture (asking an event captured in a graph whether it completed is an error:
+``TransportContract.host_polls=False``); the same
 operations captured, and the graph replayed, on every rank (NCCL: capture is a collective property of an
 operation); no ``wait(timeout)`` or ``TORCH_NCCL_BLOCKING_WAIT`` (they poll). A work made during a capture is
 not enqueued to torch's watchdog, so the only bound on a replay is this module's: an event after it, polled
@@ -126,7 +127,9 @@ class CudaGraphs:
         self.streams: dict[str, torch.cuda.Stream] = {}
 
     def _on_side(self, fn, device: torch.device, capture=None):
-        side = self.streams.setdefault(str(device), torch.cuda.Stream(device))
+        side = self.streams.get(str(device))
+        if side is None:
+            side = self.streams[str(device)] = torch.cuda.Stream(device)
         current = torch.cuda.current_stream(device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
