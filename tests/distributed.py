@@ -87,6 +87,19 @@ def shared_store():
     return _store["store"]
 
 
+def stop_one_rank(rank: int, world_size: int, victim: int) -> None:
+    """A peer that stalls mid-run: once every rank has reached this call, rank ``victim`` stops itself (SIGSTOP)
+    and the others return, to make the call that finds it stalled."""
+    import signal
+
+    store = shared_store()
+    store.set(f"ready/{rank}", "1")
+    if rank == victim:
+        store.wait([f"ready/{r}" for r in range(world_size)], timedelta(seconds=60))
+        os.kill(os.getpid(), signal.SIGSTOP)
+    store.wait([f"ready/{victim}"], timedelta(seconds=60))
+
+
 def _take_environment(environ: dict) -> None:
     """The caller's environment as a fresh interpreter would start with it: the variables, and the thread count
     torch reads from OMP_NUM_THREADS when it starts (here torch started in the forkserver, before them; a

@@ -95,14 +95,14 @@ def test_the_arithmetic_count_is_what_the_protocol_does(N, c, storage):
 
 @pytest.mark.quick
 def test_fewer_passes_cost_storage():
-    """The knob trades storage for passes: "messages" about (2 + (N-1)/c) d and half the passes of
-    "spec", which stays at the spec's (1 + N/c) d plus one block."""
+    """The knob trades storage for passes: "messages" about (2 + (N-2)/c) d and half the passes of
+    "spec", which keeps the spec's (1 + N/c) d."""
     d = 16 * 2**20
     for N, c in [(4, 16), (8, 32)]:
         full, spec = cm.cerar_arithmetic(d, N, c, "messages"), cm.cerar_arithmetic(d, N, c, "spec")
-        assert full["passes"] < 13 < 21 < spec["passes"] < 23
-        assert spec["storage_values"] == (c + N + 1) * (d // c)
-        assert full["storage_values"] == (2 * c + N - 1) * (d // c)
+        assert full["passes"] < 11 < 20 < spec["passes"] < 21
+        assert spec["storage_values"] == (c + N) * (d // c)
+        assert full["storage_values"] == (2 * c + N - 2) * (d // c)
 
 
 @pytest.mark.quick

@@ -3,6 +3,8 @@ addition and makes round 2's post wait for the rest of the encoding; on NVLink t
 HBM with the arithmetic. Held to what the protocol's worker code dispatches between its posts
 (counted by ``tests/test_costmodel.py``'s counter) and to a computation by hand."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,7 +13,7 @@ import cerar
 import cerar.planning.costmodel as cm
 from cerar.coding.matrices import device_matrices
 from cerar.ddp import DDP_DEFAULT_BUCKET_CAP_MB, default_bucket_cap_mb
-from cerar.ring.rounds import CodedRingRank, pipeline_chunks
+from cerar.ring.rounds import CodedRingRank, default_pipeline_chunks, pipeline_chunks
 from tests.test_costmodel import ArithmeticCounter
 
 
@@ -52,19 +54,20 @@ def test_each_rounds_traffic_is_what_one_chunk_runs_between_its_posts(N, c, stor
 @pytest.mark.quick
 def test_a_one_chunk_call_priced_by_hand():
     """N = 4, c = 16, storage "messages", d = 16 x 4096 (m = 4096: one chunk), fp32. Before the first
-    post x(1)'s encoding, 17 m values; after each of the 18 arrivals an addition, 3 m; after the last,
-    the decoding, (c + L) m + c m = 50 m: 17 + 54 + 50 = 121 m in series with the transfers. Beside
-    round 1's transfer the rest of the encoding, 31 m; beside rounds 4..15 an injection, 3 m."""
+    post x(1)'s encoding, 17 m values; after each of the 18 arrivals the round's one operation, 4 m in
+    rounds 4..15 (y, u(t-3) and u(t+1) read, y written), 3 m in the other 6; after the last, the decoding,
+    (c + L) m + c m = 50 m: 17 + 66 + 50 = 133 m in series with the transfers. Beside round 1's transfer
+    the rest of the encoding, 31 m; beside the others nothing."""
     N, c, m = 4, 16, 4096
     d, mb = c * m, m * 4
     pcie = cm.LinkModel(10e-6, 25e9, 1.5e12, storage="messages")
-    by_hand = 121 * mb / 1.5e12 + 18 * (10e-6 + mb / 25e9)  # every transfer longer than what runs beside it
+    by_hand = 133 * mb / 1.5e12 + 18 * (10e-6 + mb / 25e9)  # every transfer longer than what runs beside it
     assert pcie.cerar_time_overlapped(d, N, c) == pytest.approx(by_hand, rel=1e-12)
     assert pcie.cerar_time_overlapped(d, N, c) > pcie.cerar_time_pipelined(d, N, c)  # the old best case
     # NVLink-like: no latency, 400 GB/s, the transfers' 2 m of HBM traffic beside the arithmetic: round 1
-    # waits for the encoding (31 + 2 m), the 12 injection rounds for 3 + 2 m, the other 5 for the link
+    # waits for the encoding (31 + 2 m), the other 17 for the link
     nvlink = cm.LinkModel(0.0, 400e9, 1.5e12, storage="messages", shares_memory=True)
-    by_hand = 121 * mb / 1.5e12 + 33 * mb / 1.5e12 + 12 * 5 * mb / 1.5e12 + 5 * mb / 400e9
+    by_hand = 133 * mb / 1.5e12 + 33 * mb / 1.5e12 + 17 * mb / 400e9
     assert nvlink.cerar_time_overlapped(d, N, c) == pytest.approx(by_hand, rel=1e-12)
 
 
@@ -88,4 +91,33 @@ def test_the_models_mirrors_of_torch_side_constants_agree():
         assert cm.ddp_bucket_cap_mb(N, c) == default_bucket_cap_mb(N, c)
     for m in (1, 2**16, 2**17 - 1, 2**17, 2**20):
         assert cm.pipeline_chunk_count(m) == len(pipeline_chunks(m))
+        assert cm.pipeline_chunk_count(m, cm.CUDA_PIPELINE_MAX_CHUNKS) == len(pipeline_chunks(m, 1))
+    assert default_pipeline_chunks(torch.device("cuda")) == cm.CUDA_PIPELINE_MAX_CHUNKS
+    assert default_pipeline_chunks(torch.device("cpu")) == cm.PIPELINE_MAX_CHUNKS
     assert cm.pipeline_chunk_count(cm.DDP_FIRST_BUCKET_BYTES // 4 // 4) == 1  # c = 4: DDP's first bucket, one chunk
+
+
+@pytest.mark.quick
+def test_an_eager_call_on_a_fast_link_is_bound_by_its_posts_so_cuda_sends_one_chunk():
+    """Why ``CUDA_PIPELINE_MAX_CHUNKS`` is 1, priced: an H200-class node (NVLink 450 GB/s a direction, 4 TB/s of
+    HBM copied, alpha 5 us). With a host that keeps ahead (a CUDA graph's replay) two chunks hide each round's
+    product beside the other chunk's transfer, and win. An eager call's host posts each message (a
+    ``batch_isend_irecv``, its ``wait()``, the round's launch): at 50 us a message, L x chunks x 50 us sets the
+    time on NVLink, so twice the posts cost more than the exposed products, at 64 MiB and 256 MiB; on PCIe
+    (25 GB/s) the link sets the time either way and one chunk loses at most 3 %."""
+    nvlink = cm.LinkModel(5e-6, 450e9, 4.0e12, shares_memory=True)
+    pcie = cm.LinkModel(10e-6, 25e9, 4.0e12)
+    eager_nvlink = dataclasses.replace(nvlink, host_per_message=50e-6)
+    eager_pcie = dataclasses.replace(pcie, host_per_message=50e-6)
+    for N, c, mib in ((4, 16, 64), (8, 32, 256)):
+        d = mib * 2**20 // 4
+        assert nvlink.best_chunks(d, N, c) == 2  # replayed: the host costs nothing
+        assert eager_nvlink.best_chunks(d, N, c) == cm.CUDA_PIPELINE_MAX_CHUNKS == 1
+        L = c + N - 2
+        assert eager_nvlink.cerar_time_chunks(d, N, c, 2) == pytest.approx(2 * L * 50e-6)  # the posts, by hand
+        one, two = (eager_pcie.cerar_time_chunks(d, N, c, k) for k in (1, 2))
+        assert one <= 1.03 * two
+    # the host term bounds the time from below and changes nothing where the host keeps ahead
+    d = 64 * 2**20 // 4
+    assert eager_pcie.cerar_time_chunks(d, 4, 16, 1) == pcie.cerar_time_chunks(d, 4, 16, 1)
+    assert nvlink.cerar_time_overlapped(d, 4, 16) == nvlink.cerar_time_chunks(d, 4, 16, cm.PIPELINE_MAX_CHUNKS)

@@ -24,7 +24,7 @@ import cerar
 from cerar.ring.precision import rounding_bound
 from cerar.ring.rounds import pipeline_chunks
 from cerar.ring.transport import LOOK_BEHIND_POSTS
-from tests.distributed import ProcessExit, WorkerError, run_workers, shared_store
+from tests.distributed import ProcessExit, WorkerError, run_workers, shared_store, stop_one_rank
 from tests.nccl_emulation import ABORTED_KEY, transport_log
 from tests.spec_reference import spec_all_reduce
 from tests.test_spec_reference import spec_code_matrices
@@ -287,12 +287,7 @@ def _stalled_peer_worker(rank, N, victim, timeout_s, c, d):
     code = cerar.make_code(N, c, "perturbation", eps=0.05)
     tensor = torch.ones(d)
     cerar.all_reduce(tensor, code, timeout=timeout_s)  # everyone is connected and agreed
-    store = shared_store()
-    store.set(f"ready/{rank}", "1")
-    if rank == victim:
-        store.wait([f"ready/{r}" for r in range(N)], timedelta(seconds=60))
-        os.kill(os.getpid(), signal.SIGSTOP)
-    store.wait([f"ready/{victim}"], timedelta(seconds=60))
+    stop_one_rank(rank, N, victim)
     start = time.monotonic()
     try:
         cerar.all_reduce(tensor, code, timeout=timeout_s)

@@ -14,8 +14,8 @@ products and additions are memory bound), and
 algorithm     rounds                bytes sent per worker       values the arithmetic moves per worker
 ============  ====================  ==========================  ==========================================
 exact ring    2(N-1)                2(N-1) ceil(d/N) itemsize   3 (N-1) ceil(d/N) (reduce-scatter adds)
-CERAR         L = c+N-2             L m itemsize, m=ceil(d/c)   ``cerar_arithmetic``: about 22 d for
-                                                                ``storage="spec"``, 12 d for
+CERAR         L = c+N-2             L m itemsize, m=ceil(d/c)   ``cerar_arithmetic``: about 20 d for
+                                                                ``storage="spec"``, 10 d for
                                                                 ``"messages"`` (``cerar.ring.rounds``)
 ============  ====================  ==========================  ==========================================
 
@@ -136,39 +136,68 @@ def decode_products(N: int, c, storage: str = DEFAULT_STORAGE):
     return -(-L // batch)
 
 
+def _round_kinds(N: int, c):
+    """Rounds by what ``receive`` does (``cerar.ring.rounds``): (both, one, none): rounds N..c-1 add u(t+1) and
+    take out u(t-N+1) in one product; the others add or take out one row, except rounds c..N-1 (c < N),
+    which have none. ``c`` may be an array."""
+    c = np.asarray(c)
+    L = c + N - 2
+    both, none = np.maximum(0, c - N), np.maximum(0, N - c)
+    return both, L - both - none, none
+
+
 def _arithmetic(d, N: int, c, storage: str) -> dict:
     c = np.asarray(c)
     products = decode_products(N, c, storage)
     m = -(-np.asarray(d) // c)
     L = c + N - 2
-    injections = np.maximum(0, c - N)  # rounds N..c-1: u(t+1) - u(t-N+1) formed in flight
-    additions = L - np.maximum(0, N - c)  # rounds with a row to add to y(t)
+    both, one, _ = _round_kinds(N, c)
     encode = 2 * c * m + c * m  # G read twice (x(1) first, then the rest), U written once
-    rounds = 3 * (injections + additions) * m
+    rounds = (4 * both + 3 * one) * m  # y(t) read and written, and the one or two rows of U read
     decode = (c + L) * m + c * m + 2 * c * m * (products - 1)  # [U; X] read, result written
     moved = encode + rounds + decode
     rows = np.maximum(L if storage == "messages" else N, 2)
     return {
-        "mult_adds": (2 * c + L) * c * m,
-        "adds": (injections + additions) * m,
+        "mult_adds": (2 * c + L) * c * m + 2 * both * m,
+        "adds": one * m,
         "values_moved": moved,
         "passes": moved / (c * m),
         "products": products,
-        "storage_values": (c + rows + 1) * m,
+        "storage_values": (c + rows) * m,
     }
 
 
 def cerar_arithmetic(d, N: int, c: int, storage: str = DEFAULT_STORAGE) -> dict:
     """The arithmetic of one CERAR call per rank (``cerar.ring.rounds`` derives it; exact when c divides d):
 
-    - ``mult_adds``: matrix products, U_i = A_i G_i (c d) and W_i [U_i; X] ((c + L) d);
-    - ``adds``: the per-round additions and the injections formed in flight;
+    - ``mult_adds``: matrix products, U_i = A_i G_i (c d), W_i [U_i; X] ((c + L) d), and the rounds N..c-1's
+      one product [-1, 1] [u(t-N+1); u(t+1)] into y(t) (2 m each: an addition and a subtraction, carried
+      by a product so that the round is one operation);
+    - ``adds``: the other rounds' one addition (or subtraction) of a row into y(t);
     - ``values_moved``: values the arithmetic reads or writes, and ``passes`` = values_moved / d;
-    - ``products``: decoding products; ``storage_values``: working storage beyond the input.
+    - ``products``: decoding products; ``storage_values``: working storage beyond the input, the spec's
+      (c + N) m = (1 + N/c) d for ``"spec"``.
     """
     _check_nc(N, c)
     _check_storage(storage)
     return _arithmetic(d, N, c, storage)
+
+
+def cerar_operations(N: int, c: int, storage: str = DEFAULT_STORAGE, chunks: int = 1) -> dict:
+    """The operations (on a GPU, kernels) one rank's arithmetic dispatches per call when c divides d
+    (``cerar.ring.rounds``), ``chunks`` times those of one chunk: ``encode``, 2 products (x(1) before the first
+    post, then the rest of U_i; 1 when c = 1); ``rounds``, one operation per round with a row of U_i to add or
+    take out (L - max(0, N - c)); ``decode``, one product per batch of messages (``decode_products``). Where c
+    does not divide d, each product of the chunks holding the partial last row runs once more for it, and the
+    row is zeroed, copied in and out (``tests/test_op_count.py``). The transport's operations (a post, its
+    ordering wait) and a 16-bit wire's casts are not arithmetic and not counted here."""
+    _check_nc(N, c)
+    _check_storage(storage)
+    both, one, _ = _round_kinds(N, c)
+    encode = (2 if c > 1 else 1) * chunks
+    rounds = int(both + one) * chunks
+    decode = int(decode_products(N, c, storage)) * chunks
+    return {"encode": encode, "rounds": rounds, "decode": decode, "total": encode + rounds + decode}
 
 
 def cerar_exposed_values(d, N: int, c, storage: str = DEFAULT_STORAGE):
@@ -213,10 +242,14 @@ PIPELINE_MIN_CHUNK = 2**16  # cerar.ring.rounds.PIPELINE_MIN_CHUNK, without impo
 PIPELINE_MAX_CHUNKS = 2  # cerar.ring.rounds.PIPELINE_MAX_CHUNKS
 
 
-def pipeline_chunk_count(m: int) -> int:
-    """How many column chunks a block of m values travels in (``cerar.ring.rounds.pipeline_chunks``): one
-    below 2 x 2^16 values, i.e. for d < 2^17 c."""
-    return max(1, min(PIPELINE_MAX_CHUNKS, int(m) // PIPELINE_MIN_CHUNK))
+CUDA_PIPELINE_MAX_CHUNKS = 1  # cerar.ring.rounds.CUDA_PIPELINE_MAX_CHUNKS
+
+
+def pipeline_chunk_count(m: int, max_chunks: int = PIPELINE_MAX_CHUNKS) -> int:
+    """How many column chunks a block of m values travels in (``cerar.ring.rounds.pipeline_chunks``), at most
+    ``max_chunks`` (2 on a CPU, ``CUDA_PIPELINE_MAX_CHUNKS`` on CUDA): one below 2 x 2^16 values, i.e. for
+    d < 2^17 c."""
+    return max(1, min(max_chunks, int(m) // PIPELINE_MIN_CHUNK))
 
 
 def cerar_round_values(N: int, c: int, storage: str = DEFAULT_STORAGE) -> dict:
@@ -226,10 +259,11 @@ def cerar_round_values(N: int, c: int, storage: str = DEFAULT_STORAGE) -> dict:
     - ``before``: x(1)'s encoding, before round 1 is posted (c + 1: G's rows read, one row written);
     - ``in_flight[t-1]``: issued right after round t is posted, so it runs beside round t's transfer:
       round 1: the rest of the encoding (2c - 1: G read again, U's other rows written), which round 2's
-      post waits for; rounds N..c-1: the injection u(t+1) - u(t-N+1) (3); with ``"spec"``, a decoding
-      product once a batch of messages is complete, before round L (2c + batch);
-    - ``receive[t-1]``: after round t's message arrives and before round t+1 is posted: the addition
-      x(t+1) = u(t+1) + yhat(t) (3), in every round but c..N-1 (no row to add);
+      post waits for; with ``"spec"``, a decoding product once a batch of messages is complete, before
+      round L (2c + batch);
+    - ``receive[t-1]``: after round t's message arrives and before round t+1 is posted: x(t+1) = y(t) +
+      u(t+1) - u(t-N+1) in one operation, 4 where both rows exist (rounds N..c-1), 3 where one does, 0 in
+      rounds c..N-1;
     - ``after``: after the last round: the decoding left (``cerar_exposed_values`` less x(1) and the
       last addition).
 
@@ -239,14 +273,14 @@ def cerar_round_values(N: int, c: int, storage: str = DEFAULT_STORAGE) -> dict:
     _check_storage(storage)
     L = c + N - 2
     t = np.arange(1, L + 1)
-    in_flight = np.where((t >= N) & (t <= c - 1), 3, 0)
-    in_flight[0] += 2 * c - 1
+    in_flight = np.zeros(L, dtype=int)
+    in_flight[0] = 2 * c - 1
     rows = max(L if storage == "messages" else N, 2)
     batch = rows if rows >= L else rows - 1
     if batch < L:
         for k in range(1, max(L - 2, 0) // batch + 1):  # a batch of messages decoded in flight, before round L
             in_flight[k * batch] += 2 * c + batch
-    receive = np.where((t >= c) & (t <= N - 1), 0, 3) if c >= 2 else np.zeros(L, dtype=int)
+    receive = np.where((t >= N) & (t <= c - 1), 4, np.where((t >= c) & (t <= N - 1), 0, 3))
     exposed = int(cerar_exposed_values(c, N, c, storage))  # m = 1
     after = exposed - (c + 1) - int(receive[-1])
     return {"before": c + 1, "in_flight": in_flight, "receive": receive, "after": after}
@@ -298,11 +332,18 @@ class LinkModel:
     a GPU's sends are read from, and its receives written to, its HBM by the copy engines or NCCL's
     kernels), so beside the arithmetic each round adds 2 x its bytes of memory traffic. False for
     PCIe and network links, whose bytes are the bottleneck long before HBM's."""
+    host_per_message: float = 0.0
+    """Host seconds per message an eager call posts: its ``batch_isend_irecv``, its ordering ``wait()`` and the
+    round's launch, which the host must do before the device can run them. 0 prices a host that keeps ahead
+    of the device (a slow link, or a call replayed from a CUDA graph: ``cerar.ring.graphs``); on a fast link
+    an eager call is bound by it, L x chunks x host_per_message (``cerar_time_chunks``)."""
 
     def __post_init__(self):
         _check_storage(self.storage)
-        if not (self.alpha >= 0 and self.bandwidth > 0 and self.memory_bandwidth > 0):
-            raise ValueError(f"LinkModel needs alpha >= 0, bandwidth > 0, memory_bandwidth > 0; got {self}")
+        if not (self.alpha >= 0 and self.bandwidth > 0 and self.memory_bandwidth > 0 and self.host_per_message >= 0):
+            raise ValueError(
+                f"LinkModel needs alpha >= 0, bandwidth > 0, memory_bandwidth > 0, host_per_message >= 0; got {self}"
+            )
 
     @property
     def coef(self) -> np.ndarray:
@@ -344,10 +385,24 @@ class LinkModel:
 
         Where the link shares memory (NVLink) the traffic beside the transfers includes the
         transfers' own 2 x bytes sent."""
-        m = -(-int(d) // c)
-        if pipeline_chunk_count(m) == 1:
-            return self.cerar_time_one_chunk(d, N, c, itemsize)
-        return self.cerar_time_pipelined(d, N, c, itemsize)
+        return self.cerar_time_chunks(d, N, c, PIPELINE_MAX_CHUNKS, itemsize)
+
+    def cerar_time_chunks(self, d, N: int, c: int, chunks: int, itemsize: int = 4) -> float:
+        """The overlapped time of a call whose blocks travel in at most ``chunks`` column chunks
+        (``pipeline_chunk_count``): one chunk priced round by round (``cerar_time_one_chunk``), more with
+        everything but the exposed traffic beside the transfers (``cerar_time_pipelined``); and at least
+        the host's time to post them, L x chunks x ``host_per_message`` (the host runs ahead of the device,
+        so the two overlap)."""
+        parts = pipeline_chunk_count(-(-int(d) // c), chunks)
+        device = self.cerar_time_one_chunk(d, N, c, itemsize) if parts == 1 else self.cerar_time_pipelined(
+            d, N, c, itemsize
+        )
+        return max(device, cerar_rounds(N, c) * parts * self.host_per_message)
+
+    def best_chunks(self, d, N: int, c: int, itemsize: int = 4, most: int = PIPELINE_MAX_CHUNKS) -> int:
+        """The chunk count in 1..``most`` that ``cerar_time_chunks`` prices lowest (the fewer on a tie)."""
+        times = [self.cerar_time_chunks(d, N, c, k, itemsize) for k in range(1, most + 1)]
+        return 1 + int(np.argmin(times))
 
     def cerar_time_pipelined(self, d, N: int, c: int, itemsize: int = 4) -> float:
         """The overlapped time of two or more chunks (``cerar_time_overlapped``): everything but the

@@ -42,7 +42,10 @@ def rounding_bound(code, dtype: torch.dtype, wire: torch.dtype | None = None) ->
     decoding's L messages), each carrying one rounding of relative size u; independent roundings
     add in quadrature, sqrt(c + L) u, and the blocks on the ring are sums of the N workers'
     contributions, one rounding each (N u at worst). The decode then amplifies what rounding did to
-    the coded blocks by up to the code's condition number kappa (the spec's "Numerics"). Different
+    the coded blocks by up to the code's condition number kappa (the spec's "Numerics"). (A hop's x(t+1) =
+    y(t) + u(t+1) - u(t-N+1) is one operation, a product with [-1, 1] where both rows exist,
+    ``cerar.ring.rounds``, and still two roundings, as when the injection was formed apart: its terms times
+    +-1 are exact.) Different
     kernels (AVX2, AVX-512, cuBLAS) sum in different orders, which changes the rounding but not its
     size, so two correct implementations differ by at most twice this. Measured: 0.1 to 0.3 of it on
     Gaussian gradients of 10^3 to 10^6 values (``tests/test_spec_reference.py``), so the constant 1

@@ -10,13 +10,15 @@ Costs per call, for a tensor of d values (m = ceil(d/c)):
 =================  =========================  ==============================
 rounds             L = c + N - 2              2 (N - 1)
 values sent        L m ~ (1 + (N-2)/c) d      2 (N - 1) ceil(d/N)
-extra storage      (c+N+1) m ~ (1 + N/c) d   ceil(d/N), plus a padded copy
-                   (storage="spec"); (c+L+1)  when N does not divide d
+extra storage      (c+N) m ~ (1 + N/c) d     ceil(d/N), plus a padded copy
+                   (storage="spec"); (c+L)    when N does not divide d
                    m ("messages")
 arithmetic         (3c + N - 2) d mult-adds   (N - 1) ceil(d/N) additions
-                   in ~22 ("spec") or ~12
+                   in ~20 ("spec") or ~10
                    ("messages") passes over
-                   d (``cerar.ring.rounds``)
+                   d, one operation per round
+                   and chunk (``cerar.ring.
+                   rounds``)
 error              the code's (0 for exact)   none
 host waits         gloo: every round; NCCL:   the same
                    one poll per
@@ -36,7 +38,7 @@ from cerar.coding.matrices import device_matrices
 from cerar.formats.wire import transport_name, wire_for
 from cerar.ring.checks import _check_op, _check_tensor, check_agreement, check_coded_call, check_transport
 from cerar.ring.fp32_products import check_no_tf32_override, full_fp32_products
-from cerar.ring.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer
+from cerar.ring.rounds import DEFAULT_STORAGE, CodedRingRank, PhaseTimer, check_chunks, default_pipeline_chunks
 from cerar.ring.transport import _bytes, _Ring, _Rounds
 from cerar.ring.workspace import POOL
 
@@ -91,6 +93,60 @@ def _cached_device_matrices(code: Code, i: int, dtype, device) -> dict[str, torc
     return _device_codes[key]
 
 
+def coded_call_fields(code: Code, tensor: torch.Tensor, transport, chunks: int) -> dict[str, object]:
+    """What every rank of a CERAR call must agree on (``check_agreement``), and so what makes two calls
+    the same graph (``cerar.ring.graphs``): the code, the protocol's version, the length, the dtype, the
+    wire and the chunking of the blocks."""
+    return {
+        "N": code.N,
+        "c": code.c,
+        "construction": code.construction,
+        "eps": code.eps,
+        "kappa_max": code.kappa_max,
+        "cerar protocol version": PROTOCOL_VERSION,
+        "tensor length d": tensor.numel(),
+        "dtype": str(tensor.dtype),
+        "transport": transport_name(transport),
+        "pipeline chunks": chunks,
+    }
+
+
+def check_group_size(ring: _Ring, code: Code, operation: str) -> None:
+    if ring.size != code.N:
+        raise ValueError(
+            f"{operation}: the code was built for N={code.N} workers but the group has {ring.size} ranks; "
+            f"use cerar.make_code({ring.size}, c, ...)"
+        )
+
+
+def coded_rounds(
+    ring: _Ring, code: Code, flat: torch.Tensor, timer: PhaseTimer, storage: str, wire, chunks: int, workspace, op: str
+) -> tuple[CodedRingRank, _Rounds]:
+    """Issue one CERAR call's rounds on ``flat`` (contiguous, in place) under ``ring``'s contract: x(1),
+    every round's post, its arrival and its one operation, the decoding and the result (scaled by 1/N for
+    ``op="avg"``) into ``flat``. Returns the rank and the rounds, which the caller finishes
+    (``_Rounds.finish``); ``all_reduce`` does it eagerly, ``cerar.ring.graphs`` while capturing a graph."""
+    c, m, N, L = code.c, code.m_for(flat.numel()), code.N, code.L
+    matrices = _cached_device_matrices(code, ring.rank, flat.dtype, flat.device)
+    me = CodedRingRank(matrices, flat, c, m, N, timer, storage, workspace, chunks, start=False)
+    rounds = _Rounds(ring, timer, wire)
+    rounds.issue(me.start)  # x(1), after whatever the device queue holds before the call (a graph's copy in)
+    handles = [rounds.post(w.message(1), w.receive_buffer(1), f"round 1/{L}") for w in me.workers]
+    for worker in me.workers:  # every chunk's round 1 is on the link before the rest of the encoding
+        rounds.issue(worker.while_in_flight, 1)
+    for t in range(1, L + 1):
+        for p, worker in enumerate(me.workers):
+            # chunk p's round t arrives while the later chunks' round t and the earlier chunks' round
+            # t+1 travel: chunk p's arithmetic runs beside the transfers of its neighbours
+            rounds.arrive(handles[p], f"round {t}/{L}")
+            rounds.issue(worker.receive, t, worker.receive_buffer(t))
+            if t < L:
+                handles[p] = rounds.post(worker.message(t + 1), worker.receive_buffer(t + 1), f"round {t + 1}/{L}")
+                rounds.issue(worker.while_in_flight, t + 1)
+    rounds.issue(me.write_result, flat, 1.0 / N if op == "avg" else None)
+    return me, rounds
+
+
 def all_reduce(
     tensor: torch.Tensor,
     code: Code,
@@ -101,6 +157,7 @@ def all_reduce(
     *,
     timed: bool = True,
     transport=None,
+    chunks: int | None = None,
 ) -> AllReduceStats:
     """Approximate all-reduce of ``tensor`` in place with the CERAR code ``code``.
 
@@ -122,36 +179,26 @@ def all_reduce(
     ``timed=False`` skips the per-phase timers (on CUDA their read-out synchronises with the
     device once per call).
     ``storage``: ``"spec"`` (default)
-    keeps N message blocks and decodes while blocks travel, in the spec's (1 + N/c) d plus one
-    block; ``"messages"`` keeps all L and decodes once at the end, about half the passes over the
-    gradient (for fast links), in (2 + (N-1)/c) d (``cerar.ring.rounds`` counts both). On CPU that
+    keeps N message blocks and decodes while blocks travel, in the spec's (1 + N/c) d;
+    ``"messages"`` keeps all L and decodes once at the end, about half the passes over the
+    gradient (for fast links), in (2 + (N-2)/c) d (``cerar.ring.rounds`` counts both). On CPU that
     storage is kept for the next call (``cerar.ring.workspace``; ``cerar.release_workspaces()`` frees it).
+    ``chunks``: the most column chunks a round's block travels in (``cerar.ring.rounds.pipeline_chunks``;
+    default 2 on a CPU, 1 on CUDA: ``cerar.ring.rounds.CUDA_PIPELINE_MAX_CHUNKS``); every rank must pass
+    the same. Where a call's shapes repeat on CUDA, ``cerar.ring.graphs.GraphedAllReduce`` replays it
+    from a CUDA graph.
     """
     operation = "cerar.all_reduce"
     check_coded_call(tensor, code, op, storage, operation, transport)
+    check_chunks(chunks, operation)
     wire = wire_for(transport)
     check_no_tf32_override(tensor.device)
     ring = _Ring.of(group, timeout, operation)
     d = tensor.numel()
-    check_agreement(  # first, so that a rank whose code is for another N stops its peers too, at once
-        ring,
-        {
-            "N": code.N,
-            "c": code.c,
-            "construction": code.construction,
-            "eps": code.eps,
-            "kappa_max": code.kappa_max,
-            "cerar protocol version": PROTOCOL_VERSION,
-            "tensor length d": d,
-            "dtype": str(tensor.dtype),
-            "transport": transport_name(transport),
-        },
-    )
-    if ring.size != code.N:
-        raise ValueError(
-            f"{operation}: the code was built for N={code.N} workers but the group has {ring.size} ranks; "
-            f"use cerar.make_code({ring.size}, c, ...)"
-        )
+    chunks = default_pipeline_chunks(tensor.device) if chunks is None else chunks
+    # first, so that a rank whose code is for another N stops its peers too, at once
+    check_agreement(ring, coded_call_fields(code, tensor, transport, chunks))
+    check_group_size(ring, code, operation)
     stats = AllReduceStats(rounds=code.L)
     if code.N == 1 or d == 0:
         return stats
@@ -159,26 +206,11 @@ def all_reduce(
     timer = PhaseTimer(tensor.device, enabled=timed)
     c, m, N, L = code.c, code.m_for(d), code.N, code.L
     flat = tensor.reshape(-1) if tensor.is_contiguous() else tensor.contiguous().view(-1)
-    matrices = _cached_device_matrices(code, ring.rank, tensor.dtype, tensor.device)
     with torch.no_grad(), full_fp32_products(tensor.device):
         needed = CodedRingRank.workspace_numel(d, c, m, N, L, storage)
         workspace = POOL.take(needed, flat.dtype, flat.device)  # back to the pool only after a clean call:
-        me = CodedRingRank(matrices, flat, c, m, N, timer, storage, workspace)  # a failed one may still be written
-        rounds = _Rounds(ring, timer, wire)
-        handles = [rounds.post(w.message(1), w.receive_buffer(1), f"round 1/{L}") for w in me.workers]
-        for worker in me.workers:  # every chunk's round 1 is on the link before the rest of the encoding
-            rounds.issue(worker.while_in_flight, 1)
-        for t in range(1, L + 1):
-            for p, worker in enumerate(me.workers):
-                # chunk p's round t arrives while the later chunks' round t and the earlier chunks' round
-                # t+1 travel: chunk p's arithmetic runs beside the transfers of its neighbours
-                rounds.arrive(handles[p], f"round {t}/{L}")
-                rounds.issue(worker.receive, t, worker.receive_buffer(t))
-                if t < L:
-                    handles[p] = rounds.post(worker.message(t + 1), worker.receive_buffer(t + 1), f"round {t + 1}/{L}")
-                    rounds.issue(worker.while_in_flight, t + 1)
-        rounds.issue(me.write_result, flat, 1.0 / N if op == "avg" else None)
-        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():
+        me, rounds = coded_rounds(ring, code, flat, timer, storage, wire, chunks, workspace, op)  # a failed one
+        if flat.data_ptr() != tensor.data_ptr() or not tensor.is_contiguous():  # may still be written
             rounds.issue(tensor.copy_, flat.view(tensor.shape))
         rounds.finish()
     stats.peak_extra_bytes = me.extra_bytes() + (_bytes(flat) if flat.data_ptr() != tensor.data_ptr() else 0)

@@ -8,14 +8,18 @@ The messages are the specification's (section "The protocol at worker i"):
 
     x_i(t) = yhat_i(t-1) + u_i(t),   yhat_i(t) = y_i(t) - u_i(t-N+1),   u_i(t) = row t of A_i G_i
 
-rearranged so that only one addition of m values lies between receiving y(t) and sending x(t+1):
+rearranged so that one operation on m values lies between receiving y(t) and sending x(t+1):
 
-    x(t+1) = y(t) + (u(t+1) - u(t-N+1))       (u(j) = 0 outside 1..c)
+    x(t+1) = y(t) + u(t+1) - u(t-N+1)       (u(j) = 0 outside 1..c)
 
-The bracket is formed while round t's blocks are in flight, and only in the rounds where both rows
-exist; otherwise y(t) takes the one row directly. U_i = A_i G_i lives in its own c blocks, beside the
-stored messages, and the caller's tensor keeps G_i until the first decoding product overwrites it
-with the result. Decoding uses the stored messages themselves (``cerar.coding.matrices``):
+In the rounds N..c-1, where both rows exist, that operation is one product written into y's buffer,
+y += [-1, 1] [u(t-N+1); u(t+1)]: rows t-N+1 and t+1 of U_i lie exactly N rows apart, so the pair is a
+strided 2 x m view of U_i and no injection is formed or stored; in the other rounds y(t) takes the one
+row with one addition (or subtraction), and rounds c..N-1 (c < N) have none. Every operation of a call
+is a product or an addition written in place: U_i = A_i G_i (two products, x(1) first so that round 1
+can leave), one per round, and the decoding products. U_i lives in its own c blocks, beside the stored
+messages, and the caller's tensor keeps G_i until the first decoding product overwrites it with the
+result. Decoding uses the stored messages themselves (``cerar.coding.matrices``):
 
     S_hat_i = W_i [U_i; x(2); ...; x(L+1)],   W_i = [A_i^-1 - D_i[:, :c-1] S | D_i]   (c x (c + L))
 
@@ -26,42 +30,48 @@ U-columns, the last one scaled by 1/N; ``"messages"`` keeps all L messages and d
 product at the end, written straight into the caller's tensor with 1/N folded into its alpha.
 
 The count (per rank and call, c dividing d, m = d/c; a "pass" is d values read or written by the
-arithmetic, not by the transport). ``cerar.planning.costmodel.cerar_arithmetic`` computes the new column,
-and ``tests/test_costmodel.py`` measures it on the dispatched tensor operations; the old column was
-measured the same way on the previous arithmetic (``git show 324c4c8:cerar/ring/rounds.py``).
+arithmetic, not by the transport; an "operation" is one dispatched tensor operation, a GPU's kernel).
+``cerar.planning.costmodel.cerar_arithmetic`` and ``cerar_operations`` compute the new column;
+``tests/test_costmodel.py`` measures the passes and ``tests/test_op_count.py`` the operations on the
+dispatched tensor operations; the old column was measured the same way on the previous arithmetic
+(``git show e259866:cerar/ring/rounds.py``).
 
 =========================  =====================================  ====================================
-                           before (commit 324c4c8)                now
+                           before (commit e259866)                now
 =========================  =====================================  ====================================
-matrix products            x(1) = A_i[0] G (d), B_i G (c d),      U_i = A_i G (c d), W_i [U; X]
-(multiply-adds)            U = A_i G in place (c d), D_i X (L d)  ((c + L) d): (3c + N - 2) d
-                           : (3c + N - 1) d
-additions                  2 L m (an injection formed and added   (L - max(0, N-c)) m adds and
-                           every round)                           max(0, c-N) m injection subtractions
-passes: encode             1 (x(1)) + 2 (B G) + 4 (A G through   3 (x(1), then the rest of U_i)
-                           a block, copied back)
-passes: rounds             about 6 L / c (inject, add)            3 (L + c - N) / c = 6 (c - 1) / c
-passes: decode             2 per product over the accumulator,    (c + L)/c + 1 for the first product
-                           about 2 L/(N-1) products (more where   (it writes the result without
-                           a batch wraps round the rows) + L/c    reading it), 2 per further one:
-                                                                  none with "messages", one per
-                                                                  N-1 messages with "spec"
-passes: scale, write back  2 (1/N) + 2 (copy into the tensor)     0 (1/N in the last products'
-                                                                  alpha, the result in place)
-N=4, c=16, op="avg"        34.2 passes, 51 d multiply-adds        11.75 ("messages"), 21.75 ("spec"),
-                                                                  50 d multiply-adds
-N=8, c=32, op="avg"        36.5 passes, 103 d multiply-adds       12.0 ("messages"), 22.0 ("spec")
-storage beyond the input   (c + N + 1) m = (1 + (N+1)/c) d        (c + L + 1) m = (2 + (N-1)/c) d
-                                                                  ("messages"); (c + N + 1) m =
-                                                                  (1 + (N+1)/c) d ("spec")
+matrix products            U_i = A_i G (c d), W_i [U; X]          the same, and per round N..c-1 the
+(multiply-adds)            ((c + L) d): (3c + N - 2) d            injection's [-1, 1] product (2 m)
+additions                  (L - max(0, N-c)) m adds and           the other rounds' one addition
+                           max(0, c-N) m injection subtractions   (L - |N - c|) m
+passes: encode             3 (x(1), then the rest of U_i)         3
+passes: rounds             3 (L + c - N) / c = 6 (c - 1) / c      (4 (c - N) + 3 (L - (c - N))) / c
+                           (the injection formed in flight,       = (4c + 2N - 6) / c for c >= N:
+                           then added)                            the injection in the round's product
+passes: decode             (c + L)/c + 1 for the first product    the same
+                           (it writes the result without
+                           reading it), 2 per further one:
+                           none with "messages", one per
+                           N-1 messages with "spec"
+passes: scale, write back  0 (1/N in the last products' alpha)    0
+operations per chunk       2 + (L - max(0, N-c)) + max(0, c-N)    2 + (L - max(0, N-c)) + products:
+                           + products: N=4, c=16: 38 ("spec"),    26 ("spec"), 21 ("messages");
+                           33 ("messages"); N=8, c=32: 70, 65     46, 41
+chunks per block           2 (m >= 2^17)                          2 on a CPU, 1 on CUDA
+                                                                  (``CUDA_PIPELINE_MAX_CHUNKS``)
+N=4, c=16, op="avg"        11.75 ("messages"), 21.75 ("spec")     10.25 ("messages"), 20.25 ("spec")
+N=8, c=32, op="avg"        12.0 ("messages"), 22.0 ("spec")       10.5 ("messages"), 20.5 ("spec")
+storage beyond the input   (c + N + 1) m = (1 + (N+1)/c) d        (c + N) m = (1 + N/c) d, the
+                           ("spec"); (c + L + 1) m =              spec's ("spec"); (c + L) m =
+                           (2 + (N-1)/c) d ("messages")           (2 + (N-2)/c) d ("messages")
 =========================  =====================================  ====================================
 
-The spec's storage is (1 + N/c) d; ``"spec"`` adds one block (the injection), ``"messages"`` adds
-(L + 1 - N) m, about (1 - 1/c) d more, to touch the gradient about half as often. Where c does not
-divide d, the partial last row costs the encoding one more read of the columns it covers and the
-last product one more read of them in [U; X]. The multiply-adds are the same in both modes and
-for both algorithms to one d: the saving is in memory traffic, which bounds these products on a
-GPU (the last one does c (c + L) / (2c + L) < c multiply-adds per value it moves).
+``"spec"`` keeps the spec's storage, (1 + N/c) d; ``"messages"`` adds (L - N) m, about (1 - 2/c) d more, to
+touch the gradient about half as often. Where c does not divide d, the partial last row costs each
+product of the chunks that hold it one more product over its columns, and the row a zero, a copy in and
+a copy out. The multiply-adds are the same in both modes to one d: the saving is in memory traffic,
+which bounds these products on a GPU (the last one does c (c + L) / (2c + L) < c multiply-adds per
+value it moves), and in operations, each of which costs a GPU's host a launch (on an H200 more than the
+device's time for it: ``docs/arithmetic.md``).
 
 The working storage is one flat workspace carved into these blocks (``CodedRingRank.workspace_numel``
 values); ``cerar.all_reduce`` takes it from ``cerar.ring.workspace``, which keeps it between calls on CPU.
@@ -126,6 +136,13 @@ def check_storage(storage: str) -> None:
         raise ValueError(f"storage must be one of {STORAGE_CHOICES}, got {storage!r}")
 
 
+def check_chunks(chunks, operation: str = "cerar") -> None:
+    """``chunks``: None (the device's default) or a positive int; a ValueError naming it otherwise."""
+    if chunks is not None and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"{operation}: chunks must be None or a positive int (column chunks a block travels in), "
+                         f"got {chunks!r}")
+
+
 def message_rows(N: int, L: int, storage: str = DEFAULT_STORAGE) -> int:
     """How many message blocks a worker keeps: all L (``"messages"``) or N (``"spec"``), at least 2."""
     check_storage(storage)
@@ -140,12 +157,27 @@ def message_row(j: int, rows: int) -> int:
     return p if p < rows else 2 * (rows - 1) - p
 
 
+_INJECTION_ROWS: dict[tuple[torch.dtype, str], torch.Tensor] = {}
+
+
+def injection_row(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """[[-1, 1]] in ``dtype`` on ``device``: the coefficients of [u(t-N+1); u(t+1)] in the round's one
+    product. Kept per dtype and device (on CUDA its first copy to the device synchronises once; a
+    captured call finds it made by the eager call before the capture)."""
+    key = (dtype, str(device))
+    row = _INJECTION_ROWS.get(key)
+    if row is None:
+        row = _INJECTION_ROWS.setdefault(key, torch.tensor([[-1.0, 1.0]], dtype=dtype).to(device))
+    return row
+
+
 class CodedRingWorker:
     """One worker's state through the L rounds, on a column chunk of its gradient.
 
     Per round t: ``message()`` is x(t) (send it) and ``receive_buffer(t)`` is where y(t) must
-    arrive; ``while_in_flight(t)`` does the round's arithmetic while the blocks travel;
-    ``receive(t, y)`` turns y(t) into x(t+1) in its own buffer. ``finish(scale)`` leaves S_hat
+    arrive; ``while_in_flight(t)`` does what of the round's arithmetic can run while the blocks
+    travel (the rest of the encoding in round 1, a batch's decoding product); ``receive(t, y)``
+    turns y(t) into x(t+1) in its own buffer, in one operation. ``finish(scale)`` leaves S_hat
     (times ``scale``) in [head; tail].
 
     matrices: ``cerar.coding.matrices.worker_matrices`` as tensors (A: c x c, W: c x (c + L), D_reversed:
@@ -156,7 +188,7 @@ class CodedRingWorker:
     ``message_row(j, R)``, so the first product is one with [U_i; x(2); ...; x(R)].
     """
 
-    def __init__(self, matrices, head, tail, buffer, N: int, tail_width: int, timer=None, injection=None):
+    def __init__(self, matrices, head, tail, buffer, N: int, tail_width: int, timer=None):
         self.A, self.W, self.W_reversed = matrices["A"], matrices["W"], matrices["D_reversed"]
         self.head, self.tail, self.N = head, tail, N
         self.c, self.k = self.A.shape[0], head.shape[0]
@@ -169,17 +201,21 @@ class CodedRingWorker:
         self.batch = self.rows if self.rows >= self.L else self.rows - 1
         self.tail_width = tail_width
         self.timer = timer or PhaseTimer(head.device, enabled=False)
-        self.injection = torch.empty_like(buffer[0]) if injection is None else injection
-        self.pending = None  # what receive(t) adds to y(t): (row, sign)
+        self.coefficients = injection_row(buffer.dtype, buffer.device)
         self.decoded = 0  # messages x(2..decoded+1) are in the result
         self.encoded = False
         self.t = 1
+
+    def start(self) -> None:
+        """x(1) = u(1) = A_i[0] G, the block round 1 sends."""
         with self.timer.phase("encode"):
-            self._encode(slice(0, 1))  # x(1) = u(1)
+            self._encode(slice(0, 1))
 
     def _encode(self, rows: slice) -> None:
         """U[rows] = A[rows] G, G = [head; tail] (only the tail's first row can hold values)."""
         out = self.U[rows]
+        if not out.shape[0]:  # c = 1: x(1) was all of U_i
+            return
         torch.mm(self.A[rows, : self.k], self.head, out=out)
         if self.tail_width:
             width = self.tail_width
@@ -190,10 +226,6 @@ class CodedRingWorker:
             with self.timer.phase("encode"):
                 self._encode(slice(1, self.c))
             self.encoded = True
-
-    def _u(self, j: int) -> torch.Tensor:
-        """u(j) = row j (1-based) of U_i."""
-        return self.U[j - 1]
 
     def message(self, t: int | None = None) -> torch.Tensor:
         """x(t), the block to send in round t (default: this round). Where x(t) lives depends on t
@@ -232,29 +264,26 @@ class CodedRingWorker:
     def while_in_flight(self, t: int) -> None:
         """Round 1: the rest of U_i = A_i G_i. When a batch of R-1 messages is complete and more
         rounds follow (only with fewer rows than rounds), decode it; its rows are needed next.
-        Every round: form what ``receive`` adds, u(t+1) - u(t-N+1) when both rows exist."""
+        Nothing else: the round's injection rides on ``receive``'s one product."""
         if t == 1:
             self._finish_encoding()
         if t < self.L and t - 1 - self.decoded >= self.batch:
             with self.timer.phase("decode"):
                 self._decode(self._batch_end(self.decoded + 1))
-        new, old = t + 1, t - self.N + 1  # rows outside 1..c are zero
-        if new <= self.c and old >= 1:
-            with self.timer.phase("encode"):
-                torch.sub(self._u(new), self._u(old), out=self.injection)
-            self.pending = (self.injection, 1.0)
-        elif new <= self.c:
-            self.pending = (self._u(new), 1.0)
-        elif old >= 1:
-            self.pending = (self._u(old), -1.0)
-        else:
-            self.pending = None
 
     def receive(self, t: int, y: torch.Tensor) -> None:
-        """x(t+1) = y(t) + u(t+1) - u(t-N+1), in y's buffer: one pass over the block."""
-        if self.pending is not None:
+        """x(t+1) = y(t) + u(t+1) - u(t-N+1) in y's buffer, one operation (u(j) = 0 outside 1..c):
+        where both rows exist, one product y += [-1, 1] [u(t-N+1); u(t+1)], whose two rows lie N rows
+        apart in U_i, a strided 2 x w view (read 3 blocks, write 1); where one exists, one addition."""
+        new, old = t + 1, t - self.N + 1
+        if new <= self.c or old >= 1:
             with self.timer.phase("encode"):
-                y.add_(self.pending[0], alpha=self.pending[1])
+                if new <= self.c and old >= 1:
+                    y.unsqueeze(0).addmm_(self.coefficients, self.U[old - 1 : new : self.N])
+                elif new <= self.c:
+                    y.add_(self.U[new - 1])
+                else:
+                    y.sub_(self.U[old - 1])
         self.t = t + 1
 
     def finish(self, scale: float | None = None) -> None:
@@ -273,13 +302,31 @@ class CodedRingWorker:
 PIPELINE_MIN_CHUNK = 2**16
 """Fewest values per message: smaller blocks go whole, where another message costs more than it hides."""
 PIPELINE_MAX_CHUNKS = 2
+"""Most messages a round's block is cut into on a CPU (gloo), where the arithmetic streams memory about as
+fast as the link moves it, so chunk k's arithmetic beside chunk k+1's transfer pays."""
+CUDA_PIPELINE_MAX_CHUNKS = 1
+"""The same on CUDA: one. A GPU's memory is 10-100 x faster than its link (an H200: about 4 TB/s against
+450 GB/s of NVLink), so the round's one product, left exposed, costs under half a round's transfer on
+NVLink and about 1 % on PCIe, while each further chunk doubles what the host does per round (a
+``batch_isend_irecv`` and a launch), which sets the time of an eager call on a fast link
+(``cerar.planning.costmodel.LinkModel.host_per_message``, ``docs/arithmetic.md``)."""
 
 
-def pipeline_chunks(m: int) -> list[tuple[int, int]]:
-    """Column ranges of the blocks that travel as separate messages. Chunks let a rank send chunk 1
+def default_pipeline_chunks(device: torch.device) -> int:
+    """The most chunks a call on ``device`` cuts its blocks into (``PIPELINE_MAX_CHUNKS`` on a CPU,
+    ``CUDA_PIPELINE_MAX_CHUNKS`` on a GPU); read when called, so a benchmark may set either."""
+    return PIPELINE_MAX_CHUNKS if torch.device(device).type == "cpu" else CUDA_PIPELINE_MAX_CHUNKS
+
+
+def pipeline_chunks(m: int, max_chunks: int | None = None) -> list[tuple[int, int]]:
+    """Column ranges of the blocks that travel as separate messages, at most ``max_chunks`` (default
+    ``PIPELINE_MAX_CHUNKS``) of at least ``PIPELINE_MIN_CHUNK`` values. Chunks let a rank send chunk 1
     of round t+1 while the later chunks of round t are still arriving, so the link does not idle
     between rounds."""
-    parts = max(1, min(PIPELINE_MAX_CHUNKS, m // PIPELINE_MIN_CHUNK))
+    most = PIPELINE_MAX_CHUNKS if max_chunks is None else max_chunks
+    if most < 1:
+        raise ValueError(f"max_chunks must be at least 1, got {most}")
+    parts = max(1, min(most, m // PIPELINE_MIN_CHUNK))
     edges = [p * m // parts for p in range(parts + 1)]
     return list(zip(edges[:-1], edges[1:], strict=True))
 
@@ -293,6 +340,9 @@ class CodedRingRank:
     decoding into ``flat`` (scaled) and copies S_hat's first d values into ``out`` where ``out`` is
     another tensor. ``storage``: see ``message_rows``. ``workspace``: a flat tensor of at least
     ``workspace_numel`` values to carve the working storage from (a fresh one when None).
+    ``chunks``: the most column chunks (default ``default_pipeline_chunks`` of ``flat``'s device).
+    ``start``: whether to issue ``start()`` (the partial row into the tail, and x(1)) at once; a caller whose
+    device work goes through a queue issues it there instead (``cerar.ring.protocol.coded_rounds``).
     """
 
     def __init__(
@@ -305,13 +355,15 @@ class CodedRingRank:
         timer=None,
         storage: str = DEFAULT_STORAGE,
         workspace: torch.Tensor | None = None,
+        chunks: int | None = None,
+        start: bool = True,
     ):
         d = flat.numel()
         self.flat, self.d, self.c, self.m = flat, d, c, m
         self.k = _whole_rows(d, c, m)
         self.rest = d - self.k * m  # values of row k that lie inside the tensor
         self.head = flat[: self.k * m].view(self.k, m)
-        self.chunks = pipeline_chunks(m)
+        self.chunks = pipeline_chunks(m, default_pipeline_chunks(flat.device) if chunks is None else chunks)
         L = matrices["W"].shape[1] - c
         rows = message_rows(N, L, storage)
         needed = self.workspace_numel(d, c, m, N, L, storage)
@@ -320,34 +372,37 @@ class CodedRingRank:
         elif workspace.numel() < needed or workspace.dtype != flat.dtype or workspace.device != flat.device:
             raise ValueError(f"workspace: need {needed} values of {flat.dtype} on {flat.device}")
         carve = _Carver(workspace)
-        self.tail = carve(c - self.k, m).zero_()
-        self.tail.view(-1)[: self.rest] = flat[self.k * m :]
+        self.tail = carve(c - self.k, m)
         self.workers = []
         for a, b in self.chunks:
             buffer = carve(c + rows, b - a)
             self.workers.append(
                 CodedRingWorker(
-                    matrices,
-                    self.head[:, a:b],
-                    self.tail[:, a:b],
-                    buffer,
-                    N,
-                    max(0, min(b, self.rest) - a),
-                    timer,
-                    injection=carve(b - a),
+                    matrices, self.head[:, a:b], self.tail[:, a:b], buffer, N, max(0, min(b, self.rest) - a), timer
                 )
             )
+        if start:
+            self.start()
+
+    def start(self) -> None:
+        """The rows past the tensor's end into the tail (zeros, and the partial row's values: none when c
+        divides d), then every chunk's x(1)."""
+        if self.k < self.c:
+            self.tail.zero_()
+            if self.rest:
+                self.tail.view(-1)[: self.rest] = self.flat[self.k * self.m :]
+        for worker in self.workers:
+            worker.start()
 
     @staticmethod
     def workspace_numel(d: int, c: int, m: int, N: int, L: int, storage: str = DEFAULT_STORAGE) -> int:
         """Values of working storage a rank needs: the padded tail, and per chunk its encodings and
-        messages (c + R rows) and one injection row."""
-        rows = message_rows(N, L, storage)
-        return (c - _whole_rows(d, c, m)) * m + sum((c + rows + 1) * (b - a) for a, b in pipeline_chunks(m))
+        messages (c + R rows of the chunk's width): (c - k) m + (c + R) m, however the columns are cut."""
+        return (c - _whole_rows(d, c, m)) * m + (c + message_rows(N, L, storage)) * m
 
     def extra_bytes(self) -> int:
-        """Bytes of working storage this rank uses beyond its input: encodings and messages, injections, tail."""
-        tensors = [self.tail] + [t for w in self.workers for t in (w.buffer, w.injection)]
+        """Bytes of working storage this rank uses beyond its input: encodings and messages, tail."""
+        tensors = [self.tail] + [w.buffer for w in self.workers]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def write_result(self, out: torch.Tensor, scale: float | None = None) -> None:
@@ -357,7 +412,8 @@ class CodedRingRank:
         k, m, rest = self.k, self.m, self.rest
         if out.data_ptr() != self.flat.data_ptr():
             out[: k * m].copy_(self.flat[: k * m])
-        out[k * m : k * m + rest].copy_(self.tail.view(-1)[:rest])
+        if rest:
+            out[k * m : k * m + rest].copy_(self.tail.view(-1)[:rest])
 
 
 def _whole_rows(d: int, c: int, m: int) -> int:

@@ -134,12 +134,16 @@ class TransportContract:
     ``stream_ordered=True`` (NCCL): the host only orders the device after each round
     (``Work.wait()``), and bounds the call by polling ``Work.is_completed()`` once per
     ``look_behind`` posts and at the end (module docstring). ``device_queue``: where device work
-    is issued (``ImmediateDeviceQueue``)."""
+    is issued (``ImmediateDeviceQueue``). ``host_polls=False``: a stream-ordered call issued while
+    its stream is captured into a CUDA graph (``cerar.ring.graphs``), where nothing runs yet and asking a
+    work whether it completed is an error: the host issues and orders the rounds and polls none of
+    them; the graph's replay is bounded instead (an event after it, polled against the deadline)."""
 
     name: str
     stream_ordered: bool
     look_behind: int = LOOK_BEHIND_POSTS
     device_queue: object = field(default_factory=ImmediateDeviceQueue, compare=False)
+    host_polls: bool = True
 
 
 HOST_WAITED = TransportContract("host-waited (gloo)", stream_ordered=False)
@@ -340,7 +344,7 @@ class _Rounds:
             self.in_transit[id(handle)] = (into, recv, out)
             self.wire_bytes += _bytes(out, into)
             self.peak_wire_bytes = max(self.peak_wire_bytes, self.wire_bytes)
-        if self.contract.stream_ordered:
+        if self.contract.stream_ordered and self.contract.host_polls:
             self.posted.append((handle, what))
             self.posts += 1
             if self.posts % self.contract.look_behind == 0 and len(self.posted) > self.contract.look_behind:
