@@ -253,10 +253,12 @@ def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient
 # ------------------------------------------------------------------ 16-bit messages scaled by their largest value
 
 
-SCALED = ((200_000, 1e2), (64, 1e-7), (200_000, 1e2))
-"""(size, scale) per tensor: a 64-value tensor of 1e-7 between two of 1e2 (issue 51). On a float16 wire each message
-is scaled by its largest value, so the small tensor's values, 1e-9 of it, fall below fp16's normal range and round
-to a spacing set by that largest value: a message of a sample, whose largest is smaller, rounds them finer."""
+SCALED = ((40_000, 1e2), (64, 1e-7)) * 5
+"""(size, scale) per tensor: 64-value tensors of 1e-7 after tensors of 1e2 (issue 51), five times, so that at c=5 each
+CERAR component ends in 64 small values and those columns mix only small values. On a float16 wire each message is
+scaled by its largest value, so the small tensors' values, 1e-9 of it, fall below fp16's normal range and round to
+a spacing set by that largest value: a message of a sample, whose largest is smaller, rounds them finer."""
+NAMES = tuple(f"{'large' if scale > 1 else 'small'}{t // 2}" for t, (_, scale) in enumerate(SCALED))
 
 
 def _scaled_gradient(rank: int) -> np.ndarray:
@@ -281,7 +283,7 @@ def _scaled_worker(rank, world_size):
     auto.use_tensors(sizes)
     g = torch.from_numpy(_scaled_gradient(rank))
     auto.prepare(g.numel(), torch.device("cpu"))
-    auto.check(g.clone(), 1, seed=3, layout=TensorLayout(("large", "small", "other"), tuple(sizes)))
+    auto.check(g.clone(), 1, seed=3, layout=TensorLayout(NAMES, tuple(sizes)))
     whole = {}
     for name in ("hier_fp16", "cerar16-c5"):
         x = g.clone()
@@ -295,8 +297,8 @@ def _scaled_worker(rank, world_size):
 def test_a_16_bit_candidate_is_rated_at_its_whole_calls_error_on_every_tensor():
     """The true figure: each candidate's real call on the whole gradient, its error per tensor against that tensor's
     noise computed here in float64 from every rank's gradient, the worst over ranks and tensors. auto's number must
-    be it (its standard error 0: no sample), where the sample's estimate was 0.0034 against 0.0043, with a standard
-    error of 0 (the small tensor's units all drawn), at every seed."""
+    be it (its standard error 0: no sample). On the sample, hier_fp16 read 0.0045 (standard error 0) against 0.0053,
+    and CERAR c=5 over float16 0.083 + 2 x 0.016 against 0.120: both bounds below the truth."""
     results = run_workers(_scaled_worker, N, timeout_s=280)
     G = np.stack([_scaled_gradient(r) for r in range(N)]).astype(np.float64)
     mean = G.mean(0)
@@ -309,7 +311,7 @@ def test_a_16_bit_candidate_is_rated_at_its_whole_calls_error_on_every_tensor():
                     for (a, b), s in zip(spans, sigma, strict=True))  # fmt: skip
         assert decision["standard_errors"][name] == 0.0
         assert decision["errors"][name] == pytest.approx(truth, rel=1e-4), (name, decision["errors"][name], truth)
-    assert decision["worst_tensors"]["hier_fp16"] == "small"  # its rounding there, not the exact ring's sums
+        assert decision["worst_tensors"][name].startswith("small")  # the wire's rounding there sets the figure
     whole = results[0]["whole_measured"]  # equilibration off: CERAR's float16 candidates are measured whole too
     assert not whole.pop("nccl") and not whole.pop("hier_ring") and all(whole.values()) and "cerar16-c5" in whole
 

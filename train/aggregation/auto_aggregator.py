@@ -16,7 +16,7 @@ columns, int8's blocks, each inside its node shard for the two-tier ones; `Tenso
 error on the sample is its error on those units of the gradient, estimated per tensor with its standard error.
 The candidates whose float16 messages are scaled by their largest value (`Candidate.whole`) run on a copy of the
 whole gradient instead: a sample's message lacks the whole message's largest value, and its scale with it (the
-sample under-rated `hier_fp16` 2x on a tensor of 1e-7 among tensors of 1e2, issue 51). Every rank's numbers are
+sample under-rated `hier_fp16` up to 2x on tensors of 1e-7 among tensors of 1e2, issue 51). Every rank's numbers are
 all-gathered and every rank decides from the same ones (`AutoChoice.decide`). When the choice may move, the
 shortlist it names (the fitting candidates the model predicts fastest, and the exact one) is timed by the real call
 on a copy of the step's whole gradient (`time_calls`: one untimed call, then `auto_trial_calls` timed, the slowest
@@ -210,7 +210,7 @@ def cluster_from_declared(layout, links: dict):
 
 def measure_candidate(
     aggregator: Aggregator, cand: Candidate, flat: torch.Tensor, layout, noise: torch.Tensor, generator,
-    per_tensor: int, sizes: dict | None = None, exact: torch.Tensor | None = None, zero: torch.Tensor | None = None,
+    per_tensor: int, sizes: dict | None = None, g_bar: torch.Tensor | None = None, zero: torch.Tensor | None = None,
 ) -> list:  # fmt: skip
     """[rho, standard error, tensor] of this rank's aggregate under `cand` (every rank calls, with the same
     generator state): the candidate's real call on a `TensorSample` of `flat` (its units, drawn for every tensor
@@ -220,17 +220,18 @@ def measure_candidate(
     `zero` marks (zero on every rank, `TensorLayout.zero`) are set to 0 after the sample's call, as the whole
     call returns them. `sizes` keeps the units' sizes per layout (parts, pieces, unit) across the candidates of one
     check: candidates of one layout (CERAR's c over 32- and 16-bit messages) share one all-reduce of them.
-    A `whole` candidate runs on a copy of the whole gradient instead, against `exact` (g_bar): each tensor's error
-    exactly, standard error 0 (one more gradient-sized buffer while it runs, and one aggregation's time)."""
+    A `whole` candidate runs on a copy of the whole gradient instead, against `g_bar` (the exact mean): each
+    tensor's error exactly, standard error 0 (one more gradient-sized buffer while it runs, one aggregation's
+    time)."""
     from train.aggregation.tensor_errors import TensorSample, unit_sizes, worst_tensor
 
     if cand.whole:
-        if exact is None:
+        if g_bar is None:
             raise ValueError(f"aggregator=auto: {cand.name} is measured on the whole gradient and needs its exact mean")
         x = flat.clone()
         with guarded(f"aggregator=auto: measuring {cand.name}"):
             aggregator.aggregate(x)
-        error = layout.squared_norms(x.sub_(exact)).cpu()
+        error = layout.squared_norms(x.sub_(g_bar)).cpu()
         del x
         return list(worst_tensor(error, torch.zeros_like(error), noise))
     shape = (cand.parts, cand.pieces, cand.unit)
