@@ -276,7 +276,7 @@ def _scaled_worker(rank, world_size):
              for key in ("alpha_s=1e-4", "gbit_s=1")]  # fmt: skip
     cfg = auto_config("aggregator.local_size=2", "aggregator.auto_warmup_steps=1", "aggregator.auto_trials=0",
                       "aggregator.auto_sample_values=2048", "aggregator.equilibrate=false",
-                      "aggregator.auto_aggregators=[hier_ring16,cerar16]",
+                      "aggregator.auto_aggregators=[hier_ring16,cerar16,cerar]",
                       "aggregator.auto_links.memory_gbyte_s=5.0", *links)  # fmt: skip
     auto = AutoAggregator(cfg, world_size)
     sizes = [size for size, _ in SCALED]
@@ -285,7 +285,7 @@ def _scaled_worker(rank, world_size):
     auto.prepare(g.numel(), torch.device("cpu"))
     auto.check(g.clone(), 1, seed=3, layout=TensorLayout(NAMES, tuple(sizes)))
     whole = {}
-    for name in ("hier_fp16", "cerar16-c5"):
+    for name in ("hier_fp16", "cerar16-c5", "cerar-c5"):
         x = g.clone()
         auto.aggregators[name].aggregate(x)
         whole[name] = x.double().numpy()
@@ -312,8 +312,15 @@ def test_a_16_bit_candidate_is_rated_at_its_whole_calls_error_on_every_tensor():
         assert decision["standard_errors"][name] == 0.0
         assert decision["errors"][name] == pytest.approx(truth, rel=1e-4), (name, decision["errors"][name], truth)
         assert decision["worst_tensors"][name].startswith("small")  # the wire's rounding there sets the figure
-    whole = results[0]["whole_measured"]  # equilibration off: CERAR's float16 candidates are measured whole too
-    assert not whole.pop("nccl") and not whole.pop("hier_ring") and all(whole.values()) and "cerar16-c5" in whole
+    whole = results[0]["whole_measured"]  # equilibration off: CERAR's float16 candidates are measured whole too,
+    assert not whole.pop("nccl") and not whole.pop("hier_ring")
+    assert all(whole[name] == name.startswith(("hier_fp16", "cerar16")) for name in whole) and "cerar16-c5" in whole
+    # CERAR over float32 messages is sampled, equilibration off too: its sample's call (no scales) runs and its
+    # estimate stands beside the whole call's figure
+    truth = max(np.linalg.norm(r["whole"]["cerar-c5"][a:b] - mean[a:b]) / s for r in results
+                for (a, b), s in zip(spans, sigma, strict=True))  # fmt: skip
+    error, se = decision["errors"]["cerar-c5"], decision["standard_errors"]["cerar-c5"]
+    assert se > 0 and truth / 1.5 < error + 2 * se and error < 1.5 * truth, (error, se, truth)
 
 
 # ------------------------------------------------------------------ every rank alike

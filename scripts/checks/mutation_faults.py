@@ -562,6 +562,15 @@ FAULTS = [
         why="with aggregator.equilibrate=false CERAR leaks its column-mates' values into an unused parameter",
     ),
     Fault(
+        name="zero-tensor-kept-on-a-sample",
+        file="train/aggregation/aggregators.py",
+        original="        if self.tensor_sizes is None or len(self.tensor_sizes) < 2 or sum(self.tensor_sizes) != flat.numel():",
+        replacement="        if self.tensor_sizes is None or len(self.tensor_sizes) < 2:",
+        tests=("tests/test_auto_aggregator.py -k whole_calls",),
+        why="with aggregator.equilibrate=false, aggregator=auto's sample of the gradient is cut into the model's "
+        "tensors: every CERAR candidate's measurement fails with a ValueError",
+    ),
+    Fault(
         name="zero-tensor-unmeasured",
         file="train/aggregation/auto_aggregator.py",
         original="        x[sample.in_tensors(zero).to(x.device)] = 0.0\n",

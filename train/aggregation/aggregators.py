@@ -89,8 +89,10 @@ class Aggregator:
         full). Agreed by one all-reduce of T largest magnitudes (MAX, float32: 2 (N-1)/N x 4 T bytes; 0 exactly
         where a tensor is zero on every rank), then one multiply per tensor by 1 or 0 after the call. (Equilibrated
         calls get the same from their scales' statistics, at no cost: `cerar.ring.equilibrate.equilibrated`.)
-        One tensor, or none told: nothing to keep (a gradient zero everywhere codes to zero)."""
-        if self.tensor_sizes is None or len(self.tensor_sizes) < 2:
+        One tensor, or none told: nothing to keep (a gradient zero everywhere codes to zero). A call on values the
+        told tensors do not tile (aggregator=auto's sample of the gradient, whose caller zeroes those tensors' values
+        itself, `TensorLayout.zero`) runs as it is."""
+        if self.tensor_sizes is None or len(self.tensor_sizes) < 2 or sum(self.tensor_sizes) != flat.numel():
             return run(), 0
         from cerar.ring.equilibrate import agreed_statistics, restore_zero_segments, scales_bytes
 
