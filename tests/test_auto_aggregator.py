@@ -266,6 +266,79 @@ def test_a_candidate_on_its_sample_returns_what_it_returns_on_the_whole_gradient
     assert all(error > 30 * 4 * KAPPA_MAX * 2.0**-24 for error in worst.values()), worst
 
 
+# ------------------------------------------------------------------ 16-bit messages scaled by their largest value
+
+
+SCALED = ((40_000, 1e2), (64, 1e-7)) * 5
+"""(size, scale) per tensor: 64-value tensors of 1e-7 after tensors of 1e2 (issue 51), five times, so that at c=5 each
+CERAR component ends in 64 small values and those columns mix only small values. On a float16 wire each message is
+scaled by its largest value, so the small tensors' values, 1e-9 of it, fall below fp16's normal range and round to
+a spacing set by that largest value: a message of a sample, whose largest is smaller, rounds them finer."""
+NAMES = tuple(f"{'large' if scale > 1 else 'small'}{t // 2}" for t, (_, scale) in enumerate(SCALED))
+
+
+def _scaled_gradient(rank: int) -> np.ndarray:
+    rng = np.random.default_rng(rank)
+    return np.concatenate([scale * rng.standard_normal(size) for size, scale in SCALED]).astype(np.float32)
+
+
+def _scaled_worker(rank, world_size):
+    """aggregator=auto on 2 x 2 ranks, equilibration off: its check's numbers for hier_fp16 and CERAR over float16
+    messages, and what each returns on the whole gradient."""
+    from train.aggregation.auto_aggregator import AutoAggregator
+    from train.aggregation.tensor_errors import TensorLayout
+
+    links = [f"aggregator.auto_links.{tier}_{key}" for tier in ("intra", "inter")
+             for key in ("alpha_s=1e-4", "gbit_s=1")]  # fmt: skip
+    cfg = auto_config("aggregator.local_size=2", "aggregator.auto_warmup_steps=1", "aggregator.auto_trials=0",
+                      "aggregator.auto_sample_values=2048", "aggregator.equilibrate=false",
+                      "aggregator.auto_aggregators=[hier_ring16,cerar16,cerar]",
+                      "aggregator.auto_links.memory_gbyte_s=5.0", *links)  # fmt: skip
+    auto = AutoAggregator(cfg, world_size)
+    sizes = [size for size, _ in SCALED]
+    auto.use_tensors(sizes)
+    g = torch.from_numpy(_scaled_gradient(rank))
+    auto.prepare(g.numel(), torch.device("cpu"))
+    auto.check(g.clone(), 1, seed=3, layout=TensorLayout(NAMES, tuple(sizes)))
+    whole = {}
+    for name in ("hier_fp16", "cerar16-c5", "cerar-c5"):
+        x = g.clone()
+        auto.aggregators[name].aggregate(x)
+        whole[name] = x.double().numpy()
+    return {"decision": auto.choice.decisions[-1], "whole": whole, "whole_measured": {
+        name: getattr(cand, "whole", False) for name, cand in auto.choice.candidates.items()}}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_a_16_bit_candidate_is_rated_at_its_whole_calls_error_on_every_tensor():
+    """The true figure: each candidate's real call on the whole gradient, its error per tensor against that tensor's
+    noise computed here in float64 from every rank's gradient, the worst over ranks and tensors. auto's number must
+    be it (its standard error 0: no sample). On the sample, hier_fp16 read 0.0045 (standard error 0) against 0.0053,
+    and CERAR c=5 over float16 0.083 + 2 x 0.016 against 0.120: both bounds below the truth."""
+    results = run_workers(_scaled_worker, N, timeout_s=280)
+    G = np.stack([_scaled_gradient(r) for r in range(N)]).astype(np.float64)
+    mean = G.mean(0)
+    ends = np.cumsum([0, *(size for size, _ in SCALED)])
+    spans = list(zip(ends[:-1], ends[1:], strict=True))
+    sigma = [math.sqrt(((G[:, a:b] - mean[a:b]) ** 2).sum() / (N * (N - 1))) for a, b in spans]
+    decision = results[0]["decision"]
+    for name in ("hier_fp16", "cerar16-c5"):
+        truth = max(np.linalg.norm(r["whole"][name][a:b] - mean[a:b]) / s for r in results
+                    for (a, b), s in zip(spans, sigma, strict=True))  # fmt: skip
+        assert decision["standard_errors"][name] == 0.0
+        assert decision["errors"][name] == pytest.approx(truth, rel=1e-4), (name, decision["errors"][name], truth)
+        assert decision["worst_tensors"][name].startswith("small")  # the wire's rounding there sets the figure
+    whole = results[0]["whole_measured"]  # equilibration off: CERAR's float16 candidates are measured whole too,
+    assert not whole.pop("nccl") and not whole.pop("hier_ring")
+    assert all(whole[name] == name.startswith(("hier_fp16", "cerar16")) for name in whole) and "cerar16-c5" in whole
+    # CERAR over float32 messages is sampled, equilibration off too: its sample's call (no scales) runs and its
+    # estimate stands beside the whole call's figure
+    truth = max(np.linalg.norm(r["whole"]["cerar-c5"][a:b] - mean[a:b]) / s for r in results
+                for (a, b), s in zip(spans, sigma, strict=True))  # fmt: skip
+    error, se = decision["errors"]["cerar-c5"], decision["standard_errors"]["cerar-c5"]
+    assert se > 0 and truth / 1.5 < error + 2 * se and error < 1.5 * truth, (error, se, truth)
+
+
 # ------------------------------------------------------------------ every rank alike
 
 

@@ -209,3 +209,28 @@ def test_a_draw_given_its_probabilities_is_the_same_draw_and_the_grid_copies_not
     assert _grid(x, 12, 1, 3, 4).data_ptr() == x.data_ptr()  # 12 = 1 x 3 x 4: nothing to pad
     assert _grid(x, 12, 1, 5, 1).flatten()[:12].tolist() == x.tolist()  # 12 into 5 pieces of 3: padded with 3 zeros
     assert _grid(x, 12, 1, 5, 1).sum() == x.sum() and _grid(x, 12, 1, 5, 1).numel() == 15
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("units", [17, 40, 64])
+def test_a_tensor_with_one_heavy_unit_still_expects_k_units_of_its_own(units):
+    """k = 32 units per tensor (a tensor of at most 32 units: all of them), counted in 400 draws: a tensor of 17-64
+    units whose one heavy unit is drawn with certainty beside ordinary ones. The first rule, pi = min(1, k share),
+    gave the heavy unit's surplus to nobody: such a tensor expected 16-17 units (issue 51 drew 7-18)."""
+    from train.aggregation.tensor_errors import PER_TENSOR_UNITS, TensorLayout, TensorSample
+
+    sizes = (500, units, 300)  # the middle tensor between two large ones, units of one value (CERAR's columns)
+    layout = TensorLayout(("before", "small", "after"), sizes)
+    z = torch.from_numpy(np.random.default_rng(0).uniform(0.5, 1.5, sum(sizes)))
+    z[sizes[0] + units // 2] = 1e6  # the heavy unit: values large on some ranks
+    counts = []
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(400):
+        sample = TensorSample.draw(z, layout, 1, 1, 1, generator, PER_TENSOR_UNITS)
+        counts.append(int((sample.tensor == 1).sum()))
+    expected = min(PER_TENSOR_UNITS, units)
+    # Poisson sampling: the count's standard deviation is at most sqrt(expected) / 2 ... sqrt(expected), so the
+    # mean of 400 draws lies within 0.3 of its expectation at 1 sigma; 1.0 is over 3 sigma
+    assert abs(np.mean(counts) - expected) < 1.0, (np.mean(counts), expected)
+    if units <= PER_TENSOR_UNITS:
+        assert min(counts) == units  # a small tensor: every unit, every time

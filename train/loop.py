@@ -201,6 +201,7 @@ def measure_auto_c(
     exact = exact_mean(local)
     noise = gradient_noise(local, exact)
     sigma = te.tensor_noise(local, exact, layout)
+    zero = layout.zero(exact, sigma)  # the tensors zero on every rank, which the aggregator returns as zeros
     candidates = auto_c.to_measure()
     samples = []
     for c in candidates:
@@ -220,7 +221,7 @@ def measure_auto_c(
         if k % N == rank:
             part = G[:, offset : offset + size].contiguous()
             s = None if scales is None else sample.scales(scales.cpu())
-            measured[k] = torch.tensor(te.worst_rank_tensor_error(part, auto_c.codes[c], sample, sigma, s))
+            measured[k] = torch.tensor(te.worst_rank_tensor_error(part, auto_c.codes[c], sample, sigma, s, zero))
         offset += size
     bounded("c=auto all_reduce of candidate errors", lambda: dist.all_reduce(measured, async_op=True))
     *numbers, (noise, _, _) = measured.tolist()

@@ -38,6 +38,19 @@ peer raises ``CollectiveError`` naming it). A segment that is all zero or not fi
 step stays non-finite). Cost: one pass over the gradient for the statistics, one to scale and one to unscale
 (``torch._foreach_norm`` and ``torch._foreach_mul_`` over views of the segments: no temporary of d values), and
 the all-reduce of T values: ``scales_bytes``.
+
+The statistics are accumulated in float64 from the float32 values (``torch._foreach_norm(..., dtype=float64)``: on
+the CPU each norm is taken in float64, and CUDA's fused kernel accumulates in the output's dtype, torch's
+``foreach_reduce.cuh`` ``LpNormFunctor``), so that no sum of squares underflows or overflows before the scale is
+chosen: in float32, 3,000 values of 1e-23 summed to 0 and 3,000 of 1e18 to inf, both fell back to scale 1, and CERAR
+c=5 then erred 1.5e26 times a 1e-30 tensor's own norm (issue 51).
+
+A segment that is zero on every rank (an unused parameter's gradient) has an exact sum of zero, but a collective
+that mixes it with the others (CERAR) leaks their values into it: 3e-4 to 6e-4 at N=4, c=5, a step Adam would
+take in full. ``equilibrated`` therefore returns every segment whose agreed statistic is 0 (a float64 sum of
+squares or a largest magnitude, 0 only where every value of every rank is 0) as exact zeros: its unscaling factor
+is 0, so this costs no pass and no collective beyond the scales' (a non-finite value stays non-finite: 0 x inf
+is nan). ``restore_zero_segments`` does the same after a collective that is not equilibrated.
 """
 
 from __future__ import annotations
@@ -60,7 +73,9 @@ CAST_TOP = 15
 """Rule "cast": the sum of N scaled contributions stays below 2^CAST_TOP (fp16's largest is 65504 < 2^16)."""
 
 STAT_DTYPE = {"rms": torch.float64, "cast": torch.float32}
-"""The statistics' dtype on the wire: sums of squares in float64 (no overflow for any float32 gradient)."""
+"""The statistics' dtype on the wire: sums of squares in float64, accumulated in float64 (no underflow or overflow
+for any float32 gradient: a float32 value's square lies within float64's normal range); largest magnitudes in
+float32 (exact)."""
 
 
 def check_sizes(sizes: Sequence[int], numel: int, operation: str) -> list[int]:
@@ -92,9 +107,8 @@ def segment_statistics(flat: torch.Tensor, sizes: list[int], rule: str) -> torch
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     views = _views(flat, sizes)
-    if rule == "rms":
-        norms = torch.stack(torch._foreach_norm(views)).to(torch.float64)
-        return norms.square()
+    if rule == "rms":  # accumulated in float64 (module docstring), then squared: no float32 sum of squares
+        return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).square()
     return torch.stack(torch._foreach_norm(views, math.inf)).to(torch.float32)
 
 
@@ -118,6 +132,35 @@ def scales_from(stats: torch.Tensor, sizes: list[int], N: int, rule: str) -> tor
     return _power_of_two(k)
 
 
+def agreed_statistics(
+    flat: torch.Tensor,
+    sizes: Sequence[int],
+    group=None,
+    timeout=None,
+    rule: str = "rms",
+    *,
+    operation: str = "cerar.ring.equilibrate.agreed_statistics",
+) -> tuple[torch.Tensor, int]:
+    """(the T statistics agreed over ``group``, its size N): each rank's ``segment_statistics`` all-reduced, SUM
+    for "rms", MAX for "cast" (a collective: every rank calls, with the same sizes). A statistic is 0 exactly where
+    the segment is zero on every rank. The wait keeps ``timeout`` (seconds or timedelta, cerar's default 5
+    minutes): a stalled or dead peer raises CollectiveError naming ``operation``."""
+    sizes = check_sizes(sizes, flat.numel(), operation)
+    stats = segment_statistics(flat, sizes, rule)
+    if not dist.is_available() or not dist.is_initialized():
+        return stats, 1
+    ring = _Ring.of(group, timeout, operation)
+    if ring.size > 1:
+        reduce = dist.ReduceOp.SUM if rule == "rms" else dist.ReduceOp.MAX
+        what = f"agreeing on {len(sizes)} per-tensor scales ({rule})"
+        try:
+            work = dist.all_reduce(stats, op=reduce, group=group, async_op=True)
+        except Exception as error:
+            raise ring._failure(what, "(all ranks of the group)", error) from error
+        ring.await_works([work], what, "(all ranks of the group)")
+    return stats, ring.size
+
+
 def agreed_scales(
     flat: torch.Tensor,
     sizes: Sequence[int],
@@ -128,23 +171,19 @@ def agreed_scales(
     operation: str = "cerar.ring.equilibrate.agreed_scales",
 ) -> torch.Tensor:
     """The T per-segment scales every rank of ``group`` uses for ``flat`` (a collective: every rank calls, with
-    the same sizes): each rank's statistics (``segment_statistics``), all-reduced (SUM for "rms", MAX for
-    "cast") and turned into powers of two (``scales_from``). The wait keeps ``timeout`` (seconds or timedelta,
-    cerar's default 5 minutes): a stalled or dead peer raises CollectiveError naming ``operation``."""
+    the same sizes): the agreed statistics (``agreed_statistics``) turned into powers of two (``scales_from``)."""
     sizes = check_sizes(sizes, flat.numel(), operation)
-    stats = segment_statistics(flat, sizes, rule)
-    if not dist.is_available() or not dist.is_initialized():
-        return scales_from(stats, sizes, 1, rule)
-    ring = _Ring.of(group, timeout, operation)
-    if ring.size > 1:
-        reduce = dist.ReduceOp.SUM if rule == "rms" else dist.ReduceOp.MAX
-        what = f"agreeing on {len(sizes)} per-tensor scales ({rule})"
-        try:
-            work = dist.all_reduce(stats, op=reduce, group=group, async_op=True)
-        except Exception as error:
-            raise ring._failure(what, "(all ranks of the group)", error) from error
-        ring.await_works([work], what, "(all ranks of the group)")
-    return scales_from(stats, sizes, ring.size, rule)
+    stats, N = agreed_statistics(flat, sizes, group, timeout, rule, operation=operation)
+    return scales_from(stats, sizes, N, rule)
+
+
+def restore_zero_segments(tensor: torch.Tensor, sizes: Sequence[int], stats: torch.Tensor) -> None:
+    """Set to zero, in place, every segment whose agreed statistic (``agreed_statistics``) is 0, i.e. that is zero
+    on every rank: its exact sum. One multiply per segment, by 1 or 0 (no host sync; a non-finite value stays
+    non-finite)."""
+    keep = (stats != 0).to(tensor.device, tensor.dtype)
+    with torch.no_grad():
+        torch._foreach_mul_(_views(tensor, list(sizes)), list(keep.unbind()))
 
 
 def scales_bytes(segments: int, N: int, rule: str = "rms") -> int:
@@ -191,19 +230,26 @@ def equilibrated(
 ):
     """``run()`` (a linear collective on ``tensor`` in place, e.g. ``cerar.all_reduce``) between the segments'
     scaling and unscaling: the scales agreed over ``group`` by rule "rms" (a collective, within ``timeout``), or
-    ``scales`` as given (one per segment or one per value). Returns (what ``run`` returned, the bytes this rank
-    sent to agree on the scales: 0 when given)."""
+    ``scales`` as given (one per segment or one per value). With agreed scales, every segment that is zero on
+    every rank comes back as exact zeros (its unscaling factor is 0; module docstring); with given scales the
+    caller knows no such thing and nothing is zeroed. Returns (what ``run`` returned, the bytes this rank sent to
+    agree on the scales: 0 when given)."""
     agreed = 0
+    unscale = None
     if scales is None:
         sizes = check_sizes(sizes, tensor.numel(), operation)
-        scales = agreed_scales(tensor, sizes, group, timeout, "rms", operation=operation)
-        N = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+        stats, N = agreed_statistics(tensor, sizes, group, timeout, "rms", operation=operation)
+        scales = scales_from(stats, sizes, N, "rms")
+        unscale = torch.where(stats != 0, scales.reciprocal().to(stats.dtype), torch.zeros_like(stats))
         agreed = scales_bytes(len(sizes), N, "rms")
     with torch.no_grad():
         apply_scales(tensor, sizes, scales)
     result = run()
     with torch.no_grad():
-        apply_scales(tensor, sizes, scales, inverse=True)
+        if unscale is None:
+            apply_scales(tensor, sizes, scales, inverse=True)
+        else:  # 1 / scale (exact: a power of two), 0 for a segment zero on every rank
+            apply_scales(tensor, sizes, unscale)
     return result, agreed
 
 
@@ -263,11 +309,13 @@ def cast_all_reduce(
 __all__ = [
     "RULES",
     "agreed_scales",
+    "agreed_statistics",
     "apply_scales",
     "cast_all_reduce",
     "check_sizes",
     "equilibrated",
     "per_position",
+    "restore_zero_segments",
     "scales_bytes",
     "scales_from",
     "segment_statistics",

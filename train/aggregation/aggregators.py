@@ -82,6 +82,27 @@ class Aggregator:
             )
         return self.tensor_sizes
 
+    def keeping_zero_tensors(self, flat: torch.Tensor, run, group):
+        """(run()'s result, bytes sent to agree) for a coded call that is not equilibrated: every parameter tensor
+        that is zero on every rank (an unused parameter's) comes back as exact zeros, its exact mean, where the
+        code's mixing would leak its column-mates' values into it (3e-4 to 6e-4 at N=4, c=5: a step Adam takes in
+        full). Agreed by one all-reduce of T largest magnitudes (MAX, float32: 2 (N-1)/N x 4 T bytes; 0 exactly
+        where a tensor is zero on every rank), then one multiply per tensor by 1 or 0 after the call. (Equilibrated
+        calls get the same from their scales' statistics, at no cost: `cerar.ring.equilibrate.equilibrated`.)
+        One tensor, or none told: nothing to keep (a gradient zero everywhere codes to zero). A call on values the
+        told tensors do not tile (aggregator=auto's sample of the gradient, whose caller zeroes those tensors' values
+        itself, `TensorLayout.zero`) runs as it is."""
+        if self.tensor_sizes is None or len(self.tensor_sizes) < 2 or sum(self.tensor_sizes) != flat.numel():
+            return run(), 0
+        from cerar.ring.equilibrate import agreed_statistics, restore_zero_segments, scales_bytes
+
+        sizes = self.segments(flat)
+        operation = f"aggregator={self.name}: tensors zero on every rank"
+        stats, N = agreed_statistics(flat, sizes, group, self.timeout, "cast", operation=operation)
+        result = run()
+        restore_zero_segments(flat, sizes, stats)
+        return result, scales_bytes(len(sizes), N, "cast")
+
     def check_scales(self, flat: torch.Tensor, scales: torch.Tensor | None) -> None:
         """`scales`, when given, must hold one value per position of `flat`; a ValueError naming the mismatch."""
         if scales is not None and (not isinstance(scales, torch.Tensor) or scales.numel() != flat.numel()):
@@ -343,7 +364,10 @@ class CerarAggregator(HookStatsBytes, Aggregator):
                 flat, self.code, self.group, op="avg", timeout=self.timeout, transport=self.transport
             )
 
-        if not self.equilibrate or (scales is None and not self.scales_tensors()):
+        if scales is None and not self.scales_tensors():  # not equilibrated: the zero tensors kept apart
+            stats, agreed = self.keeping_zero_tensors(flat, run, self.group)
+            return int(stats.bytes_sent) + agreed
+        if not self.equilibrate:  # a sample's call (scales given): its caller keeps the zero tensors
             return int(run().bytes_sent)
         from cerar.ring.equilibrate import equilibrated
 
@@ -490,7 +514,9 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
                     transport=self.transport,
                 )
 
-            if not self.equilibrate or (scales is None and not self.scales_tensors()):
+            if scales is None and not self.scales_tensors():  # not equilibrated: the zero tensors kept apart
+                stats, agreed = self.keeping_zero_tensors(flat, run, self.groups.all_ranks)
+            elif not self.equilibrate:  # a sample's call (scales given): its caller keeps the zero tensors
                 stats, agreed = run(), 0
             else:
                 from cerar.ring.equilibrate import equilibrated

@@ -12,12 +12,15 @@ the run exact (`nccl`) with a one-line warning: a guess is not a measurement.
 At a check (`check`, before the step's aggregation): the SGD noise of the averaged gradient (as c=auto measures
 it) and, for every candidate to measure, its worst rank's error on a seeded sample of the step's gradient, run
 through the candidate's real call: the sample keeps the values that the call mixes or scales together (CERAR's
-columns, int8's blocks, each inside its node shard for the two-tier ones; `sample_indices`), so the call's
-error on the sample is its error on those units of the gradient, and `ratio_estimate` gives its standard error.
-Every rank's numbers are all-gathered and every rank decides from the same ones (`AutoChoice.decide`). When the
-choice may move, the shortlist it names (the fitting candidates the model predicts fastest, and the exact one) is
-timed by the real call on a copy of the step's whole gradient (`time_calls`: one untimed call, then
-`auto_trial_calls` timed, the slowest rank's mean), and the fastest timed is taken.
+columns, int8's blocks, each inside its node shard for the two-tier ones; `TensorSample`), so the call's
+error on the sample is its error on those units of the gradient, estimated per tensor with its standard error.
+The candidates whose float16 messages are scaled by their largest value (`Candidate.whole`) run on a copy of the
+whole gradient instead: a sample's message lacks the whole message's largest value, and its scale with it (the
+sample under-rated `hier_fp16` up to 2x on tensors of 1e-7 among tensors of 1e2, issue 51). Every rank's numbers are
+all-gathered and every rank decides from the same ones (`AutoChoice.decide`). When the choice may move, the
+shortlist it names (the fitting candidates the model predicts fastest, and the exact one) is timed by the real call
+on a copy of the step's whole gradient (`time_calls`: one untimed call, then `auto_trial_calls` timed, the slowest
+rank's mean), and the fastest timed is taken.
 
 Each aggregate call is timed on the host, per choice, so that the summary sets the measured seconds per step
 beside the prediction.
@@ -207,18 +210,31 @@ def cluster_from_declared(layout, links: dict):
 
 def measure_candidate(
     aggregator: Aggregator, cand: Candidate, flat: torch.Tensor, layout, noise: torch.Tensor, generator,
-    per_tensor: int, sizes: dict | None = None,
+    per_tensor: int, sizes: dict | None = None, g_bar: torch.Tensor | None = None, zero: torch.Tensor | None = None,
 ) -> list:  # fmt: skip
     """[rho, standard error, tensor] of this rank's aggregate under `cand` (every rank calls, with the same
     generator state): the candidate's real call on a `TensorSample` of `flat` (its units, drawn for every tensor
     of `layout`) against the exact mean of the sample, each tensor's error estimated and set against its noise
     (`noise`: sigma_t), the worst tensor's (train/aggregation/tensor_errors.py). An aggregator that scales per tensor is
-    given the scales it would use on the whole gradient, so that the sample gets the same arithmetic. `sizes`
-    keeps the units' sizes and inclusion probabilities per layout (parts, pieces, unit) across the candidates of
-    one check: candidates of one layout (fp16 and bf16; CERAR's c over 32- and 16-bit messages) share one
-    all-reduce of the sizes and one computation of the probabilities (each still draws its own units)."""
+    given the scales it would use on the whole gradient, so that the sample gets the same arithmetic; the tensors
+    `zero` marks (zero on every rank, `TensorLayout.zero`) are set to 0 after the sample's call, as the whole
+    call returns them. `sizes` keeps the units' sizes and inclusion probabilities per layout (parts, pieces, unit)
+    across the candidates of one check: candidates of one layout (fp16 and bf16; CERAR's c over 32- and 16-bit
+    messages) share one all-reduce of the sizes and one computation of the probabilities (each still draws its
+    own units). A `whole` candidate runs on a copy of the whole gradient instead, against `g_bar` (the exact
+    mean): each tensor's error exactly, standard error 0 (one more gradient-sized buffer while it runs, one
+    aggregation's time)."""
     from train.aggregation.tensor_errors import TensorSample, unit_sizes, worst_tensor
 
+    if cand.whole:
+        if g_bar is None:
+            raise ValueError(f"aggregator=auto: {cand.name} is measured on the whole gradient and needs its exact mean")
+        x = flat.clone()
+        with guarded(f"aggregator=auto: measuring {cand.name}"):
+            aggregator.aggregate(x)
+        error = layout.squared_norms(x.sub_(g_bar)).cpu()
+        del x
+        return list(worst_tensor(error, torch.zeros_like(error), noise))
     shape = (cand.parts, cand.pieces, cand.unit)
     sizes = {} if sizes is None else sizes
     if shape not in sizes:
@@ -236,6 +252,8 @@ def measure_candidate(
             aggregator.aggregate(x)
         else:
             aggregator.aggregate(x, scales=sample.scales(scales.to(x)))
+    if zero is not None:
+        x[sample.in_tensors(zero).to(x.device)] = 0.0
     estimate, variance = sample.estimate((x.double() - exact).square())
     return list(worst_tensor(estimate, variance, noise))
 
@@ -356,6 +374,7 @@ class AutoAggregator(Aggregator):
         exact = exact_mean(flat)
         noise = gradient_noise(flat, exact)
         sigma = tensor_noise(flat, exact, layout)
+        zero = layout.zero(exact, sigma)  # the tensors zero on every rank: every candidate returns them as zeros
         numbers = torch.zeros(len(names) + 1, 3, dtype=torch.float64)
         generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**63)
         sizes: dict = {}  # the units' sizes per layout, all-reduced once for every candidate of that layout
@@ -363,16 +382,18 @@ class AutoAggregator(Aggregator):
             cand = self.choice.candidates[name]
             units = per_tensor_units(self.sample_values, len(layout.sizes), cand.parts * cand.pieces * cand.unit)
             numbers[k] = torch.tensor(measure_candidate(self.aggregators[name], cand, flat, layout, sigma, generator,
-                                                        units, sizes))  # fmt: skip
+                                                        units, sizes, exact, zero))  # fmt: skip
         if dist.get_rank() == 0:
             numbers[-1, 0] = noise  # every rank records rank 0's noise, bit for bit
         numbers = numbers.to(flat.device)
         gathered = [torch.empty_like(numbers) for _ in range(self.world_size)]
         bounded("aggregator=auto: errors all_gather", lambda: dist.all_gather(gathered, numbers, async_op=True))
         every = torch.stack(gathered).cpu()  # [rank, candidate, (rho, standard error, tensor)]
-        bounds = (every[:, :-1, 0] + SIGMAS * every[:, :-1, 1]).nan_to_num(math.inf)  # nan: the worst, refused
-        worst = bounds.argmax(0)
-        measured = {name: tuple(every[worst[k], k, :2].tolist()) for k, name in enumerate(names)}
+        bounds = every[:, :-1, 0] + SIGMAS * every[:, :-1, 1]
+        refused = bounds.isnan().any(0)  # some rank's evidence is nan: the candidate's number is nan (refused)
+        worst = bounds.nan_to_num(math.inf).argmax(0)  # inf (no noise, some error) is a number: it fits nothing
+        measured = {name: (math.nan, 0.0) if refused[k] else tuple(every[worst[k], k, :2].tolist())
+                    for k, name in enumerate(names)}  # fmt: skip
         tensors = {name: layout.names[int(every[worst[k], k, 2])] for k, name in enumerate(names)}
         record = self.choice.decide(step, float(every[0, -1, 0]), measured,
                                     lambda short: self.time_calls(short, flat), tensors)  # fmt: skip

@@ -202,12 +202,13 @@ class AutoC:
         a code fits when rho + SIGMAS se <= budget. `noise` (the whole gradient's relative noise) and
         `worst_tensors` (c -> the tensor that set rho) are recorded, not decided on. The first check picks among
         all codes; later ones keep the code in use while it fits, else pick among the codes with more bytes.
-        Evidence that is not finite (a nan from a tensor whose exact mean and noise are zero, a nan gradient) is
-        refused, not read as "exceeds": c stays and the next step checks again (`due`)."""
+        Evidence that is not a number (nan: a non-finite gradient) is refused, not read as "exceeds": c stays and
+        the next step checks again (`due`). An infinite rho (an error on a tensor with no noise) is a measurement:
+        that code fits no budget."""
         before = self.c
         allowed = self.budget
         evidence = [v for pair in measured.values() for v in pair]
-        if not all(math.isfinite(v) for v in evidence):  # nan (or inf standard error): refused, checked again
+        if any(math.isnan(v) for v in evidence):  # nan: refused, checked again
             self.retry_at = step + 1
             record = {"step": step, "noise": noise, "allowed": allowed, "c_before": before, "c": before,
                       "errors": {c: measured[c][0] for c in sorted(measured)},

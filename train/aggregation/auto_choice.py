@@ -46,7 +46,12 @@ class Candidate:
     `c`, `transport`), the cost model's name for it (`model`), whether it is exact, and the layout its arithmetic
     works in: `parts` equal shards (G for the two-tier ones, whose node reduce-scatters first), each cut into
     `pieces` (CERAR's c components, int8's shards), whose values are mixed or scaled together in `unit`s (int8's
-    blocks; 1 otherwise)."""
+    blocks; 1 otherwise). `whole`: measured on the whole gradient, not a sample, because its float16 messages are
+    each scaled by their largest value (`cerar.formats.wire`), which a sample of the message does not carry: the
+    two-tier ring over float16 (`hier_fp16`), and CERAR over float16 where aggregator.equilibrate is off (with it,
+    every tensor's root mean square is near 1, and the scale moves only values below 2^-29 of a message's largest,
+    by at most 2^-39 of that largest: far below any tensor's own rounding unless one value is some 2^29 times its
+    tensor's root mean square)."""
 
     name: str
     kind: str
@@ -57,6 +62,7 @@ class Candidate:
     parts: int = 1
     pieces: int = 1
     unit: int = 1
+    whole: bool = False
 
 
 def _cerar_codes(N: int, a, transport: str) -> dict[int, object]:
@@ -85,6 +91,7 @@ def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
     """name -> Candidate for N = nodes x local_size ranks and aggregator config `a` (construction, eps,
     kappa_max, block, auto_aggregators: the kinds to keep, null: all)."""
     block = int(a.block)
+    unequilibrated = not getattr(a, "equilibrate", True)  # CERAR's float16 messages then carry raw magnitudes
     pool = [
         Candidate(EXACT, "nccl", "ring", exact=True),
         Candidate("fp16", "fp16", "ring16"),
@@ -93,18 +100,21 @@ def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
     ]
     for transport, family in (("float32", "cerar"), ("float16", "cerar16")):
         for c in sorted(_cerar_codes(N, a, transport)):
-            pool.append(Candidate(f"{family}-c{c}", "cerar", family, c, transport, pieces=c))
+            whole = transport == "float16" and unequilibrated
+            pool.append(Candidate(f"{family}-c{c}", "cerar", family, c, transport, pieces=c, whole=whole))
     n, G = nodes, local_size
     if n >= 2 and G >= 2:
         pool += [
             Candidate("hier_ring", "hier_ring", "hier_ring", exact=True),
-            Candidate("hier_fp16", "hier_ring", "hier_ring16", transport="float16"),
+            Candidate("hier_fp16", "hier_ring", "hier_ring16", transport="float16", whole=True),
             Candidate("hier_int8", "hier_int8", "hier_int8", parts=G, pieces=n, unit=block),
         ]
         if n >= 3:
             for transport, family in (("float32", "hier_cerar"), ("float16", "hier_cerar16")):
                 for c in sorted(_cerar_codes(n, a, transport)):
-                    pool.append(Candidate(f"{family}-c{c}", "hier_cerar", family, c, transport, parts=G, pieces=c))
+                    whole = transport == "float16" and unequilibrated
+                    pool.append(Candidate(f"{family}-c{c}", "hier_cerar", family, c, transport, parts=G, pieces=c,
+                                          whole=whole))  # fmt: skip
     keep = a.auto_aggregators
     if keep is not None:
         unknown = sorted(set(keep) - set(FAMILIES))
@@ -226,13 +236,14 @@ class AutoChoice:
         says so: a candidate fits when rho + SIGMAS se <= budget. `noise` (the whole gradient's relative noise)
         and `worst_tensors` (the tensor that set each rho) are recorded, not decided on. When the choice may
         move and `time_calls` is given, it is called with `shortlist` and returns each one's measured seconds
-        per call (the same on every rank); the fastest measured is taken. Evidence that is not finite (nan) is
-        refused, never read as "exceeds": the choice stays, nothing is excluded, and the next step checks
-        again (`due`)."""
+        per call (the same on every rank); the fastest measured is taken. Evidence that is not a number (nan: a
+        non-finite gradient) is refused, never read as "exceeds": the choice stays, nothing is excluded, and the
+        next step checks again (`due`). An infinite rho (an error on a tensor with no noise) is a measurement: that
+        candidate fits no budget."""
         before = self.choice
         allowed = self.budget
         tensors = dict(sorted((worst_tensors or {}).items()))
-        if not all(math.isfinite(v) for pair in measured.values() for v in pair):
+        if any(math.isnan(v) for pair in measured.values() for v in pair):
             self.retry_at = step + 1
             record = {"step": step, "noise": noise, "allowed": allowed,
                       "errors": {name: measured[name][0] for name in sorted(measured)},

@@ -22,15 +22,21 @@ squared, so max_t rho_t is never below it: the per-tensor criterion only ever as
 
 The autos measure rho_t on a sample (`TensorSample`): a candidate's arithmetic mixes or scales values in units
 (CERAR's columns, int8's blocks; `train/aggregation/auto_choice.py` `Candidate`), and a sample of whole units keeps its
-error. The units are drawn with Poisson sampling, each with probability pi_s = min(1, k max_{t in s} (z_s / Z_t +
-1 / U_t) / 2): z_s the unit's squared norm summed over the ranks, Z_t the sum of z over the U_t units tensor t
-has values in. So every tensor gets about k units of its own (a small tensor all of its units), half drawn in
-proportion to their size and half uniformly: the heavy units that a uniform draw would miss (values large on
-some ranks that cancel in the sum among them) are drawn with probability near 1, and the ordinary units that
-heavy ones would crowd out of a draw by size alone are still drawn (measured: tests/test_tensor_errors.py).
-The Horvitz-Thompson estimate of each tensor's squared error, sum_s a_s,t / pi_s, is unbiased whatever z is,
-and its variance, sum_s (1 - pi_s) a_s,t^2 / pi_s^2, is estimated from the same sample; units drawn with
-certainty contribute no variance.
+error. The units are drawn with Poisson sampling, each with probability pi_s = max_{t in s} min(1, lambda_t
+(z_s / Z_t + 1 / U_t) / 2): z_s the unit's squared norm summed over the ranks, Z_t the sum of z over the U_t units
+tensor t has values in, and lambda_t such that tensor t expects exactly min(k, U_t) units of its own (water-filling,
+`inclusion`: what a unit drawn with certainty cannot take goes to the others; lambda_t = k where none reaches 1).
+So every tensor expects k units of its own (a tensor of at most k units all of them), half drawn in proportion to
+their size and half uniformly: the heavy units that a uniform draw would miss (values large on some ranks that
+cancel in the sum among them) are drawn with probability near 1, and the ordinary units that heavy ones would crowd
+out of a draw by size alone are still drawn (measured: tests/test_tensor_errors.py). The Horvitz-Thompson estimate
+of each tensor's squared error, sum_s a_s,t / pi_s, is unbiased whatever z is, and its variance, sum_s (1 - pi_s)
+a_s,t^2 / pi_s^2, is estimated from the same sample; units drawn with certainty contribute no variance.
+
+A tensor that is zero on every rank (an unused parameter) has no noise and, since every aggregator returns it as
+zeros (`TensorLayout.zero`), no error: rho 0. A tensor with no noise and an error (identical on every rank, yet
+mixed with its column-mates) has rho = inf: no inexact candidate fits it, a decision and not evidence to refuse;
+only nan (a non-finite gradient) is refused.
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from train.aggregation.auto_c import SIGMAS, unit_indices
 from train.distributed import bounded
 
 PER_TENSOR_UNITS = 32
-"""k: the units each tensor is expected to get in a sample (a tensor with fewer units gets all of them)."""
+"""k: the units each tensor expects in a sample (a tensor with at most k units gets all of them)."""
 
 
 def per_tensor_units(sample_values: int, tensors: int, values_per_unit: int) -> int:
@@ -97,8 +103,17 @@ class TensorLayout:
         """||x_t||^2 per tensor (float64 [T]): one fused norm over the split views, no copy of x."""
         if x.numel() != self.d:
             raise ValueError(f"TensorLayout: a flat tensor of {x.numel()} values for a layout of {self.d}")
-        norms = torch._foreach_norm(list(x.split(self.sizes)), 2)
-        return torch.stack(norms).double().square()
+        norms = torch._foreach_norm(list(x.split(self.sizes)), 2, dtype=torch.float64)  # accumulated in float64
+        return torch.stack(norms).square()
+
+    def zero(self, exact: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        """Which tensors are zero on every rank (bool [T]): no spread (sigma_t = 0, `tensor_noise`: every rank's
+        g_r,t equals g_bar_t bit for bit, since the float64 sum of the float32 differences' squares is 0 only then)
+        and an exact mean g_bar_t of zero. Every aggregator returns such a tensor as zeros, its exact mean: the
+        exact ones, the casts and int8 round 0 to 0, and the coded ones restore it
+        (train/aggregation/aggregators.py `keeping_zero_tensors`, `cerar.ring.equilibrate.equilibrated`), so the
+        autos set a sample's values there to 0 after a candidate's call, as its call on the whole gradient does."""
+        return (noise.cpu() == 0) & (self.squared_norms(exact).cpu() == 0)
 
 
 def tensor_noise(local: torch.Tensor, exact: torch.Tensor, layout: TensorLayout) -> torch.Tensor:
@@ -144,7 +159,7 @@ def per_tensor_figures(
     if optimizer is not None and params is not None:
         second = [optimizer.state.get(p, {}).get("exp_avg_sq") for p in params]
         if all(v is not None for v in second):
-            scale = torch.stack(torch._foreach_norm(torch._foreach_sqrt(second), 2)).double().cpu()
+            scale = torch.stack(torch._foreach_norm(torch._foreach_sqrt(second), 2, dtype=torch.float64)).cpu()
             adam = error_squared.cpu().sqrt() / scale.clamp_min(1e-300)
     ratio = ratio_to_noise(error_squared.cpu(), noise)
     both = torch.stack([ratio, relative.cpu(), adam]).to(exact.device)
@@ -187,7 +202,8 @@ def unit_sizes(local: torch.Tensor, parts: int, pieces: int, unit: int) -> torch
     """z_s, each unit's squared norm summed over the ranks (float64 [units], the same on every rank): the sizes
     a `TensorSample` is drawn in proportion to. Every rank calls (one all-reduce of d / (parts pieces unit)
     values)."""
-    z = _grid(local.float().square(), local.numel(), parts, pieces, unit).sum((0, 1, 3)).double()
+    grid = _grid(local.float(), local.numel(), parts, pieces, unit)
+    z = torch.linalg.vector_norm(grid, 2, dim=(0, 1, 3), dtype=torch.float64).square()  # no float32 square
     bounded("per-tensor sample sizes all_reduce", lambda: dist.all_reduce(z, async_op=True))
     return z.cpu()
 
@@ -210,6 +226,38 @@ def _tensor_slot_ranges(layout: TensorLayout, parts: int, pieces: int, unit: int
             yield t, offset // unit, -(-(offset + stop - position) // unit)
             position = stop
         start = end
+
+
+def _tensor_units(layout: TensorLayout, parts: int, pieces: int, unit: int):
+    """For each tensor, the units it has values in, as sorted disjoint (first slot, end slot) ranges: the union of
+    its stretches over the (shard, piece) cells (a tensor longer than a piece meets the same slots in two cells)."""
+    ranges: list[list[tuple[int, int]]] = [[] for _ in layout.sizes]
+    for t, lo, hi in _tensor_slot_ranges(layout, parts, pieces, unit):
+        ranges[t].append((lo, hi))
+    for stretches in ranges:
+        merged: list[tuple[int, int]] = []
+        for lo, hi in sorted(stretches):
+            if merged and lo <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        yield merged
+
+
+def inclusion(share: torch.Tensor, K: int) -> torch.Tensor:
+    """Inclusion probabilities pi_s = min(1, lambda share_s) over one tensor's units whose expected count,
+    sum_s pi_s, is exactly K (<= the number of units): lambda found by water-filling, since the units whose
+    probability reaches 1 give up the rest of their share. The first rule, pi_s = min(1, k share_s), lost that
+    mass: a tensor of 17-64 units with one heavy unit (share ~1/2, pi = 1) expected 16-17 units, not 32 (issue 51).
+    Only the K largest shares can reach 1, so only they are sorted."""
+    U = share.numel()
+    if K >= U:
+        return torch.ones_like(share)
+    top = torch.topk(share, K).values  # descending
+    rest = float(share.sum()) - torch.cat([top.new_zeros(1), top.cumsum(0)[:-1]])  # mass below the j largest
+    lam = (K - torch.arange(K, dtype=torch.float64)) / rest  # lambda with the j largest at 1
+    j = int(torch.nonzero(lam * top <= 1)[0])  # the fewest at 1 that leave the (j+1)-th below it (j = K-1 always)
+    return (lam[j] * share).clamp(max=1.0)
 
 
 @dataclass
@@ -245,25 +293,30 @@ class TensorSample:
     @staticmethod
     def inclusion(z: torch.Tensor, layout: TensorLayout, parts: int, pieces: int, unit: int,
                   per_tensor: int = PER_TENSOR_UNITS) -> torch.Tensor:  # fmt: skip
-        """pi_s, each unit's inclusion probability (float64 [units], module docstring) from the units' sizes z."""
+        """pi_s, each unit's inclusion probability (float64 [units], module docstring) from the units' sizes z:
+        each tensor t expects min(k, U_t) units of its own (the module's `inclusion`), a unit holding values of
+        several tensors the largest of their probabilities for it; per_tensor = 0: every unit."""
         z = z.double().cpu()
         slots = z.numel()
-        cz = torch.cat([z.new_zeros(1), z.cumsum(0)])
-        stretches = list(_tensor_slot_ranges(layout, parts, pieces, unit))
-        Z = torch.zeros(len(layout.sizes), dtype=torch.float64)  # Z_t: the sizes of tensor t's units
-        U = torch.zeros(len(layout.sizes), dtype=torch.float64)  # U_t: how many units tensor t has values in
-        for t, lo, hi in stretches:
-            Z[t] += cz[hi] - cz[lo]
-            U[t] += hi - lo
-        share = torch.zeros(slots, dtype=torch.float64)  # max over the unit's tensors of its share of them
-        for t, lo, hi in stretches:
-            by_size = z[lo:hi] / Z[t] if Z[t] > 0 else torch.zeros(hi - lo, dtype=torch.float64)
-            share[lo:hi] = torch.maximum(share[lo:hi], (by_size + 1 / U[t]) / 2)
-        return (per_tensor * share).clamp(max=1.0) if per_tensor > 0 else torch.ones(slots, dtype=torch.float64)
+        pi = torch.ones(slots, dtype=torch.float64) if per_tensor <= 0 else torch.zeros(slots, dtype=torch.float64)
+        for units in _tensor_units(layout, parts, pieces, unit) if per_tensor > 0 else ():
+            w = torch.cat([z[lo:hi] for lo, hi in units])  # z_s over the tensor's U_t units
+            Z, U = float(w.sum()), w.numel()
+            share = ((w / Z if Z > 0 else torch.zeros_like(w)) + 1 / U) / 2
+            mine = inclusion(share, min(per_tensor, U))
+            offset = 0
+            for lo, hi in units:
+                pi[lo:hi] = torch.maximum(pi[lo:hi], mine[offset : offset + hi - lo])
+                offset += hi - lo
+        return pi
 
     def scales(self, per_tensor: torch.Tensor) -> torch.Tensor:
         """Each sampled value's scale from per-tensor scales (an aggregator's `tensor_scales`; padding: 1)."""
         return torch.cat([per_tensor, per_tensor.new_ones(1)])[self.tensor.to(per_tensor.device)]
+
+    def in_tensors(self, which: torch.Tensor) -> torch.Tensor:
+        """Whether each sampled value lies in one of the tensors `which` marks (bool per tensor; padding: False)."""
+        return torch.cat([which.cpu().bool(), torch.zeros(1, dtype=torch.bool)])[self.tensor]
 
     def values(self, flat: torch.Tensor) -> torch.Tensor:
         """This rank's values at the sample's positions (zero at padding), in the call's layout."""
@@ -289,26 +342,31 @@ class TensorSample:
 def worst_tensor(estimate: torch.Tensor, variance: torch.Tensor, noise: torch.Tensor) -> tuple[float, float, int]:
     """(rho, standard error, tensor) of the tensor whose bound rho_t + SIGMAS se_t is the largest, from a squared
     error estimate and its variance per tensor and the tensors' noise (delta method: se of sqrt(E) is
-    sqrt(V) / (2 sqrt(E))). A nan anywhere is returned as nan: evidence to refuse, never a pass or a fail."""
+    sqrt(V) / (2 sqrt(E))). A tensor with no noise and an error is (inf, 0): certain, since an estimate above 0
+    comes from some unit that erred, and it fits no budget (docs/auto.md: only the candidates that leave it
+    exact fit). Input that is not finite (a nan gradient) is returned as nan: evidence to refuse, never a pass or
+    a fail."""
     if not (torch.isfinite(estimate).all() and torch.isfinite(variance).all() and torch.isfinite(noise).all()):
         return math.nan, 0.0, 0
     rho = ratio_to_noise(estimate.clamp_min(0), noise)
     root = estimate.clamp_min(0).sqrt()
     se = torch.where(root > 0, variance.clamp_min(0).sqrt() / (2 * root), torch.zeros_like(root))
-    se = torch.where(noise > 0, se / noise, torch.where(root > 0, torch.full_like(se, math.inf), se))
+    se = torch.where(noise > 0, se / noise, torch.zeros_like(se))  # no noise: rho is 0 or inf, with certainty
     bound = rho + SIGMAS * se
     t = int(bound.argmax())
     return float(rho[t]), float(se[t]), t
 
 
 def worst_rank_tensor_error(
-    G: torch.Tensor, code, sample: TensorSample, noise: torch.Tensor, scales: torch.Tensor | None = None
-) -> tuple[float, float, int]:
+    G: torch.Tensor, code, sample: TensorSample, noise: torch.Tensor, scales: torch.Tensor | None = None,
+    zero: torch.Tensor | None = None,
+) -> tuple[float, float, int]:  # fmt: skip
     """(rho, standard error, tensor) of `code`'s worst rank and worst tensor (by rho + SIGMAS se) on per-rank
     values G [N, c x count] at a `TensorSample` of columns (1 part, c pieces, unit 1): S_hat_i from
     `cerar.simulate` in G's dtype, S the exact sum in float64, each rank's error of the mean (S_hat_i - S) / N
     estimated per tensor against `noise` (sigma_t). `scales` (one per sampled value), where the aggregator
-    equilibrates, multiply G before the simulated call and divide its result after, as the call does."""
+    equilibrates, multiply G before the simulated call and divide its result after, as the call does. `zero`
+    (per tensor, `TensorLayout.zero`): the tensors zero on every rank, which the call returns as zeros."""
     import cerar
 
     N = G.shape[0]
@@ -316,11 +374,13 @@ def worst_rank_tensor_error(
     if scales is not None:
         S_hat /= scales.double()
     S = G.double().sum(0)
+    if zero is not None:
+        S_hat[:, sample.in_tensors(zero)] = 0.0
     worst = (-math.inf, 0.0, 0)
     for i in range(N):
         estimate, variance = sample.estimate(((S_hat[i] - S) / N).square())
         rho, se, t = worst_tensor(estimate, variance, noise)
-        if not math.isfinite(rho + se):
+        if math.isnan(rho + se):
             return math.nan, 0.0, t
         if rho + SIGMAS * se > worst[0] + SIGMAS * worst[1]:
             worst = (rho, se, t)
