@@ -59,5 +59,16 @@ def write(sections, ctx: Context, command: str, seconds: float) -> str:
         lines += section.report(results)
         for r in results:
             if r.status == FAIL:
-                lines += [f"{r.case.name}: FAIL ({r.reason}); its log:", "", "```", r.log[-3000:], "```", ""]
+                lines += failure(r)
     return "\n".join(lines) + "\n"
+
+
+def failure(r) -> list[str]:
+    """A FAIL's reason, the end of its case's log (said when empty), and the output of every run the case
+    launched (``cases.launched``)."""
+    log = r.log[-3000:].strip()
+    lines = [f"{r.case.name}: FAIL ({r.reason}); its log:", ""]
+    lines += ["```", log, "```", ""] if log else ["(the case's log is empty: it printed nothing)", ""]
+    for label, tail in ((r.value or {}).get("outputs") or {}).items():
+        lines += [f"{r.case.name}, launched {label}, the end of its output:", "", "```", tail.strip(), "```", ""]
+    return lines
