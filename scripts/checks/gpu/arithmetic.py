@@ -203,11 +203,11 @@ def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
         q8.quantize_into(got, x, B, rounding, 12345)
         q8.quantize_eager(want, x, B, rounding, 12345)
         equal = bool(torch.equal(got, want))
-        scales, values = (q8.parts(m, n, B) for m in (got, want))
+        (got_scales, got_values), (want_scales, want_values) = q8.parts(got, n, B), q8.parts(want, n, B)
         rows.append({
             "kernel": f"int8 quantize, {rounding}", "on": f"quantize_{rounding}" in on, "equal": equal,
-            "differ": f"{int((scales[0] != scales[1]).sum())} of {scales[0].numel()} scales, "
-            f"{int((values[0] != values[1]).sum())} of {n} values",
+            "differ": f"{int((got_scales != want_scales).sum())} of {want_scales.numel()} scales, "
+            f"{int((got_values != want_values).sum())} of {n} values",
             "fused": _timed(lambda got=got, r=rounding: q8.quantize_into(got, x, B, r, 7), device) / copy_s,
             "eager": _timed(lambda want=want, r=rounding: q8.quantize_eager(want, x, B, r, 7), device) / copy_s,
         })  # fmt: skip

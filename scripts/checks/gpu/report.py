@@ -11,7 +11,9 @@ import torch
 from scripts.checks.gpu.cases import FAIL, MEASURED, NOT_RUN, PASS, Context, exit_text
 
 
-def write(sections, ctx: Context, command: str, seconds: float) -> str:
+def write(sections, ctx: Context, command: str, seconds: float, partial: bool = False) -> str:
+    """The report of ``sections`` (each with its results so far); ``partial``: the check is still running, and the
+    report says so (written after every case, so that a check cut short leaves what it saw)."""
     if ctx.device == "cuda":
         name = torch.cuda.get_device_name(0)
         made = (
@@ -30,6 +32,12 @@ def write(sections, ctx: Context, command: str, seconds: float) -> str:
         "of its own, bounded by its deadline; multi-rank cases on "
         f"{ctx.world} rank(s), one per device.",
         "",
+        *(
+            ["**Partial**: written while the check was still running; the cases after the last row below had not "
+             "run (or the check was cut short there).", ""]
+            if partial
+            else []
+        ),  # fmt: skip
         "| section | case | result | exit status | seconds | reason |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
