@@ -391,11 +391,13 @@ def rounds(N: int, c: int, d: int, out: str) -> dict:  # noqa: ARG001
     cached; the hold is NCCL's connect of the peer inside ``ncclGroupEnd`` (``taskAppend`` ->
     ``ncclGroupCommPreconnect``, at the first send or receive to a peer). One self-batch waited for before the
     hold still left the lead at 8 (``selfloop-rounds-lead-warm.txt``): one round's posts, then the host was
-    held at round 1's arithmetic, the first use of its kernels (CUDA loads a module lazily, at a kernel's first
-    launch, which "might require context synchronization": the CUDA Programming Guide, Lazy Loading, Potential
-    Hazards; torch's products also make their cuBLAS handle and workspace at the first one). So the first call
-    is the warm-up: it connects the peer, loads every kernel the rounds use and fills the caching allocator
-    with the call's sizes. The second call is judged: its result within the rounding bound of the spec's
+    held at round 1's arithmetic, the first launch of its kernels: CUDA loads a module lazily, at a kernel's
+    first launch, which "might require context synchronization" (the CUDA Programming Guide, Lazy Loading,
+    Potential Hazards). Measured on the H200 (reports/logs/gpu_selfloop_lead.log): after a self-batch and one
+    call of the arithmetic alone the lead is 16; after a self-batch and a matmul (cuBLAS's handle made) still
+    8; the same under ``CUDA_MODULE_LOADING=EAGER`` 16. So the first call is the warm-up: it connects the peer,
+    loads every kernel the rounds use and fills the caching allocator with the call's sizes (on the H200 the
+    next held call's lead was 16, twice). The second call is judged: its result within the rounding bound of the spec's
     protocol, its polls (one per ``LOOK_BEHIND_POSTS`` posts after the first window, one at the end) and its
     largest lead exactly ``lead_bound(LOOK_BEHIND_POSTS)``: never more (the contract's bound), and reached
     (nothing outside the protocol's poll holds the host)."""
