@@ -49,7 +49,6 @@ def test_the_benchmark_dry_run_measures_every_section_and_says_where_each_row_co
     assert "progress" not in report and "[" in run.stdout and "done:" in run.stdout  # progress lines as it went
 
 
-@pytest.mark.quick
 def test_a_row_that_does_not_fit_the_budget_is_not_run_and_says_so(tmp_path):
     """With no time left every row is NOT RUN with the budget as its reason, in the jsonl and the report; nothing
     is launched or measured, and the run ends cleanly."""
