@@ -24,17 +24,28 @@ CONSTRUCTION = "optimized"
 ESTIMATE_S = 6.0  # one row on an H200: the code, warm-up, timed calls, one profiled call
 
 
-def arithmetic_call(code, d: int, device: torch.device):
-    """The callable ``one_rank_arithmetic`` makes for ``code`` on ``d`` values on ``device``: by keyword where its
-    parameters keep these names, else by position; a tuple's first callable where it returns more."""
+def graph_variants(device: torch.device) -> list:
+    """The ``graph=`` settings to measure: where ``one_rank_arithmetic`` takes one (a call replayed from a CUDA
+    graph), both on CUDA, replayed first; else the function's only way (None)."""
+    from scripts.checks.gpu.throughput import one_rank_arithmetic
+
+    takes = "graph" in inspect.signature(one_rank_arithmetic).parameters
+    return [True, False] if takes and device.type == "cuda" else [None]
+
+
+def arithmetic_call(code, d: int, device: torch.device, graph: bool | None = None):
+    """The callable ``one_rank_arithmetic`` makes for ``code`` on ``d`` values on ``device`` (and ``graph``, where
+    not None): by keyword where its parameters keep these names, else by position; a tuple's first callable where
+    it returns more."""
     from scripts.checks.gpu.throughput import one_rank_arithmetic
 
     given = {"code": code, "d": d, "device": device}
+    extra = {} if graph is None else {"graph": graph}
     parameters = inspect.signature(one_rank_arithmetic).parameters
     if all(name in parameters for name in given):
-        made = one_rank_arithmetic(**given)
+        made = one_rank_arithmetic(**given, **extra)
     else:
-        made = one_rank_arithmetic(code, d, device)
+        made = one_rank_arithmetic(code, d, device, **extra)
     if callable(made):
         return made
     for item in made if isinstance(made, (tuple, list)) else ():
@@ -85,8 +96,10 @@ def profiled(run, device: torch.device) -> dict:
 
 def run(bench) -> None:
     repeats, warmup = (3, 1) if bench.small else (10, 3)
-    for N, c, mib in SMALL_CONFIGS if bench.small else CONFIGS:
-        what = f"one rank's rounds, N={N} c={c} {CONSTRUCTION}, {mib:g} MiB, transfers as local copies"
+    configs = SMALL_CONFIGS if bench.small else CONFIGS
+    for (N, c, mib), graph in ((config, g) for config in configs for g in graph_variants(bench.device)):
+        how = {None: "", True: ", replayed from a CUDA graph", False: ", eager (graph=False)"}[graph]
+        what = f"one rank's rounds, N={N} c={c} {CONSTRUCTION}, {mib:g} MiB, transfers as local copies{how}"
         if not bench.fits(SECTION, what, ESTIMATE_S):
             continue
         try:
@@ -97,7 +110,7 @@ def run(bench) -> None:
             y = torch.empty_like(x)
             copy = timed(lambda x=x, y=y: y.copy_(x), bench.device, warmup, repeats)
             with cerar.full_fp32_products(bench.device):
-                call = arithmetic_call(code, d, bench.device)
+                call = arithmetic_call(code, d, bench.device, graph)
                 wall = timed(call, bench.device, warmup, repeats)
                 seen = profiled(call, bench.device)
         except Exception as error:
@@ -113,6 +126,7 @@ def run(bench) -> None:
             what,
             N=N,
             c=c,
+            graph=graph,
             L=code.L,
             MiB=mib,
             d=d,

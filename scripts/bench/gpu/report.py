@@ -10,6 +10,10 @@ def _f(value, spec: str = ".2f", scale: float = 1.0) -> str:
     return "" if value is None else format(value * scale, spec)
 
 
+def _graph(graph) -> str:
+    return {True: "replayed", False: "eager"}.get(graph, "default")
+
+
 def _pct(value) -> str:
     return "" if value is None else f"{100 * value:.1f} %"
 
@@ -115,15 +119,16 @@ def _arithmetic(bench) -> list[str]:
         "same on any device); busy: the union of the kernels' intervals; x copy: the call's time over a device "
         "copy of the same gradient. Targets (issue 52): busy/wall >= 85 % at 64 MiB and above.",
         "",
-        "| N | c | L | MiB | kernels (copies) | aten ops | GPU busy ms | call ms | busy / call | copy ms | x copy | "
-        "most launched |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| N | c | L | MiB | CUDA graph | kernels (copies) | aten ops | GPU busy ms | call ms | busy / call | copy ms "
+        "| x copy | most launched |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         kernels = "" if r["kernels"] is None else f"{r['kernels']} ({r['copies']})"
         top = ", ".join(f"{name} x{n}" for name, n in r["top_kernels"][:3])
         lines.append(
-            f"| {r['N']} | {r['c']} | {r['L']} | {r['MiB']:g} | {kernels} | {r['aten_ops']} | {_f(r['busy_ms'])} "
+            f"| {r['N']} | {r['c']} | {r['L']} | {r['MiB']:g} | {_graph(r.get('graph'))} | {kernels} | {r['aten_ops']} "
+            f"| {_f(r['busy_ms'])} "
             f"| {r['wall_ms']:.2f} | {_pct(r['busy_over_wall'])} | {r['copy_ms']:.3f} | {r['x_copy']:.1f} | {top} |"
         )
     return lines + [""]

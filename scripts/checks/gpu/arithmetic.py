@@ -154,24 +154,11 @@ def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict: 
 
 def _timed(fn, device: torch.device, reps: int = 7) -> float:
     """Median seconds of ``fn`` (CUDA events on a GPU, the thread's CPU time elsewhere), after one warm call."""
-    import statistics
     import time
 
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.thread_time()
-            fn()
-            times.append(time.thread_time() - t0)
-    return statistics.median(times)
+    from scripts.bench.gpu.measure import timed
+
+    return timed(fn, device, warmup=1, repeats=reps, cpu_clock=time.thread_time)["median_ms"] / 1e3
 
 
 def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
