@@ -6,7 +6,8 @@ report rewritten after every row (``report.write``), so that a run cut short sti
     python -m scripts.bench.gpu --device cpu --small --out /tmp/gpu_bench.md   # the dry run (tests/test_gpu_bench.py)
 
 Each section (``STAGES``) checks the budget before each of its rows: a row whose estimated seconds no longer fit
-is NOT RUN, with that reason, and the rest go on; a trainer launch gets what is left as its deadline. A row that
+is NOT RUN, with that reason, and the rest go on; a trainer launch gets twice its estimate (at most what is left)
+as its deadline. A row that
 raises is FAILED with the error, and the rest go on."""
 
 from __future__ import annotations
