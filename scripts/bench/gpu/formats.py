@@ -3,10 +3,16 @@ gradient, through its public functions (``int8_blocks.quantize_into`` and ``dequ
 ``encode`` and ``decode``), eager (``cerar.formats.fused.disable``) and after ``cerar.formats.fused.enable``
 (whatever it switched on for the device; an operation it has no kernel for runs eagerly either way, and its row
 says so). 64 and 256 MiB on a GPU, as ``../shared/device-runs/h200-2026-12-04/formats_bench.py`` measured them.
-A fused row also says whether its bytes equal the eager ones (for quantize and encode, the outputs compared)."""
+A fused row also says whether its bytes equal the eager ones (for quantize and encode, the outputs compared).
+
+Where the tree has the formats' own timing entry, ``scripts.bench.format_timing.formats_against_copy`` (issue 52
+part 3: eager, fused and "chosen", what ``fused.enable`` picked per kernel), its rows are recorded instead
+(``from_format_timing``), each saying so."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import time
 
 import torch
@@ -54,14 +60,56 @@ def operations(x: torch.Tensor, block: int):
     return ops
 
 
+def from_format_timing(bench, entry, sizes, repeats: int) -> None:
+    """Every row of ``formats_against_copy(device, mib=sizes, ...)`` (only the options it takes are passed)."""
+    options = {"mib": tuple(sizes), "reps": repeats, "backend": "inductor" if bench.cuda else "eager",
+               "say": lambda line: bench.say(f"formats: {line}")}  # fmt: skip
+    if not bench.cuda:
+        options["sample_values"] = 2**16  # enable's check sample at the dry run's size
+    accepted = inspect.signature(entry).parameters
+    result = entry(bench.device, **{k: v for k, v in options.items() if k in accepted})
+    copies = {r["MiB"]: r["ms"] for r in result["rows"] if r["operation"] == "copy"}
+    for r in result["rows"]:
+        if r["operation"] == "copy":
+            continue
+        name, mib, variant, ms = r["operation"], r["MiB"], r["variant"], r["ms"]
+        bench.record(
+            SECTION,
+            f"{name}, {mib:g} MiB of float32, {variant} (scripts.bench.format_timing)",
+            operation=name,
+            variant=variant,
+            runs=variant,
+            MiB=mib,
+            ms=ms,
+            copy_ms=copies.get(mib),
+            x_copy=r["x_copy"],
+            gbps_of_gradient=mib * 2**20 / (ms / 1e3) / 1e9,
+            bytes_equal_to_eager=None if variant == "eager" else r.get("same_bytes"),
+            measured_by="scripts.bench.format_timing.formats_against_copy",
+            enable_s=result.get("enable"),
+            choices=result.get("choices"),
+            summary=f"{ms:.3f} ms, {r['x_copy']:.1f} x a copy",
+        )
+
+
 def run(bench) -> None:
     from cerar.formats import fused
     from cerar.formats import int8_blocks as q8
 
+    sizes = SMALL_SIZES_MIB if bench.small else SIZES_MIB
+    try:
+        entry = importlib.import_module("scripts.bench.format_timing").formats_against_copy
+    except (ImportError, AttributeError):
+        entry = None
+    if entry is not None:
+        if bench.fits(SECTION, f"every format at {', '.join(f'{m:g}' for m in sizes)} MiB", ESTIMATE_S * len(sizes)):
+            from_format_timing(bench, entry, sizes, 3 if bench.small else 20)
+        return
+
     block = q8.DEFAULT_BLOCK
     repeats, warmup = (3, 1) if bench.small else (20, 5)
     backend = "inductor" if bench.cuda else "eager"  # eager on a CPU: dynamo traces, torch's own ops run (seconds)
-    for mib in SMALL_SIZES_MIB if bench.small else SIZES_MIB:
+    for mib in sizes:
         if not bench.fits(SECTION, f"every format at {mib:g} MiB", ESTIMATE_S):
             continue
         n = int(mib * 2**20 / 4)
