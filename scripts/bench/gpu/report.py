@@ -66,12 +66,12 @@ def _trainer(bench) -> list[str]:
         "",
         "`train/main.py` through torchrun at world size 1 (the `nccl` aggregator: no CERAR code runs), its own "
         "`mfu` and `time/*` from metrics.jsonl: medians over the steps after the first warm-up steps, which are "
-        "dropped (they compile, allocate and tune; the first step's seconds are shown). Targets: issue 52's, on one "
-        "H100/H200-class GPU.",
+        "dropped (they compile, allocate and tune; the first step's seconds are shown). Launch s: the whole launch, "
+        "start-up and compiling included. Targets: issue 52's, on one H100/H200-class GPU.",
         "",
         "| model | trainer.compile | micro-batch | seq | steps logged (dropped) | MFU | target | tokens/s | forward "
-        "ms | backward ms | optimizer ms | step ms | first step s | peak GiB | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "ms | backward ms | optimizer ms | step ms | first step s | launch s | peak GiB | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         lines.append(
@@ -79,7 +79,8 @@ def _trainer(bench) -> list[str]:
             f"| {r['steps_logged']} ({r['warmup_steps_dropped']}) | {_pct(r['mfu'])} | {_pct(r.get('target_mfu'))} "
             f"| {_f(r['tokens_per_s'], '.0f')} | {_f(r['time/forward'], '.1f', 1e3)} "
             f"| {_f(r['time/backward'], '.1f', 1e3)} | {_f(r['time/optimizer'], '.1f', 1e3)} "
-            f"| {_f(r['time/step'], '.1f', 1e3)} | {_f(r['first_step_s'], '.1f')} | {_f(r['peak_gib'], '.1f')} "
+            f"| {_f(r['time/step'], '.1f', 1e3)} | {_f(r['first_step_s'], '.1f')} | {_f(r.get('launch_s'), '.0f')} "
+            f"| {_f(r['peak_gib'], '.1f')} "
             f"| {r['status']}{': ' + r['reason'] if r.get('reason') else ''}"
             f"{'; said: ' + ' / '.join(r['compile_said']) if r.get('compile_said') else ''} |"
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import statistics
+import time
 from pathlib import Path
 
 from scripts.bench.gpu.measure import ROOT
@@ -127,8 +128,10 @@ def launch(bench, model: str, micro: int, steps: int, compile_: bool, workdir: P
     run_dir = workdir / f"{model}-{mode}"
     warmup = SMALL_WARMUP_STEPS if bench.small else WARMUP_STEPS
     deadline = max(min(bench.left() - RESERVE_S, max(2 * estimate_s, LAUNCH_FLOOR_S)), 1.0)
+    started = time.monotonic()
     code, output = _finish(_launch(overrides(model, micro, steps, compile_, bench.small, bench.seed, run_dir), _env()),
                            deadline)  # fmt: skip
+    launch_s = time.monotonic() - started
     summary = summarize(_records(run_dir / "metrics.jsonl"), warmup)
     said = [line.strip()[:200] for line in output.splitlines() if "compil" in line.lower()][:3]
     killed = code == -9
@@ -153,6 +156,7 @@ def launch(bench, model: str, micro: int, steps: int, compile_: bool, workdir: P
         steps=steps,
         compile=compile_,
         exit=code,
+        launch_s=launch_s,
         **summary,
         target_mfu=TARGET_MFU.get(model),
         compile_said=said,
