@@ -326,3 +326,35 @@ def test_the_training_launches_keep_the_pythonpath_they_were_given(tmp_path, mon
     assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr
     assert training.python_path(tmp_path / "callback").split(os.pathsep) == [str(tmp_path / "callback"), str(ROOT),
                                                                             str(site)]  # fmt: skip
+
+
+SESSION_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; print('worker up', flush=True); time.sleep(600)"],
+                         start_new_session=True)  # as torchrun starts its workers: out of the launch's group
+print("agent up", child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.quick
+def test_a_launch_past_its_deadline_is_killed_with_the_workers_in_sessions_of_their_own():
+    """torchrun's workers run in sessions of their own: killing the launch's process group leaves them alive,
+    holding the output pipe, and reading the output then waits for ever (a benchmark's trainer launch hung so,
+    its worker orphaned in the rendezvous). ``_finish`` ends the launch and everything below it, at its
+    deadline, and returns its output so far."""
+    from scripts.checks.gpu.training import _finish
+
+    process = subprocess.Popen([sys.executable, "-c", SESSION_CHILD], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    started = time.monotonic()
+    code, output = _finish(process, 3.0)
+    seconds = time.monotonic() - started
+    worker = int(output.split("agent up", 1)[1].split()[0]) if "agent up" in output else None
+    time.sleep(0.2)
+    alive = worker is not None and Path(f"/proc/{worker}").exists()
+    alive = alive and "Z" not in Path(f"/proc/{worker}/stat").read_text().split()[2]
+    if alive:  # the test's own leftover, not the next test's
+        os.kill(worker, 9)
+    assert code == -9 and seconds < 20 and "worker up" in output, (code, seconds, output)
+    assert worker is not None and not alive

@@ -663,4 +663,14 @@ FAULTS = [
         tests=("tests/test_gpu_bench.py -k budget",),
         why="the benchmark starts rows that cannot finish in its budget (a lease's minutes), instead of saying so",
     ),
+    Fault(
+        name="launch-kill-misses-workers",
+        file="scripts/checks/gpu/training.py",
+        original="    for pid in below:\n",
+        replacement="    for pid in below[:0]:\n",
+        tests=("tests/test_gpu_check.py -k sessions_of_their_own",),
+        why="a launch killed at its deadline leaves torchrun's workers (sessions of their own) running and holding "
+        "its output pipe: the check's or the benchmark's wait for it hangs",
+        quick=True,
+    ),
 ]

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from scripts.checks.gpu.cases import FAIL, PASS, ROOT, Case, Context, launched, scratch
 
@@ -114,13 +115,51 @@ def _launch(overrides: list[str], env: dict, nproc: int = 1) -> subprocess.Popen
     )
 
 
+KILL_WAIT_S = 30.0  # for a killed launch's output to end
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (Linux's /proc): a launch's agent, workers and their children."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(process: subprocess.Popen) -> str:
+    """SIGKILL a launch and every process below it, and return its output so far. torchrun starts its workers in
+    sessions of their own, which the launch's group kill misses: a worker left alive would keep running (on a
+    GPU: holding it), and, holding the output pipe, make ``communicate`` wait for ever (a bench on 2 busy cores
+    hung so, its worker orphaned in the rendezvous once the agent was gone)."""
+    below = descendants(process.pid)  # before the agent dies: then its workers are re-parented
+    with contextlib.suppress(OSError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        return process.communicate(timeout=KILL_WAIT_S)[0] or ""
+    except subprocess.TimeoutExpired as error:  # a process outside the tree still holds the pipe
+        output = error.output or ""
+        return output.decode(errors="replace") if isinstance(output, bytes) else output
+
+
 def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+    """The launch's exit status and output; past ``timeout_s`` it is killed with everything below it (-9)."""
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        return -9, output
+        return -9, _kill(process)
     return process.returncode, output
 
 
@@ -152,8 +191,7 @@ def resume(device: str, precision: str, small: bool, out: str, timeout_s: float 
         # torchrun may start its worker in a session of its own: kill the worker by its pid file, then the agent
         with contextlib.suppress(OSError, ValueError):
             os.kill(int((killed_dir / "pids" / "rank0.pid").read_text()), signal.SIGKILL)
-        os.killpg(process.pid, signal.SIGKILL)
-        launched(outputs, "the run killed after its first checkpoint", -9, process.communicate()[0] or "")
+        launched(outputs, "the run killed after its first checkpoint", -9, _kill(process))
         killed_at = every
     else:
         launched(outputs, "the run to be killed (it ended first)", process.returncode, process.communicate()[0] or "")
