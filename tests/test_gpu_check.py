@@ -15,6 +15,7 @@ import cerar
 from scripts.checks.gpu import runner
 from scripts.checks.gpu.cases import Case, Context, Needs, run_case
 from scripts.checks.gpu.judge import judge_coded, judge_sum, resolve_device
+from tests.distributed import run_workers
 
 
 def gpu_check(tmp_path, *extra, timeout=1500):
@@ -207,3 +208,153 @@ def test_the_self_loop_judges_fail_what_the_gpu_could_show_wrong():
     assert selfloop.judge_watchdog(None, -6, 25.0, said, 0.0)[0] == "PASS"
     assert selfloop.judge_watchdog(None, -6, 25.0, "terminate called without an active exception", 0.0)[0] == "FAIL"
     assert selfloop.judge_watchdog(None, 0, 70.0, said, 0.0)[0] == "FAIL"
+
+
+def _held_stream_worker(rank, N, c, d):  # noqa: ARG001
+    """One rank of ``cerar.all_reduce`` under NCCL's emulated contract, its device queue (the emulated stream)
+    held from the first post on, as the self-loop's rounds case holds the GPU behind a long kernel. Counted: the
+    posts handed to the queue and not yet run (the host's lead), the posts issued when the protocol's first poll
+    began, and whether that poll found its round not yet run (so that it blocks). The hold ends 0.2 s into the
+    first poll (30 s at the latest: a protocol that never polls still ends, and fails the test)."""
+    import threading
+
+    from cerar.ring import transport
+
+    queue = transport.transport_contract().device_queue
+    hold, lock = threading.Event(), threading.Lock()
+    seen = {"posts": 0, "ahead": 0, "most_ahead": 0, "at_first_poll": None, "first_poll_blocks": None}
+    submit = queue.submit
+
+    def counting_submit(fn, *args):
+        if getattr(fn, "__name__", "") != "_post":
+            return submit(fn, *args)
+        with lock:
+            if seen["posts"] == 0:
+                submit(lambda: hold.wait(30))  # the kernel the device is held behind
+            seen["posts"] += 1
+            seen["ahead"] += 1
+            seen["most_ahead"] = max(seen["most_ahead"], seen["ahead"])
+
+        def started(*a):
+            with lock:
+                seen["ahead"] -= 1
+            return fn(*a)
+
+        return submit(started, *args)
+
+    queue.submit = counting_submit
+    poll = transport._Rounds._await
+
+    def first_poll(self, handle, what):
+        if seen["at_first_poll"] is None:
+            seen["at_first_poll"], seen["first_poll_blocks"] = seen["posts"], not handle.done()
+            threading.Timer(0.2, hold.set).start()
+        return poll(self, handle, what)
+
+    transport._Rounds._await = first_poll
+    code = cerar.make_code(N, c, "perturbation", eps=0.5)
+    cerar.all_reduce(torch.randn(d, generator=torch.Generator().manual_seed(rank)), code, timeout=60)
+    return seen
+
+
+def test_the_self_loops_lead_bound_is_what_the_rounds_give_under_nccls_contract():
+    """``selfloop.lead_bound``'s derivation held to the rounds themselves: with the device held from the first
+    post on (the emulated stream), the host issues exactly 2 x LOOK_BEHIND_POSTS posts before the protocol's
+    first poll, which blocks (its round has not run), and over the whole call it is never further ahead than
+    that. The self-loop case on a GPU wants this lead, no less: an H200 showed 1 on a fresh communicator and 8
+    with only the connection warmed (../shared/device-runs/h200-2026-12-04/)."""
+    from cerar.ring.transport import LOOK_BEHIND_POSTS
+    from scripts.checks.gpu.selfloop import lead_bound
+
+    N, c = 2, 30  # L = c + N - 2 = 30 rounds of one chunk: past the first two windows
+    code = cerar.make_code(N, c, "perturbation", eps=0.5)
+    assert code.L == 30 > 2 * LOOK_BEHIND_POSTS + LOOK_BEHIND_POSTS
+    bound = lead_bound(LOOK_BEHIND_POSTS)
+    for rank, seen in enumerate(run_workers(_held_stream_worker, N, args=(c, c * 1000 + 5), contract="nccl")):
+        assert seen["posts"] == code.L, (rank, seen)
+        assert seen["at_first_poll"] == bound and seen["first_poll_blocks"], (rank, seen)
+        assert seen["most_ahead"] == bound, (rank, seen)
+
+
+def fails_silently(out):  # noqa: ARG001
+    return {"status": "FAIL"}
+
+
+def launches_and_fails(out):  # noqa: ARG001
+    from scripts.checks.gpu.cases import launched
+
+    run = subprocess.run(
+        [sys.executable, "-c", "import sys; print('the run said this'); sys.exit('and died of that')"],
+        capture_output=True,
+        text=True,
+    )
+    outputs = launched({}, "a run", run.returncode, run.stdout + run.stderr)
+    return {"status": "FAIL", "reason": "its run exited 1", "outputs": outputs}
+
+
+def test_no_fail_is_without_its_reason_and_a_failed_cases_runs_speak_in_the_report(tmp_path):
+    """A case that returns FAIL with no reason (the H200's "fused" did: its rows said the bytes differed, its
+    reason and log were empty) is given one that says so; a case's launched runs' output is in its log and,
+    with the FAIL, in the report."""
+    from scripts.checks.gpu.report import failure
+
+    silent = run_case(Case("test", "silent", "tests.test_gpu_check:fails_silently"), tmp_path)
+    assert silent.status == "FAIL" and "without a reason" in silent.reason and "status" in silent.reason
+    assert "(the case's log is empty: it printed nothing)" in "\n".join(failure(silent))
+    spoken = run_case(Case("test", "spoken", "tests.test_gpu_check:launches_and_fails"), tmp_path)
+    assert spoken.reason == "its run exited 1" and "the run said this" in spoken.log
+    text = "\n".join(failure(spoken))
+    assert "launched a run (exit status 1)" in text and "the run said this" in text and "and died of that" in text
+
+
+@pytest.mark.quick
+def test_the_training_launches_keep_the_pythonpath_they_were_given(tmp_path, monkeypatch):
+    """Packages installed outside the interpreter's site-packages (``pip install --target /tmp/site``, then
+    ``PYTHONPATH=/tmp/site``: the device image has no Hydra) stay importable in the launched runs, behind the
+    repository's root; the H200's training runs exited 1 with PYTHONPATH replaced by the root."""
+    from scripts.checks.gpu import training
+    from scripts.checks.gpu.cases import ROOT
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "only_in_the_site.py").write_text("HERE = True\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    env = training._env()
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(ROOT), str(site)]
+    probe = "import only_in_the_site, scripts.checks.gpu; print(only_in_the_site.HERE)"  # the root's namespace too
+    run = subprocess.run([sys.executable, "-c", probe], env=env, cwd=tmp_path, capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "True", run.stderr
+    assert training.python_path(tmp_path / "callback").split(os.pathsep) == [str(tmp_path / "callback"), str(ROOT),
+                                                                            str(site)]  # fmt: skip
+
+
+SESSION_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; print('worker up', flush=True); time.sleep(600)"],
+                         start_new_session=True)  # as torchrun starts its workers: out of the launch's group
+print("agent up", child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.quick
+def test_a_launch_past_its_deadline_is_killed_with_the_workers_in_sessions_of_their_own():
+    """torchrun's workers run in sessions of their own: killing the launch's process group leaves them alive,
+    holding the output pipe, and reading the output then waits for ever (a benchmark's trainer launch hung so,
+    its worker orphaned in the rendezvous). ``_finish`` ends the launch and everything below it, at its
+    deadline, and returns its output so far."""
+    from scripts.checks.gpu.training import _finish
+
+    process = subprocess.Popen([sys.executable, "-c", SESSION_CHILD], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)  # fmt: skip
+    started = time.monotonic()
+    code, output = _finish(process, 3.0)
+    seconds = time.monotonic() - started
+    worker = int(output.split("agent up", 1)[1].split()[0]) if "agent up" in output else None
+    time.sleep(0.2)
+    alive = worker is not None and Path(f"/proc/{worker}").exists()
+    alive = alive and "Z" not in Path(f"/proc/{worker}/stat").read_text().split()[2]
+    if alive:  # the test's own leftover, not the next test's
+        os.kill(worker, 9)
+    assert code == -9 and seconds < 20 and "worker up" in output, (code, seconds, output)
+    assert worker is not None and not alive

@@ -196,6 +196,9 @@ class TrainerConfig:
     resync_every: int = 0  # 0: never; k: every k steps broadcast parameters from rank N-1
     collective_timeout_s: float = 300.0
     progress_bar: bool = True
+    # torch.compile of the model: None = on for CUDA, off elsewhere (engineer `trainer` implements it; this branch
+    # has the field only, so that scripts/bench/gpu can pass trainer.compile=true|false)
+    compile: bool | None = None
     # model FLOPs utilisation (`mfu` in metrics): the device's peak dense TFLOP/s at the run's precision.
     # null: looked up by GPU name (train/metrics.py KNOWN_PEAK_TFLOPS: A100, H100, H200, ...); none on CPU.
     peak_tflops: float | None = None

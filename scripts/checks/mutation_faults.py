@@ -899,4 +899,67 @@ FAULTS = [
         why="the other ranks go on to the first step while rank 0's W&B starts: an online start longer than T ends "
         "them in its first collective",
     ),
+    # --- issue 52 part 4: the GPU check's premise, its reasons, its launches' PYTHONPATH; the GPU benchmark ---
+    Fault(
+        name="selfloop-lead-bound-3k",
+        file="scripts/checks/gpu/selfloop.py",
+        original="    return 2 * look_behind",
+        replacement="    return 3 * look_behind",
+        tests=("tests/test_gpu_check.py -k lead_bound",),
+        why="the self-loop's rounds case wants a lead the rounds never give (the H200 measured 16 = 2 x 8 after its "
+        "warm-up call): the GPU check fails on its own premise again",
+    ),
+    Fault(
+        name="gpu-check-fail-without-reason",
+        file="scripts/checks/gpu/cases.py",
+        original="    if result.status == FAIL and not str(result.reason).strip():",
+        replacement="    if False:",
+        tests=("tests/test_gpu_check.py -k without_its_reason",),
+        why="a case that returns FAIL with no reason is reported with an empty one, as the H200's fused case was",
+    ),
+    Fault(
+        name="gpu-check-launched-output-dropped",
+        file="scripts/checks/gpu/cases.py",
+        original='    outputs[f"{label} (exit status {code})"] = tail\n',
+        replacement="",
+        tests=("tests/test_gpu_check.py -k without_its_reason",),
+        why="a failed case's launched runs' output never reaches the report",
+    ),
+    Fault(
+        name="gpu-check-pythonpath-replaced",
+        file="scripts/checks/gpu/training.py",
+        original='TOKENIZERS_PARALLELISM="false", PYTHONPATH=python_path())',
+        replacement='TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))',
+        tests=("tests/test_gpu_check.py -k pythonpath",),
+        why="the training launches lose packages installed under PYTHONPATH (Hydra from wheels on a device machine): "
+        "the H200's training runs exited 1",
+        quick=True,
+    ),
+    Fault(
+        name="gpu-bench-warm-up-kept",
+        file="scripts/bench/gpu/trainer_mfu.py",
+        original="    measured = steps[warmup:]",
+        replacement="    measured = steps",
+        tests=("tests/test_gpu_bench.py -k warm_up",),
+        why="the trainer's MFU rows count the compiling first steps (2 s against 0.12 s on the H200)",
+        quick=True,
+    ),
+    Fault(
+        name="gpu-bench-budget-ignored",
+        file="scripts/bench/gpu/runner.py",
+        original="        if self.left() >= estimate_s:",
+        replacement="        if True:",
+        tests=("tests/test_gpu_bench.py -k budget",),
+        why="the benchmark starts rows that cannot finish in its budget (a lease's minutes), instead of saying so",
+    ),
+    Fault(
+        name="launch-kill-misses-workers",
+        file="scripts/checks/gpu/training.py",
+        original="    for pid in below:\n",
+        replacement="    for pid in below[:0]:\n",
+        tests=("tests/test_gpu_check.py -k sessions_of_their_own",),
+        why="a launch killed at its deadline leaves torchrun's workers (sessions of their own) running and holding "
+        "its output pipe: the check's or the benchmark's wait for it hangs",
+        quick=True,
+    ),
 ]

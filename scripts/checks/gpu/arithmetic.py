@@ -98,8 +98,12 @@ def oracle_agreement(device: str, d: int, shapes, out: str) -> dict:  # noqa: AR
                 status=PASS if judged["ok"] else FAIL,
             )
             rows.append(row)
-    ok = all(r["status"] in (PASS, NOT_RUN) for r in rows)
-    return {"status": PASS if ok else FAIL, "d": d, "rows": rows}
+    failed = [
+        f"N={r['N']} c={r['c']} {r['construction']}: deviation {r['deviation']:.2e} > bound {r['bound']:.2e}"
+        for r in rows
+        if r["status"] == FAIL
+    ]
+    return {"status": FAIL if failed else PASS, "d": d, "rows": rows, "reason": "; ".join(failed)}
 
 
 def simulate_unguarded(G: torch.Tensor, code: cerar.Code) -> torch.Tensor:
@@ -140,29 +144,21 @@ def tf32_guard(device: str, d: int, out: str, N: int = 8, c: int = 16) -> dict: 
         "bound": guarded["bound"],
         "restored": after == ("high", "tf32"),
         "status": PASS if ok else FAIL,
+        "reason": ""
+        if ok
+        else f"guarded deviation {guarded['deviation']:.2e} (bound {guarded['bound']:.2e}), settings restored: "
+        f"{after == ('high', 'tf32')} (after: {after}), reduced precision allowed inside the guard: "
+        f"{cerar.ring.fp32_products.reduced_precision_allowed(inside)}",
     }
 
 
 def _timed(fn, device: torch.device, reps: int = 7) -> float:
     """Median seconds of ``fn`` (CUDA events on a GPU, the thread's CPU time elsewhere), after one warm call."""
-    import statistics
     import time
 
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.thread_time()
-            fn()
-            times.append(time.thread_time() - t0)
-    return statistics.median(times)
+    from scripts.bench.gpu.measure import timed
+
+    return timed(fn, device, warmup=1, repeats=reps, cpu_clock=time.thread_time)["median_ms"] / 1e3
 
 
 def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
@@ -173,7 +169,11 @@ def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
     device = _device(device)
     backend = "eager" if device.type == "cpu" and small else "inductor"
     lines: list[str] = []
-    seconds = fused.enable(device, q8.DEFAULT_BLOCK, backend=backend, say=lines.append)
+    def say(line: str) -> None:  # into the value (the report) and the case's log
+        lines.append(line)
+        print(line, flush=True)
+
+    seconds = fused.enable(device, q8.DEFAULT_BLOCK, backend=backend, say=say)
     on = {name for name, kind, _ in fused.enabled() if kind == device.type}
     n = 2**16 if small else 2**24  # 64 MiB of float32 on a GPU
     B = q8.DEFAULT_BLOCK
@@ -190,8 +190,11 @@ def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
         q8.quantize_into(got, x, B, rounding, 12345)
         q8.quantize_eager(want, x, B, rounding, 12345)
         equal = bool(torch.equal(got, want))
+        (got_scales, got_values), (want_scales, want_values) = q8.parts(got, n, B), q8.parts(want, n, B)
         rows.append({
             "kernel": f"int8 quantize, {rounding}", "on": f"quantize_{rounding}" in on, "equal": equal,
+            "differ": f"{int((got_scales != want_scales).sum())} of {want_scales.numel()} scales, "
+            f"{int((got_values != want_values).sum())} of {n} values",
             "fused": _timed(lambda got=got, r=rounding: q8.quantize_into(got, x, B, r, 7), device) / copy_s,
             "eager": _timed(lambda want=want, r=rounding: q8.quantize_eager(want, x, B, r, 7), device) / copy_s,
         })  # fmt: skip
@@ -200,16 +203,21 @@ def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
         got, want = wire.empty(n, x), wire.empty(n, x)
         wire.encode(x, got)
         wire.encode_eager(x, want)
+        differ = int((got.view(torch.int16) != want.view(torch.int16)).sum())
         rows.append({
-            "kernel": f"wire encode, {dtype}", "on": "wire_encode" in on,
-            "equal": bool(torch.equal(got.view(torch.int16), want.view(torch.int16))),
+            "kernel": f"wire encode, {dtype}", "on": "wire_encode" in on, "equal": differ == 0,
+            "differ": f"{differ} of {got.numel()} wire values",
             "fused": _timed(lambda w=wire, got=got: w.encode(x, got), device) / copy_s,
             "eager": _timed(lambda w=wire, want=want: w.encode_eager(x, want), device) / copy_s,
         })  # fmt: skip
     fused.disable()
     ok = all(r["on"] and r["equal"] for r in rows)
+    wrong = [f"{r['kernel']}: " + ("bytes differ from the eager reference's: " + r["differ"] if r["on"] else
+             "not switched on (enable's own check or its compile failed: see the log)")
+             for r in rows if not (r["on"] and r["equal"])]  # fmt: skip
     return {
         "status": PASS if ok else FAIL,
+        "reason": "; ".join(wrong),
         "backend": backend,
         "values": n,
         "copy_s": copy_s,
@@ -270,10 +278,11 @@ def report(results) -> list[str]:
                 "4 bytes read and 4 written per value). Times as multiples of that copy; bytes compared with the "
                 "eager reference's.",
                 "",
-                "| kernel | switched on | bytes equal | fused x copy | eager x copy |",
-                "| --- | --- | --- | --- | --- |",
+                "| kernel | switched on | bytes equal | differing | fused x copy | eager x copy |",
+                "| --- | --- | --- | --- | --- | --- |",
                 *(
-                    f"| {row['kernel']} | {row['on']} | {row['equal']} | {row['fused']:.2f} | {row['eager']:.2f} |"
+                    f"| {row['kernel']} | {row['on']} | {row['equal']} | {row.get('differ', '')} "
+                    f"| {row['fused']:.2f} | {row['eager']:.2f} |"
                     for row in v["rows"]
                 ),
                 "",

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import cerar
-from scripts.checks.gpu.cases import FAIL, PASS, Case, Context, Needs
+from scripts.checks.gpu.cases import FAIL, PASS, TAIL_CHARS, Case, Context, Needs
 from scripts.checks.gpu.judge import judge_coded, judge_sum, synchronize
 
 SECTION = "between ranks"
@@ -355,6 +355,8 @@ def run(device: str, world: int, d: int, options: dict, out: str) -> dict:
     collected = run_processes(world, backend, d, options, 500, logdir)
     errors = {r: v["error"] for r, v in collected.items() if "error" in v}
     result = {"world": world, "backend": backend, "errors": {str(k): v[-2000:] for k, v in errors.items()}}
+    # the rank processes' stderr (their own words: tracebacks, the exit path's line), shown with a FAIL
+    result["outputs"] = {f"rank {r}'s stderr": v["stderr"][-TAIL_CHARS:] for r, v in collected.items() if v["stderr"]}
     if any("ok" not in collected[r] for r in range(world)):
         return {**result, "status": FAIL, "reason": "a rank failed before the judged calls ended"}
     protocol, hook = judge_processes(collected, world, d)

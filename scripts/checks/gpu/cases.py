@@ -169,7 +169,29 @@ def run_case(case: Case, workdir: Path) -> Result:
         result.reason = "the case wrote no result"
     else:
         result.status, result.reason = value.get("status", FAIL), value.get("reason", "")
+    if result.status == FAIL and not str(result.reason).strip():
+        result.reason = reasonless(value, code)
     return result
+
+
+def reasonless(value: dict | None, code: int | None) -> str:
+    """The reason given to a FAIL whose case or judge gave none: a fault of the check itself, said as such, with
+    what the case did return, so that no FAIL in a report is ever without one."""
+    keys = ", ".join(sorted(value)) if value else "nothing"
+    return f"the case gave FAIL without a reason (a fault in the check): exit status {code}, it returned {keys}"
+
+
+TAIL_CHARS = 2000
+"""How much of a launched run's output (its stdout and stderr, the end) a case keeps for the report."""
+
+
+def launched(outputs: dict, label: str, code: int | None, output: str) -> dict:
+    """Keep a launched run's output tail under ``label`` in ``outputs`` (a case's value's "outputs": the report
+    shows them with a FAIL) and print it into the case's own log, so that a run's words are never lost."""
+    tail = output[-TAIL_CHARS:]
+    outputs[f"{label} (exit status {code})"] = tail
+    print(f"--- {label}: exit status {code}; the last {len(tail)} characters of its output:\n{tail}", flush=True)
+    return outputs
 
 
 def _read_value(out: Path) -> tuple[dict | None, str]:

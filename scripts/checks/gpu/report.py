@@ -11,7 +11,9 @@ import torch
 from scripts.checks.gpu.cases import FAIL, MEASURED, NOT_RUN, PASS, Context, exit_text
 
 
-def write(sections, ctx: Context, command: str, seconds: float) -> str:
+def write(sections, ctx: Context, command: str, seconds: float, partial: bool = False) -> str:
+    """The report of ``sections`` (each with its results so far); ``partial``: the check is still running, and the
+    report says so (written after every case, so that a check cut short leaves what it saw)."""
     if ctx.device == "cuda":
         name = torch.cuda.get_device_name(0)
         made = (
@@ -30,6 +32,12 @@ def write(sections, ctx: Context, command: str, seconds: float) -> str:
         "of its own, bounded by its deadline; multi-rank cases on "
         f"{ctx.world} rank(s), one per device.",
         "",
+        *(
+            ["**Partial**: written while the check was still running; the cases after the last row below had not "
+             "run (or the check was cut short there).", ""]
+            if partial
+            else []
+        ),  # fmt: skip
         "| section | case | result | exit status | seconds | reason |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
@@ -59,5 +67,16 @@ def write(sections, ctx: Context, command: str, seconds: float) -> str:
         lines += section.report(results)
         for r in results:
             if r.status == FAIL:
-                lines += [f"{r.case.name}: FAIL ({r.reason}); its log:", "", "```", r.log[-3000:], "```", ""]
+                lines += failure(r)
     return "\n".join(lines) + "\n"
+
+
+def failure(r) -> list[str]:
+    """A FAIL's reason, the end of its case's log (said when empty), and the output of every run the case
+    launched (``cases.launched``)."""
+    log = r.log[-3000:].strip()
+    lines = [f"{r.case.name}: FAIL ({r.reason}); its log:", ""]
+    lines += ["```", log, "```", ""] if log else ["(the case's log is empty: it printed nothing)", ""]
+    for label, tail in ((r.value or {}).get("outputs") or {}).items():
+        lines += [f"{r.case.name}, launched {label}, the end of its output:", "", "```", tail.strip(), "```", ""]
+    return lines

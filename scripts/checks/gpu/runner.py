@@ -4,6 +4,7 @@
     python -m scripts.checks.gpu --quick          # self-loop, arithmetic, throughput, hook: one GPU, < 5 min
     python -m scripts.checks.gpu                  # every section: one rank per GPU, up to --ranks (8); < 10 min
     python -m scripts.checks.gpu --device cpu --small --out /tmp/gpu.md   # the dry run on the CPU
+    python -m scripts.checks.gpu --bench          # the GPU benchmark instead (scripts/bench/gpu): <= 5 min
 
 (``python scripts/checks/gpu_check.py`` is the same command.) A case that needs CUDA or more GPUs
 than the machine has is NOT RUN, with the reason; nothing NOT RUN is ever PASS."""
@@ -71,6 +72,11 @@ def plan(ctx: Context, skip: list[str]) -> list[tuple[object, list]]:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--bench" in argv:  # the benchmark, not the check: scripts/bench/gpu (its own options follow)
+        from scripts.bench.gpu.runner import main as bench
+
+        return bench([a for a in argv if a != "--bench"])
     parser = argparse.ArgumentParser(description="CERAR's CUDA/NCCL acceptance check, written to reports/gpu.md")
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (the dry run)")
     parser.add_argument("--ranks", type=int, default=8, help="ranks wanted between processes (default 8)")
@@ -93,6 +99,8 @@ def main(argv=None) -> int:
     print(f"expected on H200s: about {expected / 60:.1f} min ({ctx.world} rank(s))", flush=True)
     started = time.monotonic()
     sections = []
+    command = " ".join(argv)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as workdir:
         for section, entries in planned:
             results: list[Result] = []
@@ -101,10 +109,11 @@ def main(argv=None) -> int:
                 print(f"[{time.monotonic() - started:5.0f} s] {section.SECTION} / {case.name}: {result.status}"
                       f"{' (' + result.reason + ')' if result.reason else ''}", flush=True)  # fmt: skip
                 results.append(result)
+                # the report so far after every case: a check cut short (a lease's timeout) still says what it saw
+                so_far = [*sections, (section, results)]
+                args.out.write_text(report.write(so_far, ctx, command, time.monotonic() - started, partial=True))
             sections.append((section, results))
-    command = " ".join(argv if argv is not None else sys.argv[1:])
     text = report.write(sections, ctx, command, time.monotonic() - started)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     print(text)
     return 1 if any(r.status == FAIL for _, results in sections for r in results) else 0

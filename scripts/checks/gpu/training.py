@@ -15,8 +15,9 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from scripts.checks.gpu.cases import FAIL, PASS, ROOT, Case, Context, scratch
+from scripts.checks.gpu.cases import FAIL, PASS, ROOT, Case, Context, launched, scratch
 
 SECTION = "training"
 QUICK = False
@@ -85,9 +86,19 @@ def _overrides(device: str, precision: str, steps: int) -> list[str]:
     ]
 
 
+def python_path(*front, environ=None) -> str:
+    """PYTHONPATH with ``front`` (and the repository's root) before what it already holds, which is kept:
+    packages installed outside the interpreter's own site-packages (``pip install --target /tmp/site`` and
+    ``PYTHONPATH=/tmp/site``, as on a device machine whose image lacks Hydra) must stay importable."""
+    environ = os.environ if environ is None else environ
+    kept = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ahead = [str(p) for p in (*front, ROOT)]
+    return os.pathsep.join(dict.fromkeys([*ahead, *kept]))
+
+
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", PYTHONPATH=python_path())
     return env
 
 
@@ -104,13 +115,51 @@ def _launch(overrides: list[str], env: dict, nproc: int = 1) -> subprocess.Popen
     )
 
 
+KILL_WAIT_S = 30.0  # for a killed launch's output to end
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` now (Linux's /proc): a launch's agent, workers and their children."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _kill(process: subprocess.Popen) -> str:
+    """SIGKILL a launch and every process below it, and return its output so far. torchrun starts its workers in
+    sessions of their own, which the launch's group kill misses: a worker left alive would keep running (on a
+    GPU: holding it), and, holding the output pipe, make ``communicate`` wait for ever (a bench on 2 busy cores
+    hung so, its worker orphaned in the rendezvous once the agent was gone)."""
+    below = descendants(process.pid)  # before the agent dies: then its workers are re-parented
+    with contextlib.suppress(OSError):
+        os.killpg(process.pid, signal.SIGKILL)
+    for pid in below:
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    try:
+        return process.communicate(timeout=KILL_WAIT_S)[0] or ""
+    except subprocess.TimeoutExpired as error:  # a process outside the tree still holds the pipe
+        output = error.output or ""
+        return output.decode(errors="replace") if isinstance(output, bytes) else output
+
+
 def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
+    """The launch's exit status and output; past ``timeout_s`` it is killed with everything below it (-9)."""
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        return -9, output
+        return -9, _kill(process)
     return process.returncode, output
 
 
@@ -121,10 +170,11 @@ def resume(device: str, precision: str, small: bool, out: str, timeout_s: float 
     workdir = scratch(out)
     if device == "cuda":  # deterministic kernels, so that a resumed run can end bit for bit where the other did
         (workdir / "gpu_check_determinism.py").write_text(DETERMINISM_CALLBACK)
-        env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONPATH=f"{workdir}{os.pathsep}{ROOT}")
+        env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONPATH=python_path(workdir))
         overrides.append("+hydra.callbacks.deterministic._target_=gpu_check_determinism.Deterministic")
     full_dir, killed_dir = workdir / f"full_{precision}", workdir / f"killed_{precision}"
-    row = {"precision": precision, "steps": steps}
+    outputs: dict[str, str] = {}  # every launch's output tail: shown with a FAIL (report.failure)
+    row = {"precision": precision, "steps": steps, "outputs": outputs}
 
     # the uninterrupted run and the one to be killed start together (independent runs of one seed: the device and the
     # host's cores are shared, the arithmetic is not), so the section costs two launches' time, not three
@@ -141,18 +191,21 @@ def resume(device: str, precision: str, small: bool, out: str, timeout_s: float 
         # torchrun may start its worker in a session of its own: kill the worker by its pid file, then the agent
         with contextlib.suppress(OSError, ValueError):
             os.kill(int((killed_dir / "pids" / "rank0.pid").read_text()), signal.SIGKILL)
-        os.killpg(process.pid, signal.SIGKILL)
-        process.communicate()
+        launched(outputs, "the run killed after its first checkpoint", -9, _kill(process))
         killed_at = every
+    else:
+        launched(outputs, "the run to be killed (it ended first)", process.returncode, process.communicate()[0] or "")
     code, output = _finish(uninterrupted, timeout_s)
+    launched(outputs, "the uninterrupted run", code, output)
     if code != 0:
-        return {**row, "status": FAIL, "reason": f"uninterrupted run exited {code}", "note": output[-1500:]}
+        return {**row, "status": FAIL, "reason": f"uninterrupted run exited {code}"}
     full = json.loads((full_dir / "summary.json").read_text())
     if killed_at is None or (killed_dir / "summary.json").exists():
         return {**row, "status": FAIL, "reason": "the run ended before it could be killed after its first checkpoint"}
     code, output = _finish(_launch([*overrides, f"hydra.run.dir={killed_dir}"], env), timeout_s)
+    launched(outputs, "the resumed run", code, output)
     if code != 0:
-        return {**row, "status": FAIL, "reason": f"resumed run exited {code}", "note": output[-1500:]}
+        return {**row, "status": FAIL, "reason": f"resumed run exited {code}"}
     resumed = json.loads((killed_dir / "summary.json").read_text())
     bitwise = resumed["param_sha256"] == full["param_sha256"]
     loss, resumed_loss = full.get("final_val_loss"), resumed.get("final_val_loss")
@@ -188,7 +241,4 @@ def report(results) -> list[str]:
                 f"({t.get('resumed_val_loss', '')}) | {t['status']} |"
             )
         lines.append("")
-        for r in resumed:
-            if r.value.get("note"):
-                lines += [f"{r.case.name}:", "", "```", r.value["note"], "```", ""]
     return lines

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 
-from scripts.checks.gpu.cases import FAIL, PASS, Case, Context, Needs, scratch
+from scripts.checks.gpu.cases import FAIL, PASS, Case, Context, Needs, launched, scratch
 from scripts.checks.gpu.training import _env, _finish, _launch, _overrides
 
 SECTION = "training with CERAR"
@@ -38,13 +38,14 @@ def cerar_against_nccl(device: str, world: int, small: bool, out: str, timeout_s
     steps = 24 if small else 100
     precision = "bf16" if device == "cuda" else "fp32"
     workdir = scratch(out)
-    summaries = {}
+    summaries, outputs = {}, {}
     for aggregator in ("cerar", "nccl"):
         run_dir = workdir / aggregator
         overrides = [*_overrides(device, precision, steps), f"aggregator={aggregator}", f"c={2 * world}"]
         code, output = _finish(_launch([*overrides, f"hydra.run.dir={run_dir}"], _env(), world), timeout_s)
+        launched(outputs, f"aggregator={aggregator}", code, output)
         if code != 0:
-            return {"status": FAIL, "reason": f"aggregator={aggregator} exited {code}", "note": output[-1500:]}
+            return {"status": FAIL, "reason": f"aggregator={aggregator} exited {code}", "outputs": outputs}
         summaries[aggregator] = json.loads((run_dir / "summary.json").read_text())
     cerar, nccl = summaries["cerar"], summaries["nccl"]
     a, b = cerar.get("final_val_loss"), nccl.get("final_val_loss")
@@ -60,6 +61,7 @@ def cerar_against_nccl(device: str, world: int, small: bool, out: str, timeout_s
         "cerar_val_loss": a,
         "nccl_val_loss": b,
         "reason": "" if ok else f"cerar ran: {ran}; val loss {a} vs nccl {b}",
+        "outputs": outputs,
     }
 
 
@@ -74,6 +76,4 @@ def report(results) -> list[str]:
                 f"{CERAR_LOSS_TOLERANCE:g} relative): {r.status}.",
                 "",
             ]
-        if v.get("note"):
-            lines += ["```", v["note"], "```", ""]
     return lines
