@@ -52,9 +52,9 @@ product written straight into 16 bits, ``cerar.formats.devices``), so ``enable``
 against the eager path on the check's sample (``REPEATS`` interleaved repeats, synchronised with the device)
 and switches on the faster, saying both times, as multiples of a copy, in its line. On the H200 of 2026-12-04
 the fused 16-bit encode took 19.8x a copy at 256 MiB against eager's 4.2x: its absmax was a reduction of the
-whole message to one value compiled with a dynamic length, which inductor did not split across the GPU (the
-time grew with the size: 9.7x at 16 MiB, 22x at 256); the absmax is now torch's own ``aminmax`` and the kernel
-the rest. Measured: ``scripts/bench/format_timing.py`` on a device, ``scripts/bench/bench_arithmetic.py`` on
+whole message to one value compiled with a dynamic length, and its time grew with the size (9.7x at 16 MiB, 22x
+at 256), as a reduction left unsplit on a few of the GPU's blocks would; the absmax is now torch's own
+``aminmax`` and the kernel the rest. Measured: ``scripts/bench/format_timing.py`` on a device, ``scripts/bench/bench_arithmetic.py`` on
 this CPU (``reports/arithmetic.md``).
 """
 

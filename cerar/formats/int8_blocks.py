@@ -5,6 +5,7 @@ keeps its scale and B integers:
 
     scale_b = absmax_b / 127,   q = round(x / scale_b) in [-127, 127],   x~ = q scale_b
 
+(scale_b and 1 / scale_b are float32's correctly rounded quotients on every device: ``block_scales``),
 rounding either to nearest (ties to even; ``rounding="nearest"``), so every value errs by at most
 scale_b / 2 = absmax_b / 254 (plus float32's rounding of x / scale_b and of q scale_b, a relative 2^-24
 each: ``error_bound``), or stochastically (``rounding="stochastic"``, ``DEFAULT_ROUNDING``): q =
@@ -23,8 +24,8 @@ position p lies in chunk c = p // P at entry e = p mod P, and
 
 with A[i] = mix32(i) mod 2^16 (i < P) and C[j] = mix32(2^16 + j) mod 2^16 (j < Q = 2^16) fixed hashes of the
 index (``dither_tables``), and offset = key mod 2^16, shift = (key >> 16) mod P, chunk_shift = mix32(key xor
-``CHUNK_SALT``) mod Q, all from the message's key (a hash of the seed, the call's count, the sender, the shard:
-``dither_key``), computed on the host. Over messages whose keys are uniform:
+``CHUNK_SALT``) mod Q, all from the message's key (a hash of the seed, the call's count, the sender's global rank,
+the shard: ``dither_key``), computed on the host. Over messages whose keys are uniform:
 - every u_p is uniform on the 2^16 levels (the offset), so floor(r + u) is r on average (to 2^-16 of a step);
 - two positions of one chunk take A at two entries, moved by the chunk's shift at each call, so the dithers of
   a block are not the same pattern moved at every call (with a fixed pattern, a block's mean error over 40
@@ -335,9 +336,10 @@ def quantize_rows(
     q = round(r) (to nearest, ties to even) or floor(r + u) (stochastic, r + u rounded once to float32, u the
     dither of key ``offset``: ``dither``), held to [-127, 127].
     Traffic per value at nearest, on a CPU: absmax 8 (the largest and the least), r 8, rounded 8, stored 5: 29
-    bytes (the clamp, 8 more, only where a block's scale is subnormal); stochastic adds the dither (written 4,
-    made a fraction 8, added 12), the floor and the clamp (16): 69. On a device: absmax 4, and p always applied
-    (8 more) with its clamp (8). No loop over the rows: the operations are the same few at any n."""
+    bytes (the clamp, 8 more, only where a block's scale is subnormal); stochastic adds the dither (12: added from
+    the message's table, one addition per 2^16 values), the floor and the clamp (16): 57. On a device
+    (``cerar.formats.devices.one_pass``): absmax 4, p always applied (8 more) with its clamp (8), and the dither
+    gathered before it is added (4 more): the same few operations at any n."""
     prescale, inverse = block_scales(rows, scale)
     ratio = rows * (inverse if prescale is None else prescale).unsqueeze(1)
     if prescale is not None:

@@ -11,8 +11,9 @@ Rows, per size: a copy (``y.copy_(x)``, 4 bytes read and 4 written per value), t
 encode and decode in float16 and bfloat16 (``cerar.formats.wire``), each in up to three variants: ``eager`` (the
 reference), ``fused`` (the compiled kernel of ``cerar.formats.fused``, where it compiled and passed its check) and
 ``chosen`` (what the formats run once ``fused.enable`` has picked the faster per kernel: the path a collective
-takes). Times: the median of ``reps`` calls after two untimed ones, each between CUDA events on a GPU (device
-time, launches included), the thread's CPU time elsewhere (a dry run; ``reports/arithmetic.md`` is the CPU's
+takes). Times: the median of ``reps`` calls after an untimed one, each between CUDA events on a GPU (device
+time, launches included), the thread's CPU time elsewhere (``scripts.checks.gpu.arithmetic._timed``, the GPU
+check's measure) (a dry run; ``reports/arithmetic.md`` is the CPU's
 measurement). ``x_copy`` = time / the copy's; the target on a GPU is at most 2 for quantize, encode and decode
 at 64 MiB and above (issue 52). Every fused and chosen row first writes the eager row's bytes (``same_bytes``).
 """
@@ -21,9 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,33 +34,10 @@ if str(ROOT) not in sys.path:
 from cerar.formats import fused  # noqa: E402
 from cerar.formats import int8_blocks as q8  # noqa: E402
 from cerar.formats.wire import Wire  # noqa: E402
+from scripts.checks.gpu.arithmetic import _timed  # noqa: E402
 
 KEY = 12345
 """The stochastic rows' dither key."""
-
-
-def _timer(device: torch.device, reps: int):
-    """time(fn) -> median seconds of ``reps`` calls after two untimed ones (CUDA events on a GPU, else CPU time)."""
-
-    def time_it(fn) -> float:
-        fn()
-        fn()
-        times = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.thread_time()
-                fn()
-                times.append(time.thread_time() - t0)
-        return statistics.median(times)
-
-    return time_it
 
 
 def _cases(n: int, block: int, device: torch.device, x: torch.Tensor) -> list[tuple]:
@@ -123,7 +99,10 @@ def formats_against_copy(
     if with_fused:
         fused.disable()
         seconds = fused.enable(device, block, say=say, backend=backend, sample_values=sample_values)
-    time_it = _timer(device, reps)
+
+    def time_it(fn) -> float:  # the GPU check's measure: CUDA events on a GPU, CPU time elsewhere
+        return _timed(fn, device, reps)
+
     rows = [row for size in mib for row in _rows_at(size, device, block, time_it)]
     return {"rows": rows, "enable": seconds, "choices": {"/".join(map(str, k)): v for k, v in fused.choices().items()}}
 
