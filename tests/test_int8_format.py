@@ -284,7 +284,7 @@ def test_the_device_form_quantizes_in_the_same_operations_at_any_size(monkeypatc
             with DispatchCount() as counter:
                 q8.quantize_eager(message, x, 128, rounding, q8.dither_key(3))
             counts.append(counter.count)
-        assert counts[0] == counts[1] < 80, (rounding, counts)
+        assert counts[0] == counts[1] < 120, (rounding, counts)  # a few dozen, views included
 
 
 @pytest.mark.quick

@@ -54,8 +54,8 @@ and switches on the faster, saying both times, as multiples of a copy, in its li
 the fused 16-bit encode took 19.8x a copy at 256 MiB against eager's 4.2x: its absmax was a reduction of the
 whole message to one value compiled with a dynamic length, and its time grew with the size (9.7x at 16 MiB, 22x
 at 256), as a reduction left unsplit on a few of the GPU's blocks would; the absmax is now torch's own
-``aminmax`` and the kernel the rest. Measured: ``scripts/bench/format_timing.py`` on a device, ``scripts/bench/bench_arithmetic.py`` on
-this CPU (``reports/arithmetic.md``).
+``aminmax`` and the kernel the rest. Measured: ``scripts/bench/format_timing.py`` on a device,
+``scripts/bench/bench_arithmetic.py`` on this CPU (``reports/arithmetic.md``).
 """
 
 from __future__ import annotations
@@ -193,9 +193,10 @@ def _dynamic(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 def _run_quantize(fn, message: torch.Tensor, x: torch.Tensor, block: int, rounding: str, offset: int) -> None:
     """``message`` = x in the block format through ``fn``: one compiled call for every block (the short last one
-    too; on a GPU two kernels: the blocks' absmax and per-block numbers, then the values), which returns the scales; for stochastic rounding the message's dither table and its chunks' shifts first
-    (``message_dither``, ``chunk_shifts``: four operations on 2^17 and ceil(s / 2^16) + 1 values; the one more
-    shift than chunks keeps that length above 1, which a dynamic length must be)."""
+    too; on a GPU two kernels: the blocks' absmax and per-block numbers, then the values), which returns the
+    scales; for stochastic rounding the message's dither table and its chunks' shifts first (``message_dither``,
+    ``chunk_shifts``: four operations on 2^17 and ceil(s / 2^16) + 1 values; the one more shift than chunks
+    keeps that length above 1, which a dynamic length must be)."""
     s = x.numel()
     scales, values = q8.parts(message, s, block)
     if rounding == "nearest":
