@@ -417,6 +417,35 @@ def test_two_tiers_2x2_are_within_the_format_bound_and_the_same_on_every_rank(co
         check_two_tiers(grads[0].reshape(-1), per_rank, G, B, "hierarchical hook")
 
 
+def _rails_worker(rank, world_size):
+    """Two nodes of two ranks; every rank's tensor is two equal halves, so both rails reduce the same node sums."""
+    from cerar.hierarchical import NodeLayout
+    from cerar.int8.two_tier import hierarchical_quantized_all_reduce
+
+    half, layout = heavy_tailed(rank, 4096), NodeLayout(nodes=2, local_size=2)
+    out = {}
+    for rounding in ("stochastic", "nearest"):
+        x = torch.cat([half, half])
+        hierarchical_quantized_all_reduce(x, layout, timeout=30, block=128, rounding=rounding)
+        out[rounding] = x
+    return out
+
+
+def test_the_rails_draw_different_dithers():
+    """Issue 51: the rails of the 8-bit hierarchy ran quantized_all_reduce on groups whose ranks at one node index
+    had the same group rank, so their messages took the same dither key: equal shards on two rails were rounded
+    alike. Here both rails reduce the same node sums (each rank's tensor is two equal halves): with nearest
+    rounding the two halves of the result are equal (the control: the rails' inputs are the same), with
+    stochastic rounding they must differ (a key per sender's global rank)."""
+    results = run_workers(_rails_worker, 4, args=(), timeout_s=90)
+    for r in results:  # every rank the same bytes
+        assert all(torch.equal(r[rounding], results[0][rounding]) for rounding in ("nearest", "stochastic"))
+    near, stochastic = results[0]["nearest"], results[0]["stochastic"]
+    assert torch.equal(near[:4096], near[4096:])
+    differ = int((stochastic[:4096] != stochastic[4096:]).sum())
+    assert differ > 4096 // 4, differ
+
+
 # ------------------------------------------------------------------------------------------------
 # The trainer's options
 # ------------------------------------------------------------------------------------------------

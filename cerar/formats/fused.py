@@ -1,34 +1,68 @@
-"""Fused kernels for the per-call arithmetic of the 8-bit format and the 16-bit wire (issue 35).
+"""Fused kernels for the per-call arithmetic of the 8-bit format and the 16-bit wire (issues 35 and 52).
 
-Eager torch runs the 8-bit quantizer as separate passes over the data (the largest value, the product,
-the rounding, the cast): 3.5x the time of a plain copy of the same bytes on this CPU (12x before the
-passes were rewritten), where one fused loop reads the float32 values twice (the block's absmax, then the
-values) and writes one byte each. ``torch.compile`` (inductor: C++ on a CPU, Triton on a GPU) fuses each
-function below into that loop. The eager functions in ``cerar.formats.int8_blocks`` and ``cerar.formats.wire`` stay the
-reference: every kernel computes the same float32 operations in the same order (inductor keeps IEEE
-semantics: no fast-math, no contraction into fused multiply-adds), so the bytes are the same, and
-``enable`` checks that on a sample before it switches a kernel on.
+Eager torch runs the 8-bit quantizer as separate passes over the data (the absmax, the products, the rounding, the
+clamp, the cast; the dither's sum): on an H200 9x a device copy at nearest rounding and 131x at stochastic (a Python
+loop over 2^16-value pieces, since removed), where one loop reads the float32 values once and writes one byte each.
+``torch.compile`` (inductor: C++ on a CPU, Triton on a GPU) turns each function below into such loops: for the
+quantizer one compiled call per message, the short last block included (on a GPU two kernels: each block's absmax,
+scale and inverse, then the values, which read the float32 values a second time: 9 bytes a value, 1.1 copies),
+for the 16-bit encode one kernel after torch's own ``aminmax`` (10 bytes a value). The eager
+functions in ``cerar.formats.int8_blocks`` and ``cerar.formats.wire`` stay the reference: the fused path must
+write their bytes.
 
-Compiling is not free: on this 2-core machine the three kernels took 76 s the first time at load 10 and 519
-s at load 30-37 (inductor's C++ build), 11-92 s from its cache afterwards at load 10-40
-(``TORCHINDUCTOR_CACHE_DIR``, shared by the ranks of a machine and kept across runs). So nothing compiles
-inside a collective: a rank that compiled there would hold its peers past their round deadlines. A caller
-enables the kernels before its first collective (``enable``: it says, in one logged line, what it compiles
-and why it may take minutes; the trainer's warm-up, or a script's set-up), and until then, or where
-compiling fails (no C++ compiler, no Triton), every call takes the eager path, after one logged line saying
-so. Shapes are dynamic (``dynamic=True``): the number of blocks is symbolic, so DDP's buckets of many sizes
-share one compiled kernel; the block size B is a constant of the kernel. Calls below ``MIN_VALUES`` values
-stay eager (a compiled call's overhead is tens of microseconds). ``CERAR_FUSED=0`` in the environment keeps
-everything eager (``enable`` then returns at once, saying so).
+Exact by construction, then checked. Every operation of a kernel is one that each backend rounds as IEEE does:
+- the divisions (scale = absmax / 127 and the inverse 1 / (scale p)) are taken in float64 and rounded to
+  float32, which gives the float32 quotient: for the inverse a double rounding through 53 >= 2 x 24 + 2 bits is
+  innocuous; for the scale, absmax / 127 is never a float32 midpoint and lies at least 2^-24 (relative) from one,
+  far beyond float64's error even where inductor replaces the division by a constant by a product with its
+  reciprocal (lowering.py ``div_prim``, on GPUs). Float32 division is not used: Triton lowers it to the
+  approximate ``llvm.nvvm.div.full`` and float64's to the IEEE ``llvm.nvvm.div.rn.d`` (triton-lang/triton
+  third_party/nvidia/lib/TritonNVIDIAGPUToLLVM/ElementwiseOpToLLVM.cpp, ``FDivOpConversion``; inductor's
+  ``eager_numerics.division_rounding``, off by default, would emit ``div_rn`` instead). The H200 run of
+  2026-12-04 found 6 of 16,777,216 int8 values 1 apart, with equal scales, from the float32 inverse;
+- no product feeds an addition in float32, so no contraction into a fused multiply-add can change a rounding:
+  nearest rounds the product itself; stochastic rounding's r + u is summed in float64 and rounded once to
+  float32 (the correctly rounded float32 sum, by the same double-rounding bound), and its products feed only
+  that widening. Contraction is also switched off where inductor lets it be: ``emulate_precision_casts=True``
+  makes Triton compile with ``enable_fp_fusion=False`` (ptxas --fmad=false; codegen/triton.py
+  ``triton_meta_common``), and inductor's C++ compiles with -ffp-contract=off
+  (``torch._inductor.config.cpp.enable_floating_point_contract_flag``, its default);
+- the rest is exact in any order: the absmax, products by powers of two, the dither's table reads,
+  round-to-nearest-even (``libdevice.nearbyint``), floor, the clamp, frexp and 2^k from its bits, the casts to
+  int8 (of integers) and to 16 bits (round to nearest even).
+``enable`` then checks each compiled kernel against the eager one on a sample built to expose any rounding that
+differs (``_sample`` says what it covers) before it may be switched on.
 
-Measured (``scripts/bench/bench_arithmetic.py``, ``reports/arithmetic.md``): the decision to fuse each
-operation, or to keep it eager, is made there from the ratios against a copy.
+Compiling is not free: on this 2-core machine the first kernels took 76 s the first time at load 10 and 519 s at
+load 30-37 (inductor's C++ build), 11-92 s from its cache afterwards at load 10-40 (``TORCHINDUCTOR_CACHE_DIR``,
+shared by the ranks of a machine and kept across runs); on the H200, 11 s. So nothing compiles inside a
+collective: a rank that compiled there would hold its peers past their round deadlines. A caller enables the
+kernels before its first collective (``enable``: it says, in one logged line, what it compiles and why it may
+take minutes; the trainer's warm-up, or a script's set-up), and until then, or where compiling fails (no C++
+compiler, no Triton), every call takes the eager path, after one logged line saying so. Shapes are dynamic
+(``torch._dynamo.mark_dynamic`` on the lengths): the message's length is symbolic, so DDP's buckets of many sizes
+share one compiled kernel, and every other size is a constant of it (B: one compile per B). ``enable``'s check
+runs lengths that are and are not multiples of B, so no length compiles again later (tests count the graphs).
+Calls below ``MIN_VALUES`` values stay eager (a compiled call's overhead is tens of microseconds).
+``CERAR_FUSED=0`` in the environment keeps everything eager
+(``enable`` then returns at once, saying so).
+
+Faster, not only fused: the eager path on a device is itself one or two passes for some operations (the wire's
+product written straight into 16 bits, ``cerar.formats.devices``), so ``enable`` times each checked kernel
+against the eager path on the check's sample (``REPEATS`` interleaved repeats, synchronised with the device)
+and switches on the faster, saying both times, as multiples of a copy, in its line. On the H200 of 2026-12-04
+the fused 16-bit encode took 19.8x a copy at 256 MiB against eager's 4.2x: its absmax was a reduction of the
+whole message to one value compiled with a dynamic length, and its time grew with the size (9.7x at 16 MiB, 22x
+at 256), as a reduction left unsplit on a few of the GPU's blocks would; the absmax is now torch's own
+``aminmax`` and the kernel the rest. Measured: ``scripts/bench/format_timing.py`` on a device,
+``scripts/bench/bench_arithmetic.py`` on this CPU (``reports/arithmetic.md``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
@@ -44,95 +78,146 @@ MIN_VALUES = 2**14
 """Fewest values for which a fused kernel is called: below, the eager passes cost less than the call."""
 
 KERNELS = ("quantize_nearest", "quantize_stochastic", "wire_encode")
-"""Dequantizing is one eager pass already (about a copy's time), and eager's dequantize-and-add is a fused
-multiply-add on CPUs (``addcmul``, one rounding), which inductor's C++ does not emit (a product, then a sum):
+"""Dequantizing is one eager pass already on a device (int8 x scale written into float32,
+``cerar.formats.devices``), and eager's dequantize-and-add is one ``addcmul`` (its rounding the kernel's own):
 neither is fused here (``reports/arithmetic.md``)."""
+
+SAMPLE_VALUES = 2**24 + 5 * 128 + 37
+"""Values in ``enable``'s check (and timing) sample (``_sample``): 2^24 as in the H200 run that found 6 values
+differing, plus five blocks and a short last block of 37, so the message ends neither on a block nor on a
+dither chunk. Coverage, measured by planting kernels that round differently (tests/test_fused_formats.py):
+- a kernel whose inverse is one unit off in a block changes that block's bytes in every one of the sample's
+  65,536 near-boundary blocks (about 55 values each) but in 1 random block of about 3,500;
+- a stochastic kernel whose products feed the sum unrounded (contracted into a multiply-add) changes 1
+  near-boundary block in 6.
+So a kernel that misrounds a fraction f of the blocks, whichever the data picks, passes with probability
+(1 - f)^65536 (f = 10^-4: 0.14 %). The H200's 6 values in 2^24 random ones mean about 1 block in 6 had another
+inverse there (6 / (131,072 / 3,500)): about 10,000 near-boundary blocks would show it, where 2^24 random values
+alone show it with probability 1 - e^-6 (99.75 %)."""
+
+REPEATS = 3
+"""Timed calls of each variant at ``enable`` (after one untimed call), interleaved; the median decides."""
 
 _lock = threading.Lock()
 _enabled: dict[tuple[str, str, int], object] = {}  # (kernel, device type, block or 0): the compiled function
-_compiled: dict[tuple[str, str], object] = {}  # (function, backend): its torch.compile wrapper
-_said: set[str] = set()
+_timings: dict[tuple[str, str, int], dict] = {}  # the same keys: x a copy, fused and eager, and the choice
+_checked: dict[tuple[str, str, int], object] = {}  # the same keys: every compiled function that passed its check
+_compiled: dict[tuple[str, str, int], object] = {}  # (kernel, backend, block or 0): its torch.compile wrapper
+_CHECK_KEY = 12345  # the dither key of the check's stochastic messages
 
 
 # ------------------------------------------------------------------------------------------------
-# The kernels, written as the eager references compute (cerar.formats.int8_blocks, cerar.formats.wire)
+# The kernels: cerar.formats.int8_blocks.quantize_eager and cerar.formats.wire.Wire.encode_eager, each in one loop
 # ------------------------------------------------------------------------------------------------
 
 
-def _block_scales(rows: torch.Tensor, scales: torch.Tensor, prescale: torch.Tensor, inverse: torch.Tensor) -> None:
-    """Per block: scale = absmax / 127 into ``scales``, the prescale p (2^64 below ``TINY_SCALE``, else 1)
-    and the inverse 1 / (scale p) (0 for a zero block), as ``quantize_rows`` computes them. A kernel of its
-    own, so that the values' loop reads two numbers per block instead of dividing twice per vector."""
-    scale = rows.abs().amax(dim=1) / q8.QMAX
+def _per_block(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scale, p, inverse) per row, as ``int8_blocks.block_scales`` computes them: the absmax (exact), then
+    scale = absmax / 127 and inverse = 1 / (scale p) divided in float64 and rounded to float32, which is the
+    float32 quotient (module docstring)."""
+    absmax = rows.abs().amax(dim=1)
+    scale = (absmax.to(torch.float64) / q8.QMAX).to(torch.float32)
     p = torch.where((scale < q8.TINY_SCALE) & (scale > 0), q8.PRESCALE, 1.0)
-    scales.copy_(scale)
-    prescale.copy_(p)
-    inverse.copy_(torch.where(scale > 0, 1 / (scale * p), 0.0))
+    inverse = torch.where(scale > 0, torch.reciprocal((scale * p).to(torch.float64)).to(torch.float32), 0.0)
+    return scale, p, inverse
 
 
-def _quantize_nearest(rows: torch.Tensor, prescale: torch.Tensor, inverse: torch.Tensor, values: torch.Tensor) -> None:
-    r = (rows * prescale.unsqueeze(1)) * inverse.unsqueeze(1)
-    values.copy_(r.round().clamp(-q8.QMAX, q8.QMAX).to(torch.int8))
+def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x as [ceil(s/B), B] rows, the last one completed with zeros (they change neither its absmax nor the values
+    written: masked loads in the kernel, no copy)."""
+    nb = (x.shape[0] + block - 1) // block
+    return torch.nn.functional.pad(x, (0, nb * block - x.shape[0])).view(nb, block)
 
 
-def _quantize_stochastic(
-    rows: torch.Tensor, prescale: torch.Tensor, inverse: torch.Tensor, values: torch.Tensor, table: torch.Tensor
-) -> None:
-    u = table[torch.arange(rows.shape[0], device=rows.device) % table.shape[0]]  # the message's dither, [K, B]
-    r = (rows * prescale.unsqueeze(1)) * inverse.unsqueeze(1)
-    values.copy_((r + u).floor().clamp(-q8.QMAX, q8.QMAX).to(torch.int8))
+def _quantize_nearest(block: int):
+    def kernel(x: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """values = round((x p) inverse) held to [-127, 127] (two products, the first exact); returns the
+        per-block (scale, p, inverse) (outputs, so that they are computed once a block, not once a value)."""
+        rows = _rows(x, block)
+        scale, p, inverse = _per_block(rows)
+        r = (rows * p.unsqueeze(1)) * inverse.unsqueeze(1)
+        values.copy_(r.round().clamp(-q8.QMAX, q8.QMAX).to(torch.int8).view(-1)[: x.shape[0]])
+        return scale, p, inverse
+
+    return kernel
 
 
-def _wire_scale(block: torch.Tensor, header: torch.Tensor, scale: torch.Tensor) -> None:
-    """k from the block's largest magnitude into ``header`` (the message's first value) and 2^k into ``scale``."""
-    from cerar.formats.wire import K_LIMIT, TARGET_EXPONENT, _power_of_two
+def _quantize_stochastic(block: int):
+    def kernel(x: torch.Tensor, values: torch.Tensor, table: torch.Tensor, shifts: torch.Tensor) -> tuple:
+        """values = floor(r + u) held to [-127, 127], u of row r and column j = table[shifts[r // K] + (r mod K) B
+        + j] (``int8_blocks.dither``: ``table`` the message's, twice over, [2 K B]; ``shifts`` its chunks'); r + u
+        summed in float64, then rounded to float32 (the correctly rounded float32 sum); returns the per-block
+        (scale, p, inverse), as the nearest kernel does."""
+        rows = _rows(x, block)
+        scale, p, inverse = _per_block(rows)
+        K = table.shape[0] // 2 // block
+        row = torch.arange(rows.shape[0], device=x.device)
+        index = (shifts[row // K] + (row % K) * block).unsqueeze(1) + torch.arange(block, device=x.device)
+        r = (rows * p.unsqueeze(1)) * inverse.unsqueeze(1)
+        total = (r.to(torch.float64) + table[index].to(torch.float64)).to(torch.float32)
+        values.copy_(total.floor().clamp(-q8.QMAX, q8.QMAX).to(torch.int8).view(-1)[: x.shape[0]])
+        return scale, p, inverse
 
-    _, e = torch.frexp(block.abs().amax())
-    k = (TARGET_EXPONENT - e).clamp(-K_LIMIT, K_LIMIT)
-    header.copy_(k.view(1))
-    scale.copy_(_power_of_two(k).view(1))
+    return kernel
 
 
-def _wire_cast(block: torch.Tensor, scale: torch.Tensor, values: torch.Tensor) -> None:
-    values.copy_(block * scale)
+def _wire_encode(block: int):  # noqa: ARG001 (the wire has no block size)
+    def kernel(x: torch.Tensor, least: torch.Tensor, largest: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """values = x 2^k cast to 16 bits (the product exact, the cast the one rounding), k from the block's least
+        and largest value as ``wire.exponent`` finds it (frexp, integers, 2^k from its bits); returns k."""
+        _, e = torch.frexp(torch.maximum(largest, least.neg()).abs())
+        k = (wire.TARGET_EXPONENT - e).clamp(-wire.K_LIMIT, wire.K_LIMIT)
+        values.copy_(x * wire._power_of_two(k))
+        return k
+
+    return kernel
 
 
 _FUNCTIONS = {
-    "block_scales": _block_scales,
     "quantize_nearest": _quantize_nearest,
     "quantize_stochastic": _quantize_stochastic,
-    "wire_scale": _wire_scale,
-    "wire_cast": _wire_cast,
+    "wire_encode": _wire_encode,
 }
-_PARTS = {
-    "quantize_nearest": ("block_scales", "quantize_nearest"),
-    "quantize_stochastic": ("block_scales", "quantize_stochastic"),
-    "wire_encode": ("wire_scale", "wire_cast"),
-}
-"""The compiled functions each kernel of ``KERNELS`` runs: a reduction over the blocks, then the values' loop."""
+"""Each kernel's function of the block size B (a constant of the compiled loop)."""
 
 
-def _run_quantize(fns, rows, scales, values, rounding: str, block: int, offset: int) -> None:
-    nb = rows.shape[0]
-    torch._dynamo.mark_static(rows, 1)  # B is a constant of the kernel (fixed-length inner loops); nb is not
-    torch._dynamo.mark_static(values, 1)
-    prescale = torch.empty(nb, dtype=torch.float32, device=rows.device)
-    inverse = torch.empty_like(prescale)
-    fns[0](rows, scales, prescale, inverse)
+def _dynamic(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Views of ``tensors`` with their length marked dynamic (symbolic in the compiled kernel: one kernel for
+    every length; every other size, B and the dither table's, a constant). Views, so the caller's tensors keep
+    no mark."""
+    views = tuple(t.view(-1) for t in tensors)
+    for view in views:
+        torch._dynamo.mark_dynamic(view, 0)
+    return views
+
+
+def _run_quantize(fn, message: torch.Tensor, x: torch.Tensor, block: int, rounding: str, offset: int) -> None:
+    """``message`` = x in the block format through ``fn``: one compiled call for every block (the short last one
+    too; on a GPU two kernels: the blocks' absmax and per-block numbers, then the values), which returns the
+    scales; for stochastic rounding the message's dither table and its chunks' shifts first (``message_dither``,
+    ``chunk_shifts``: four operations on 2^17 and ceil(s / 2^16) + 1 values; the one more shift than chunks
+    keeps that length above 1, which a dynamic length must be)."""
+    s = x.numel()
+    scales, values = q8.parts(message, s, block)
     if rounding == "nearest":
-        fns[1](rows, prescale, inverse, values)
+        scales.copy_(fn(*_dynamic(x, values))[0])
     else:
-        fns[1](rows, prescale, inverse, values, q8.dither_table(block, offset, rows.device, 0, nb))
+        table = q8.message_dither(block, offset, x.device)
+        chunks = -(-q8.blocks(s, block) // (table.numel() // 2 // block))
+        shifts = q8.chunk_shifts(block, offset, x.device, 0, chunks + 1)
+        scales.copy_(fn(*_dynamic(x, values), table, *_dynamic(shifts))[0])
 
 
-def _run_wire(fns, block: torch.Tensor, out: torch.Tensor) -> None:
-    scale = torch.empty(1, dtype=torch.float32, device=block.device)
-    fns[0](block, out[:1], scale)
-    fns[1](block, scale, out[1:])
+def _run_wire(fn, block: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the wire message of ``block`` through ``fn``: the least and the largest value in one read
+    (``aminmax``), then one kernel for k and the values, and k into the header."""
+    least, largest = torch.aminmax(block)
+    x, values = _dynamic(block, out[wire.HEADER :])
+    out[0].copy_(fn(x, least, largest, values))
 
 
 # ------------------------------------------------------------------------------------------------
-# Enabling: compile, check against the eager reference, switch on
+# Enabling: compile, check against the eager reference, time both, switch on the faster
 # ------------------------------------------------------------------------------------------------
 
 
@@ -145,102 +230,219 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def _compiled_functions(name: str, backend: str) -> tuple:
-    """The torch.compile wrappers of kernel ``name``'s parts (one per process and backend, dynamic shapes)."""
+def _compiled_function(name: str, block: int, backend: str):
+    """The torch.compile wrapper of kernel ``name`` for block size ``block`` (one per process, backend and B;
+    dynamic shapes; with inductor, contraction into fused multiply-adds off where this torch has the switch:
+    module docstring)."""
+    key = (name, backend, 0 if name == "wire_encode" else block)
     with _lock:
-        for part in _PARTS[name]:
-            if (part, backend) not in _compiled:
-                _compiled[(part, backend)] = torch.compile(
-                    _FUNCTIONS[part], dynamic=True, fullgraph=True, backend=backend
-                )
-        return tuple(_compiled[(part, backend)] for part in _PARTS[name])
+        if key not in _compiled:
+            options = None
+            if backend == "inductor":
+                import torch._inductor.config as inductor_config
+
+                if hasattr(inductor_config, "emulate_precision_casts"):
+                    options = {"emulate_precision_casts": True}
+            _compiled[key] = torch.compile(
+                _FUNCTIONS[name](block), dynamic=None, fullgraph=True, backend=backend, options=options
+            )
+        return _compiled[key]
 
 
-def _sample(block: int, device, nb: int) -> torch.Tensor:
-    """Adversarial values for the check: normal blocks spanning decades, zeros, ties, a tiny block."""
+def _sample(block: int, rounding: str | None, n: int = SAMPLE_VALUES) -> torch.Tensor:
+    """The check's n float32 values (on the CPU), blocks of B from the first value:
+    - blocks 0-3: zeros; exact halves (absmax 127: scale 1; ties to even); a subnormal scale (absmax 1e-40); a
+      huge one (3e38);
+    - the even blocks from 4: random, normal values times a log-normal magnitude per block (decades apart),
+      every 7th value 1e-3 of that (the data of the H200 run that found 6 of 16,777,216 values differing);
+    - the odd blocks from 5, for the quantizers (``rounding``; None: the wire's check, random only): near a
+      rounding boundary. A block's absmax A = 127 S (S log-normal, not a power of two) sits at a random column and
+      sets scale = fl(A / 127); every other value is fl(t scale) with t = k + 1/2 (nearest) or t = k - u
+      (stochastic, u the dither of its position in a message of key ``_CHECK_KEY``: r + u is then an integer),
+      k a random integer in [-125, 125]. So the exact r (or r + u) lies within 127 x 2^-24 of a rounding
+      boundary, a few units in r's last place (``SAMPLE_VALUES``: what this catches)."""
     g = torch.Generator().manual_seed(35)
-    x = torch.randn(nb * block, generator=g) * torch.exp(3 * torch.randn(nb, generator=g)).repeat_interleave(block)
-    x[:block] = 0.0
-    x[block : 2 * block] = torch.arange(block) - block / 2 + 0.5  # exact halves once scaled
-    x[2 * block : 3 * block] *= 1e-40 / x[2 * block : 3 * block].abs().max()  # a subnormal scale
-    return x.to(device)
-
-
-def _check(name: str, fns, block: int, device) -> None:
-    """Run the compiled kernel against the eager reference on two sizes (the second a new block count:
-    no recompiling) and raise AssertionError naming the kernel where a byte differs."""
-    from cerar.formats.wire import Wire
-
-    for nb in (3 * MIN_VALUES // block + 3, 2 * MIN_VALUES // block + 1):
-        x = _sample(block, device, nb)
-        s = x.numel()
-        if name.startswith("quantize"):
-            rounding = name.split("_")[1]
-            want, got = q8.new_message(s, block, device), q8.new_message(s, block, device)
-            q8.quantize_eager(want, x, block, rounding, 12345)
-            scales, values = q8.parts(got, s, block)
-            _run_quantize(fns, x.view(-1, block), scales, values.view(-1, block), rounding, block, 12345)
-            if not torch.equal(want, got):
-                raise AssertionError(f"the compiled {name} differs from the eager reference (nb={nb}, B={block})")
+    nb = -(-n // block)
+    magnitude = torch.exp(3 * torch.randn(nb, generator=g))
+    x = (torch.randn(nb, block, generator=g) * magnitude.unsqueeze(1)).view(-1)[:n].clone()
+    x[::7] *= 1e-3
+    rows = x[: n // block * block].view(-1, block)
+    if rounding is not None and rows.shape[0] > 5:  # float32 throughout: t and the scale are float32 numbers,
+        near = rows[5::2]  # so each product below is rounded once, as fl(t scale)
+        m = near.shape[0]
+        absmax = 127 * magnitude[5::2][:m] * (1 + torch.rand(m, generator=g))
+        scale = absmax / torch.full((1,), 127.0)  # IEEE division (a tensor divisor), as the format's
+        t = torch.randint(-125, 126, (m, block), generator=g, dtype=torch.int32).float()
+        if rounding == "nearest":
+            t += 0.5
         else:
-            for dtype in ("float16", "bfloat16"):  # one graph per wire dtype: both compiled here, not in a collective
-                wire = Wire(dtype)
-                want, got = wire.empty(s, x), wire.empty(s, x)
-                wire.encode_eager(x, want)
-                _run_wire(fns, x, got)
-                if not torch.equal(want.view(torch.int16), got.view(torch.int16)):
-                    raise AssertionError(f"the compiled {name} ({dtype}) differs from the eager reference (s={s})")
+            t -= q8.dither(block, _CHECK_KEY, "cpu", 0, rows.shape[0])[5::2]
+        torch.mul(t, scale.unsqueeze(1), out=near)
+        column = torch.randint(0, block, (m,), generator=g)
+        near[torch.arange(m), column] = torch.where(torch.rand(m, generator=g) < 0.5, -absmax, absmax)
+    rows[0].zero_()
+    rows[1] = torch.arange(block) - block / 2 + 0.5
+    rows[1, 0] = 127.0  # scale 1: the values exact halves, ties to even
+    rows[2] *= 1e-40 / rows[2].abs().max()  # a subnormal scale
+    rows[3] *= 3e38 / rows[3].abs().max()
+    return x
+
+
+def _check(name: str, fn, block: int, device, n: int) -> None:
+    """Run the compiled kernel ``fn`` through its dispatch against the eager reference on ``_sample`` (n values)
+    and on two shorter messages (new lengths, one of them a whole number of blocks: whatever a length can make
+    the kernel compile again is compiled here, not in a collective), and raise AssertionError naming the kernel,
+    the message and how many bytes differ, where any does."""
+    sizes = (n, MIN_VALUES + 3 * block + 1, MIN_VALUES + 5 * block)  # a new length, and a whole number of blocks
+    if name.startswith("quantize"):
+        rounding = name.split("_")[1]
+        x = _sample(block, rounding, n).to(device)
+        for s in sizes:
+            want, got = q8.new_message(s, block, device), q8.new_message(s, block, device)
+            q8.quantize_eager(want, x[:s], block, rounding, _CHECK_KEY)
+            _run_quantize(fn, got, x[:s], block, rounding, _CHECK_KEY)
+            differ = int((want != got).sum())
+            if differ:
+                raise AssertionError(f"the compiled {name} differs from the eager reference in {differ} of "
+                                     f"{want.numel()} bytes (s={s}, B={block})")  # fmt: skip
+        return
+    x = _sample(block, None, n).to(device)
+    for dtype in ("float16", "bfloat16"):  # one graph per wire dtype: both compiled here, not in a collective
+        w = wire.Wire(dtype)
+        for values in (x, x[: sizes[1]] * 1e-42, x[: sizes[1]] * 1e30):  # k clamped at 126; k near -85
+            want, got = w.empty(values.numel(), values), w.empty(values.numel(), values)
+            w.encode_eager(values, want)
+            _run_wire(fn, values, got)
+            differ = int((want.view(torch.int16) != got.view(torch.int16)).sum())
+            if differ:
+                raise AssertionError(f"the compiled {name} ({dtype}) differs from the eager reference in {differ} "
+                                     f"of {values.numel()} values")  # fmt: skip
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(calls: dict, device: torch.device) -> dict[str, float]:
+    """The median seconds of each of ``calls`` (name -> function), ``REPEATS`` times each after one untimed call,
+    interleaved so that a moment of load slows every one, each call between two device synchronisations."""
+    times = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(REPEATS):
+        for name, call in calls.items():
+            _synchronize(device)
+            start = time.perf_counter()
+            call()
+            _synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _timing(name: str, fn, block: int, device: torch.device, n: int) -> dict:
+    """Fused and eager ``name`` on n values of ``_sample`` against a copy of them: {"fused", "eager"} as multiples
+    of the copy's time, "copy_s", and "chosen" (the faster)."""
+    x = _sample(block, None, n).to(device)
+    copy = torch.empty_like(x)
+    if name.startswith("quantize"):
+        rounding = name.split("_")[1]
+        message = q8.new_message(n, block, device)
+        calls = {
+            "fused": lambda: _run_quantize(fn, message, x, block, rounding, _CHECK_KEY),
+            "eager": lambda: q8.quantize_eager(message, x, block, rounding, _CHECK_KEY),
+        }
+    else:
+        w = wire.Wire("float16")
+        message = w.empty(n, x)
+        eager = w._encode_host if device.type == "cpu" else w.encode_eager  # what Wire.encode runs unfused
+        calls = {"fused": lambda: _run_wire(fn, x, message), "eager": lambda: eager(x, message)}
+    seconds = _seconds({"copy": lambda: copy.copy_(x), **calls}, device)
+    row = {k: seconds[k] / seconds["copy"] for k in calls}
+    row.update(copy_s=seconds["copy"], chosen="fused" if row["fused"] <= row["eager"] else "eager")
+    return row
 
 
 def enable(
-    device="cpu", block: int = q8.DEFAULT_BLOCK, kernels=KERNELS, *, say=None, backend: str = "inductor"
+    device="cpu",
+    block: int = q8.DEFAULT_BLOCK,
+    kernels=KERNELS,
+    *,
+    say=None,
+    backend: str = "inductor",
+    pick: str = "faster",
+    sample_values: int = SAMPLE_VALUES,
 ) -> dict[str, float]:
-    """Compile ``kernels`` for ``device`` and block size ``block``, check each against its eager reference
-        and switch it on; returns the seconds each took (0 for one already on). Call it before the first
-        collective (module docstring). A kernel that fails to compile or to match stays eager, said in one
-        line. ``say``: where the lines go (default: this module's logger at INFO where logging shows it, else
-    stderr; a kernel left eager is also logged at WARNING).
-        ``backend``: torch.compile's; "eager" traces the kernels with dynamo but runs torch's own operations,
-        in seconds, which the tests use to check the kernels' arithmetic and the dispatch without a C++ build."""
+    """Compile ``kernels`` for ``device`` and block size ``block``, check each against its eager reference on
+    ``sample_values`` values (``_sample``), and switch it on where it is the faster (``pick="faster"``: both
+    timed on that sample, ``REPEATS`` times, synchronised with the device) or wherever it passes its check
+    (``pick="fused"``); returns the seconds each took (0 for one already decided). Call it before the first
+    collective (module docstring). A kernel that fails to compile or to match stays eager, said in the line (and
+    logged at WARNING). ``say``: where the lines go (default: this module's logger at INFO where logging shows
+    it, else stderr). ``backend``: torch.compile's; "eager" traces the kernels with dynamo but runs torch's own
+    operations, in seconds, which the tests use to check the kernels' arithmetic and the dispatch without a C++
+    build."""
     say = say or _announce
     device = torch.device(device)
     unknown = [k for k in kernels if k not in KERNELS]
     if unknown:
         raise ValueError(f"cerar.formats.fused.enable: unknown kernels {unknown}; the kernels are {KERNELS}")
     q8.check_block(block, "cerar.formats.fused.enable")
+    if pick not in ("faster", "fused"):
+        raise ValueError(f"cerar.formats.fused.enable: pick must be 'faster' or 'fused', got {pick!r}")
+    if isinstance(sample_values, bool) or not isinstance(sample_values, int) or sample_values < 2 * MIN_VALUES:
+        raise ValueError(f"cerar.formats.fused.enable: sample_values must be an integer >= {2 * MIN_VALUES}, "
+                         f"got {sample_values!r}")  # fmt: skip
     ok, why = available()
     if not ok:
         say(f"cerar.formats.fused: the eager arithmetic is used ({why})")
         return {}
-    todo = [k for k in kernels if (k, device.type, 0 if k == "wire_encode" else block) not in _enabled]
+    todo = [k for k in kernels if _key(k, device, block) not in _timings]
     if not todo:
         return dict.fromkeys(kernels, 0.0)
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the default inductor cache")
     say(
         f"cerar.formats.fused: compiling {len(todo)} fused kernels ({', '.join(todo)}) for {device.type}, B={block}, "
         f"with torch.compile ({backend}): on a small busy CPU minutes the first time (76-519 s measured on 2 cores "
-        f"at load 10-35), seconds once cached in {cache}"
+        f"at load 10-35), seconds once cached in {cache}; then each is checked on {sample_values} values and "
+        + ("timed against the eager path" if pick == "faster" else "switched on")
     )
-    seconds = {}
+    seconds, said = {}, []
     for name in todo:
         start = time.perf_counter()
         try:
-            fn = _compiled_functions(name, backend)
-            _check(name, fn, block, device)
+            fn = _compiled_function(name, block, backend)
+            _check(name, fn, block, device, sample_values)
+            row = _timing(name, fn, block, device, sample_values) if pick == "faster" else {"chosen": "fused"}
         except Exception as error:  # compiling is optional: the eager path is always there
-            log.warning(
-                "cerar.formats.fused: %s stays eager on %s: %s", name, device.type, str(error).splitlines()[0][:200]
-            )
-            seconds[name] = time.perf_counter() - start
-            continue
+            reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+            log.warning("cerar.formats.fused: %s stays eager on %s: %s", name, device.type, reason)
+            row = {"chosen": "eager", "failed": reason}
+            fn = None
         seconds[name] = time.perf_counter() - start
         with _lock:
-            _enabled[(name, device.type, 0 if name == "wire_encode" else block)] = fn
-    say(
-        "cerar.formats.fused: "
-        + ", ".join(f"{k} {'on' if _on(k, device, block) else 'eager'} ({v:.1f} s)" for k, v in seconds.items())
-    )
+            _timings[_key(name, device, block)] = row
+            if fn is not None:
+                _checked[_key(name, device, block)] = fn
+            if row["chosen"] == "fused":
+                _enabled[_key(name, device, block)] = fn
+        said.append(_said(name, row, seconds[name]))
+    timed = f" (x a copy, median of {REPEATS} at {sample_values} values, synchronised)" if pick == "faster" else ""
+    say(f"cerar.formats.fused: on {device.type}, B={block}{timed}: " + "; ".join(said))
     return seconds
+
+
+def _said(name: str, row: dict, seconds: float) -> str:
+    if "failed" in row:
+        return f"{name} eager (fused failed: {row['failed']}; {seconds:.1f} s)"
+    if "fused" not in row:
+        return f"{name} fused ({seconds:.1f} s)"
+    other = "eager" if row["chosen"] == "fused" else "fused"
+    return f"{name} {row['chosen']} {row[row['chosen']]:.2f} ({other} {row[other]:.2f}; {seconds:.1f} s)"
+
+
+def _key(name: str, device, block: int) -> tuple[str, str, int]:
+    return name, torch.device(device).type, 0 if name == "wire_encode" else block
 
 
 def _announce(line: str) -> None:
@@ -252,14 +454,13 @@ def _announce(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
-def _on(name: str, device, block: int) -> bool:
-    return (name, torch.device(device).type, 0 if name == "wire_encode" else block) in _enabled
-
-
 def disable() -> None:
-    """Switch every fused kernel off (the eager references run); the compiled code stays cached."""
+    """Switch every fused kernel off and forget the choices (the eager references run; ``enable`` decides again);
+    the compiled code stays cached."""
     with _lock:
         _enabled.clear()
+        _timings.clear()
+        _checked.clear()
 
 
 def enabled() -> list[tuple[str, str, int]]:
@@ -268,39 +469,57 @@ def enabled() -> list[tuple[str, str, int]]:
         return sorted(_enabled)
 
 
+def choices() -> dict[tuple[str, str, int], dict]:
+    """What ``enable`` decided per kernel (the keys of ``enabled``): "chosen" ("fused" or "eager"), and where it
+    timed them "fused" and "eager" as multiples of a copy and "copy_s", or "failed" (why the fused one is not
+    used)."""
+    with _lock:
+        return {k: dict(v) for k, v in sorted(_timings.items())}
+
+
+def checked_kernel(name: str, device, block: int = q8.DEFAULT_BLOCK):
+    """The compiled function of kernel ``name`` that passed ``enable``'s check on ``device`` (also where the eager
+    path was chosen: for benchmarks, through ``_run_quantize`` or ``_run_wire``), or None."""
+    with _lock:
+        return _checked.get(_key(name, device, block))
+
+
 # ------------------------------------------------------------------------------------------------
 # The dispatch from cerar.formats.int8_blocks and cerar.formats.wire: True when the fused kernel did the work
 # ------------------------------------------------------------------------------------------------
 
 
 def quantize(message: torch.Tensor, x: torch.Tensor, block: int, rounding: str, offset: int) -> bool:
-    full = x.numel() // block
-    if full * block < MIN_VALUES:
+    if x.numel() < MIN_VALUES:
         return False
-    fns = _enabled.get((f"quantize_{rounding}", x.device.type, block))
-    if fns is None:
+    fn = _enabled.get((f"quantize_{rounding}", x.device.type, block))
+    if fn is None:
         return False
-    s = x.numel()
-    scales, values = q8.parts(message, s, block)
-    rows = x[: full * block].view(full, block)
-    _run_quantize(fns, rows, scales[:full], values[: full * block].view(full, block), rounding, block, offset)
-    if s > full * block:  # the short last block, eagerly (its dither row follows the full rows')
-        tail = x[full * block :].view(1, -1)
-        q8.quantize_rows(tail, scales[full:], values[full * block :].view(1, -1), block, full, rounding, offset)
+    _run_quantize(fn, message, x, block, rounding, offset)
     return True
 
 
 def wire_encode(block: torch.Tensor, out: torch.Tensor) -> bool:
     if block.numel() < MIN_VALUES:
         return False
-    fns = _enabled.get(("wire_encode", block.device.type, 0))
-    if fns is None:
+    fn = _enabled.get(("wire_encode", block.device.type, 0))
+    if fn is None:
         return False
-    _run_wire(fns, block, out)
+    _run_wire(fn, block, out)
     return True
 
 
 q8.FUSED_QUANTIZE = quantize  # the formats ask through these; they never import this module
 wire.FUSED_ENCODE = wire_encode
 
-__all__ = ["KERNELS", "MIN_VALUES", "available", "disable", "enable", "enabled"]
+__all__ = [
+    "KERNELS",
+    "MIN_VALUES",
+    "SAMPLE_VALUES",
+    "available",
+    "checked_kernel",
+    "choices",
+    "disable",
+    "enable",
+    "enabled",
+]

@@ -34,6 +34,7 @@ import math
 import torch
 
 from cerar.coding.closed_forms import DEFAULT_KAPPA_MAX
+from cerar.formats import devices
 
 FUSED_ENCODE = None
 """The fused encoder's dispatch, put here by ``cerar.formats.fused`` when it is imported (the kernel depends on this
@@ -93,6 +94,37 @@ def _power_of_two(k: torch.Tensor) -> torch.Tensor:
     return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
 
 
+def exponent(block: torch.Tensor) -> torch.Tensor:
+    """k (int32, 0-dim, on the block's device; no host synchronisation) for a non-empty block: T - e where the
+    block's largest magnitude lies in [2^(e-1), 2^e), clamped to +-126. The largest and the least value in one
+    read (``aminmax``), their larger magnitude; a NaN propagates (NaN's exponent: the k of 0)."""
+    least, largest = torch.aminmax(block)
+    _, e = torch.frexp(torch.maximum(largest, least.neg()).abs())
+    return (TARGET_EXPONENT - e).clamp_(-K_LIMIT, K_LIMIT)
+
+
+def host_exponent(block: torch.Tensor) -> int:
+    """``exponent`` found on the host (CPU tensors only: reading the largest value back is free there, and it
+    replaces eight tensor operations on one value, about 40 us a message, with Python's frexp): the same k
+    (math.frexp and torch.frexp agree on every float32, subnormals, zero, inf and NaN included)."""
+    if not block.numel():
+        return TARGET_EXPONENT
+    least, largest = torch.aminmax(block)
+    largest = max(largest.item(), -least.item())
+    k = min(K_LIMIT, max(-K_LIMIT, TARGET_EXPONENT - math.frexp(largest)[1]))
+    return k
+
+
+def cast_into(block: torch.Tensor, scale: torch.Tensor, values: torch.Tensor) -> None:
+    """values (16 bits) = block x scale (float32; a power of two, so the product is exact and the cast is the one
+    rounding): one pass where ``cerar.formats.devices.one_pass``, else the product, then the cast (a
+    product written straight into 16 bits runs a CPU's unvectorized casting loop)."""
+    if devices.one_pass(block.device):
+        torch.mul(block, scale, out=values)
+    else:
+        values.copy_(block * scale)
+
+
 class Wire:
     """How blocks travel in ``dtype`` (float16 or bfloat16): ``numel(m)`` wire values per block of
     m, ``encode`` a float32 block into a wire message, ``decode`` one back into float32."""
@@ -113,8 +145,9 @@ class Wire:
 
     def encode(self, block: torch.Tensor, out: torch.Tensor) -> None:
         """out = [k, block 2^k cast to the wire dtype], k = T - e where the block's largest magnitude
-        lies in [2^(e-1), 2^e) (``TARGET_EXPONENT``), clamped to +-126. No host synchronisation. Through
-        the fused kernel of ``cerar.formats.fused`` when it is enabled (the same bytes), else ``encode_eager``."""
+        lies in [2^(e-1), 2^e) (``TARGET_EXPONENT``), clamped to +-126. No host synchronisation on a device.
+        Through the fused kernel of ``cerar.formats.fused`` where it is enabled (the same bytes), else on a CPU
+        with k found on the host (``_encode_host``), elsewhere ``encode_eager``."""
         if FUSED_ENCODE is not None and FUSED_ENCODE(block, out):
             return
         if block.device.type == "cpu":
@@ -124,34 +157,31 @@ class Wire:
 
     @staticmethod
     def _encode_host(block: torch.Tensor, out: torch.Tensor) -> None:
-        """``encode_eager`` with k found on the host (CPU tensors only: reading the largest value back is free
-        there, and it replaces eight tensor operations on one value, about 40 us a message, with Python's
-        frexp): the same k (math.frexp and torch.frexp agree on every float32, subnormals, zero, inf and NaN
-        included) and the same product (2^k as a scalar is exact in float32)."""
-        largest = max(block.amax().item(), -block.amin().item()) if block.numel() else 0.0
-        k = min(K_LIMIT, max(-K_LIMIT, TARGET_EXPONENT - math.frexp(largest)[1]))
+        """``encode_eager`` with k found on the host (``host_exponent``): the same k and the same product (2^k as
+        a scalar is exact in float32)."""
+        k = host_exponent(block)
         out[0] = k
         out[HEADER:].copy_(block * 2.0**k)
 
     def encode_eager(self, block: torch.Tensor, out: torch.Tensor) -> None:
-        """``encode`` with torch's eager operations: the largest and the least value (two reads, no |x|
-        written), the product in float32, then the cast (the power-of-two product is exact, so the cast is
-        the one rounding; a product written straight into 16 bits runs torch's unvectorized casting loop)."""
-        largest = torch.maximum(block.amax(), block.amin().neg()).abs()
-        _, e = torch.frexp(largest)
-        k = (TARGET_EXPONENT - e).clamp_(-K_LIMIT, K_LIMIT)
+        """``encode`` with torch's eager operations and k kept on the device: one read for the block's largest
+        magnitude (``exponent``), a few operations on one value, then the product and the cast
+        (``cast_into``: on a device one pass, 4 bytes read and 2 written a value)."""
+        k = exponent(block)
         out[0].copy_(k)
-        out[HEADER:].copy_(block * _power_of_two(k))
+        cast_into(block, _power_of_two(k), out[HEADER:])
 
     def decode(self, message: torch.Tensor, out: torch.Tensor) -> None:
-        """out (float32) = message's block times 2^-k: a cast, then an exact product (one multiply written
-        into float32 from 16 bits runs torch's unvectorized casting loop, 1.6x slower). On a CPU k is read
-        on the host, as in ``_encode_host``."""
+        """out (float32) = message's block times 2^-k (an exact product of the float32 value). On a device one
+        pass, the 16-bit values read and float32 written (2^-k a 1-value float32 tensor, so that the product is
+        float32's: a 0-d one would not promote a 16-bit block); on a CPU a cast, then the product (one multiply
+        written into float32 from 16 bits runs torch's unvectorized casting loop, 1.6x slower), k read on the
+        host, as in ``_encode_host``."""
+        if devices.one_pass(message.device):
+            torch.mul(message[HEADER:], _power_of_two(-message[:HEADER].to(torch.int32)), out=out)
+            return
         out.copy_(message[HEADER:])  # to float32 first: a 0-d float32 scale would not promote a 16-bit block
-        if message.device.type == "cpu":
-            out.mul_(2.0 ** -int(message[0].item()))
-        else:
-            out.mul_(_power_of_two(-message[0].to(torch.int32)))
+        out.mul_(2.0 ** -int(message[0].item()))
 
     def round_trip(self, block: torch.Tensor, message: torch.Tensor) -> None:
         """block = what its receivers get: encode into ``message``, decode back in place. The exact

@@ -76,9 +76,11 @@ from cerar.ring.protocol import AllReduceStats, as_equal_shards
 from cerar.ring.rounds import PhaseTimer
 from cerar.ring.transport import _bytes, _Ring, _Rounds
 
-QUANTIZED_PROTOCOL_VERSION = 2
+QUANTIZED_PROTOCOL_VERSION = 3
 """Bumped whenever the rounds, the shard assignment or the format change: ranks of different versions refuse to
-mix. 2: the rounding is chosen (nearest or stochastic) and tiny scales are prescaled (issues 33 and 35)."""
+mix. 2: the rounding is chosen (nearest or stochastic) and tiny scales are prescaled (issues 33 and 35). 3: the
+dither's chunks of 2^16 values each read the table from their own shift, and its key names the sender by its
+global rank (issue 51); the scale is absmax / 127 by IEEE division on every device (issue 52)."""
 
 _calls = {"count": 0}
 """This process's count of 8-bit all-reduces: a key of each message's dither (``int8_blocks.dither_key``), so
@@ -160,7 +162,8 @@ def quantized_all_reduce(
     ``op="avg"`` (the default) the mean, within two block roundings per value. ``block``: values per
     float32 scale (``cerar.formats.int8_blocks``). ``rounding``: "nearest" (at most half a step per rounding) or
     "stochastic" (at most one step, zero on average over calls: ``cerar.formats.int8_blocks``), its dither keyed
-    by ``seed``, this process's call count, the sender and the shard, so a run repeats its bytes.
+    by ``seed``, this process's call count, the sender's global rank and the shard, so a run repeats its bytes
+    and calls on different groups (the rails of ``hierarchical_quantized_all_reduce``) draw different dithers.
     ``timeout`` (seconds or timedelta, default 5 minutes)
     bounds every round as in ``cerar.all_reduce``. Raises ValueError for bad input and CollectiveError
     when a peer fails, stalls past the timeout or disagrees on N, d, B, the format, the op or the
@@ -196,9 +199,10 @@ def quantized_all_reduce(
     messages = [new_message(s, block, flat.device) for _ in range(N)]
     incoming = [new_message(s, block, flat.device) for _ in range(N - 1)]
     at = ring.global_rank
+    sender = at(i)  # the global rank: unique in the job, so calls on different groups (the rails) draw apart
 
     def offset(shard: int, reduced: bool) -> int:
-        return dither_key(seed, call, i, shard, reduced) if rounding == "stochastic" else 0
+        return dither_key(seed, call, sender, shard, reduced) if rounding == "stochastic" else 0
 
     def encode(j: int) -> None:
         with timer.phase("encode"):

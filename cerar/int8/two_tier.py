@@ -7,7 +7,9 @@ runs its tiers, with the 8-bit all-reduce where CERAR would run:
    l holds the node's sum of shard l (s = ceil(d/G) values);
 2. on rail l (local rank l of every node), ``cerar.int8.all_reduce.quantized_all_reduce`` of that shard
    over the n nodes: each node's contribution quantized once, the sums in float32, the reduced shard
-   quantized once and all-gathered, so every rank of the rail holds the same bytes;
+   quantized once and all-gathered, so every rank of the rail holds the same bytes; the rails' dithers
+   differ (each message's key names its sender by its global rank: the ranks at one node index of two rails
+   would otherwise share a key, and round identical shards identically);
 3. inside each node, the exact float32 ring all-gather.
 
 So every rank of the job ends with the same result (the rails agree bit for bit and the all-gather

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench/bench_arithmetic.py                 # 16 MiB of float32, one thread
     .venv/bin/python scripts/bench/bench_arithmetic.py --no-fused      # the eager paths only (no compiling)
+    python scripts/bench/bench_arithmetic.py --device cuda              # on a GPU: reports/arithmetic_cuda.md
 
 One thread, one process, 16 MiB of float32 (4 Mi values). Each operation is timed beside a copy of the same
 float32 tensor (``y.copy_(x)``: 4 bytes read and 4 written per value), interleaved, rep after rep, so that
@@ -155,12 +156,15 @@ def int8_cases(n: int, block: int, with_fused: bool) -> list[Case]:
              lambda: q8.dequantize_eager(ms, small, block, outs, add=True)),
     ]  # fmt: skip
     if with_fused:
-        cases += [
-            Case("int8", "quantize, nearest", "fused", lambda: q8.quantize_into(m, x, block), bytes_per_value=5,
-                 note="a block's values read for its absmax, then again from cache, one byte written"),
-            Case("int8", "quantize, stochastic", "fused", lambda: q8.quantize_into(m, x, block, "stochastic", 9),
-                 bytes_per_value=5, note="as nearest; the dither table (256 KiB) stays in cache"),
-        ]  # fmt: skip
+        for rounding in ("nearest", "stochastic"):
+            kernel = fused.checked_kernel(f"quantize_{rounding}", "cpu", block)
+            if kernel is not None:  # the compiled kernel, also where enable chose the eager path as the faster
+                cases.append(Case(
+                    "int8", f"quantize, {rounding}", "fused",
+                    lambda k=kernel, r=rounding: fused._run_quantize(k, m, x, block, r, 9), bytes_per_value=9,
+                    note="one compiled call: the values read for their block's absmax, read again, one byte written"
+                    + ("; the dither table (512 KiB) stays in cache" if rounding == "stochastic" else ""),
+                ))  # fmt: skip
     return cases
 
 
@@ -183,12 +187,14 @@ def wire_cases(n: int, with_fused: bool) -> list[Case]:
             Case(name, "decode", "eager", lambda w=wire, msg=msg, out=out: w.decode(msg, out),
                  lambda w=wire, msgs=msgs, outs=outs: w.decode(msgs, outs)),
         ]  # fmt: skip
-        if with_fused:
+        kernel = fused.checked_kernel("wire_encode", "cpu") if with_fused else None
+        if kernel is not None:
             cases += [
-                Case(name, "encode", "fused", lambda w=wire, x=x, msg=msg: w.encode(x, msg), bytes_per_value=10,
-                     note="absmax read, then read and written in 16 bits"),
+                Case(name, "encode", "fused", lambda k=kernel, x=x, msg=msg: fused._run_wire(k, x, msg),
+                     bytes_per_value=10, note="aminmax read, then read and written in 16 bits"),
                 Case(name, "round trip", "fused + eager decode",
-                     lambda w=wire, x=x, msg=msg, out=out: (w.encode(x, msg), w.decode(msg, out)), bytes_per_value=16),
+                     lambda k=kernel, w=wire, x=x, msg=msg, out=out: (fused._run_wire(k, x, msg), w.decode(msg, out)),
+                     bytes_per_value=16),
             ]  # fmt: skip
         cases.append(
             Case(
@@ -338,7 +344,11 @@ def traffic_of(case: Case) -> float | None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mib", type=float, default=16.0, help="float32 MiB per operation (default 16)")
+    p.add_argument("--mib", type=float, nargs="+", default=None,
+                   help="float32 MiB per operation (default 16 on the CPU; 64 and 256 on a device)")
+    p.add_argument("--device", default="cpu",
+                   help="cpu (this report), or e.g. cuda: every format against a device copy "
+                        "(scripts/bench/format_timing.py), written to reports/arithmetic_<device>.md")
     p.add_argument("--reps", type=int, default=21)
     p.add_argument("--block", type=int, default=q8.DEFAULT_BLOCK)
     p.add_argument("--no-fused", action="store_true", help="eager rows only: nothing compiles")
@@ -347,13 +357,18 @@ def main() -> None:
     p.add_argument("--csv", default=str(ROOT / "reports" / "data" / "arithmetic.csv"))
     args = p.parse_args()
 
+    if args.device != "cpu":
+        device_report(args)
+        return
+    args.mib = 16.0 if args.mib is None else args.mib[0]
     torch.set_num_threads(1)
     n = int(args.mib * 2**20) // 4 // args.block * args.block
     load_before = os.getloadavg()
-    compile_seconds = {}
+    compile_seconds, said = {}, []
+    args.enable_lines = said
     if not args.no_fused:
         t0 = time.perf_counter()
-        compile_seconds = fused.enable("cpu", args.block, say=print)
+        compile_seconds = fused.enable("cpu", args.block, say=lambda line: (print(line), said.append(line)))
         compile_seconds["total"] = time.perf_counter() - t0
     cases = int8_cases(n, args.block, not args.no_fused) + wire_cases(n, not args.no_fused)
     more, rounds = cerar_cases(n)
@@ -385,6 +400,49 @@ def main() -> None:
     print(Path(args.md).read_text())
 
 
+def device_report(args) -> None:
+    """Every format against a copy on ``args.device`` (``format_timing.formats_against_copy``), written to
+    reports/arithmetic_<device>.md and reports/data/arithmetic_<device>.csv unless --md / --csv say otherwise."""
+    from scripts.bench.format_timing import formats_against_copy
+
+    kind = torch.device(args.device).type
+    default_md, default_csv = str(ROOT / "reports" / "arithmetic.md"), str(ROOT / "reports" / "data" / "arithmetic.csv")
+    md = Path(args.md) if args.md != default_md else ROOT / "reports" / f"arithmetic_{kind}.md"
+    csv_path = Path(args.csv) if args.csv != default_csv else ROOT / "reports" / "data" / f"arithmetic_{kind}.csv"
+    lines_said = []
+    result = formats_against_copy(args.device, args.mib or (64.0, 256.0), args.reps, with_fused=not args.no_fused,
+                                  block=args.block, say=lines_said.append)  # fmt: skip
+    rows = result["rows"]
+    csv_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    name = torch.cuda.get_device_name(args.device) if kind == "cuda" else kind
+    lines = [
+        f"# Every format against a device copy ({name})",
+        "",
+        f"`{' '.join(['python', 'scripts/bench/bench_arithmetic.py', *sys.argv[1:]])}`, "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch {torch.__version__}. Each row the median of "
+        f"{args.reps} calls between CUDA events (scripts/bench/format_timing.py says how), x copy = its time over "
+        "`y.copy_(x)` of the same float32 bytes; the target is at most 2x for quantize, encode and decode at 64 MiB "
+        "and above (issue 52). Variants: eager (the reference), fused (the compiled kernel), chosen (what the "
+        "formats run after `cerar.formats.fused.enable` picked the faster). Every fused and chosen row wrote the "
+        "eager row's bytes unless `same bytes` says no.",
+        "",
+        *[f"`{line}`" for line in lines_said],
+        "",
+        "| MiB | operation | variant | ms | x copy | same bytes |",
+        "| --- | --- | --- | --- | --- | --- |",
+        *[f"| {r['MiB']:g} | {r['operation']} | {r['variant']} | {r['ms']:.3f} | **{r['x_copy']:.2f}** | "
+          f"{'yes' if r['same_bytes'] else 'NO'} |" for r in rows],  # fmt: skip
+        "",
+    ]
+    md.parent.mkdir(parents=True, exist_ok=True)
+    md.write_text("\n".join(lines))
+    print(md.read_text())
+
+
 def write_md(args, table, n, copy_ms, copy_gpu_us, before, after, compile_seconds, host, rounds) -> None:
     lines = [
         "# Per-call arithmetic against a copy (issue 35)",
@@ -405,7 +463,9 @@ def write_md(args, table, n, copy_ms, copy_gpu_us, before, after, compile_second
             "Compiling the fused kernels (`cerar.formats.fused.enable`, torch.compile, dynamic shapes; the cache "
             f"`TORCHINDUCTOR_CACHE_DIR`={os.environ.get('TORCHINDUCTOR_CACHE_DIR', '(default)')}): "
             + ", ".join(f"{k} {v:.1f} s" for k, v in compile_seconds.items())
-            + ".",
+            + " (each: compile, check on its sample, time against the eager path). Its lines:",
+            "",
+            *[f"`{line}`" for line in args.enable_lines],
             "",
         ]
     lines += [

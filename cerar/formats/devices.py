@@ -1,0 +1,20 @@
+"""How the formats' eager arithmetic is written for each kind of device: in few passes, or in vectorized ones.
+
+On CUDA a reduction of two results (``aminmax``: the least and the largest value) is one read, and a product
+written with ``out=`` into another dtype (int8 x float32 into float32, float32 into a 16-bit wire) is one kernel:
+TensorIterator computes in the common dtype and casts as it stores. Reading a value back on the host would
+synchronise with the device. On a CPU the same calls are slower than the passes they replace (``aminmax`` along
+rows of 128 5x slower than ``amax`` and ``amin``; a mixed-dtype product runs torch's unvectorized loop, the int8
+decode 2.7x slower, measured on this machine's AVX-512 CPU), and a host read is free. The bytes are the same
+either way: the same float32 operations, each rounded once (tests force both forms on the CPU and compare).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def one_pass(device) -> bool:
+    """Whether the eager arithmetic on ``device`` takes the one-pass forms and never reads the host (every device
+    but the CPU)."""
+    return torch.device(device).type != "cpu"

@@ -1,0 +1,146 @@
+"""Every format's per-call arithmetic against a copy of the same float32 bytes on one device (issue 52).
+
+    python -m scripts.bench.format_timing --device cuda --mib 64 256        # JSON lines on stdout
+    python scripts/bench/bench_arithmetic.py --device cuda                   # the same, written to reports/
+
+    from scripts.bench.format_timing import formats_against_copy            # what a GPU benchmark calls
+    rows = formats_against_copy("cuda", mib=(64, 256))
+
+Rows, per size: a copy (``y.copy_(x)``, 4 bytes read and 4 written per value), then the 8-bit format's quantize
+(nearest and stochastic), dequantize and dequantize-and-add (``cerar.formats.int8_blocks``) and the 16-bit wire's
+encode and decode in float16 and bfloat16 (``cerar.formats.wire``), each in up to three variants: ``eager`` (the
+reference), ``fused`` (the compiled kernel of ``cerar.formats.fused``, where it compiled and passed its check) and
+``chosen`` (what the formats run once ``fused.enable`` has picked the faster per kernel: the path a collective
+takes). Times: the median of ``reps`` calls after an untimed one, each between CUDA events on a GPU (device
+time, launches included), the thread's CPU time elsewhere (``scripts.checks.gpu.arithmetic._timed``, the GPU
+check's measure) (a dry run; ``reports/arithmetic.md`` is the CPU's
+measurement). ``x_copy`` = time / the copy's; the target on a GPU is at most 2 for quantize, encode and decode
+at 64 MiB and above (issue 52). Every fused and chosen row first writes the eager row's bytes (``same_bytes``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cerar.formats import fused  # noqa: E402
+from cerar.formats import int8_blocks as q8  # noqa: E402
+from cerar.formats.wire import Wire  # noqa: E402
+from scripts.checks.gpu.arithmetic import _timed  # noqa: E402
+
+KEY = 12345
+"""The stochastic rows' dither key."""
+
+
+def _cases(n: int, block: int, device: torch.device, x: torch.Tensor) -> list[tuple]:
+    """(operation, {variant: fn}, output to compare) for every format at n values."""
+    out = torch.empty_like(x)
+    message = {v: q8.new_message(n, block, device) for v in ("eager", "fused", "chosen")}
+    compiled = {name: fused.checked_kernel(name, device, block) for name in fused.KERNELS}
+    cases = []
+    for rounding in ("nearest", "stochastic"):
+        name = f"quantize_{rounding}"
+        variants = {
+            "eager": lambda r=rounding: q8.quantize_eager(message["eager"], x, block, r, KEY),
+            "chosen": lambda r=rounding: q8.quantize_into(message["chosen"], x, block, r, KEY),
+        }
+        if compiled[name] is not None:
+            variants["fused"] = lambda r=rounding, fn=compiled[name]: fused._run_quantize(
+                fn, message["fused"], x, block, r, KEY
+            )
+        cases.append((f"int8 quantize, {rounding}", variants, message))
+    q8.quantize_eager(message["eager"], x, block, "stochastic", KEY)
+    cases.append(("int8 dequantize", {"eager": lambda: q8.dequantize(message["eager"], n, block, out)}, None))
+    cases.append(
+        ("int8 dequantize and add", {"eager": lambda: q8.dequantize(message["eager"], n, block, out, add=True)}, None)
+    )
+    for dtype in ("float16", "bfloat16"):
+        wire = Wire(dtype)
+        wmessage = {v: wire.empty(n, x) for v in ("eager", "fused", "chosen")}
+        unfused = wire._encode_host if device.type == "cpu" else wire.encode_eager
+        variants = {
+            "eager": lambda w=wmessage, e=unfused: e(x, w["eager"]),
+            "chosen": lambda w=wmessage, wire=wire: wire.encode(x, w["chosen"]),
+        }
+        if compiled["wire_encode"] is not None:
+            variants["fused"] = lambda w=wmessage, fn=compiled["wire_encode"]: fused._run_wire(fn, x, w["fused"])
+        cases.append((f"wire {dtype} encode", variants, wmessage))
+        decode = {"eager": lambda w=wmessage, wire=wire: wire.decode(w["eager"], out)}
+        cases.append((f"wire {dtype} decode", decode, None))
+    return cases
+
+
+def formats_against_copy(
+    device="cuda",
+    mib=(64, 256),
+    reps: int = 20,
+    *,
+    with_fused: bool = True,
+    backend: str = "inductor",
+    block: int = q8.DEFAULT_BLOCK,
+    sample_values: int = fused.SAMPLE_VALUES,
+    say=print,
+) -> dict:
+    """Time every format against a copy on ``device`` at each size in ``mib`` (MiB of float32), after
+    ``fused.enable`` (``with_fused``; ``backend`` as there: "eager" for a dry run on a CPU). Returns {"rows":
+    [{"MiB", "operation", "variant", "ms", "x_copy", "same_bytes"}], "enable": the seconds each kernel took to
+    compile, check and time, "choices": ``fused.choices()``}. ``sample_values``: ``enable``'s sample (smaller
+    for a dry run); ``say``: where ``enable``'s lines go."""
+    device = torch.device(device)
+    seconds = {}
+    if with_fused:
+        fused.disable()
+        seconds = fused.enable(device, block, say=say, backend=backend, sample_values=sample_values)
+
+    def time_it(fn) -> float:  # the GPU check's measure: CUDA events on a GPU, CPU time elsewhere
+        return _timed(fn, device, reps)
+
+    rows = [row for size in mib for row in _rows_at(size, device, block, time_it)]
+    return {"rows": rows, "enable": seconds, "choices": {"/".join(map(str, k)): v for k, v in fused.choices().items()}}
+
+
+def _rows_at(size: float, device: torch.device, block: int, time_it) -> list[dict]:
+    """The copy's row and every format's rows at ``size`` MiB of float32 (heavy-tailed values: decades apart)."""
+    n = int(size * 2**20) // 4
+    g = torch.Generator().manual_seed(0)
+    spread = torch.exp(2 * torch.randn(-(-n // 64), generator=g)).repeat_interleave(64)[:n]
+    x = (torch.randn(n, generator=g) * spread).to(device)
+    y = torch.empty_like(x)
+    copy_s = time_it(lambda: y.copy_(x))
+    rows = [{"MiB": size, "operation": "copy", "variant": "-", "ms": 1e3 * copy_s, "x_copy": 1.0, "same_bytes": True}]
+    for operation, variants, messages in _cases(n, block, device, x):
+        for variant, fn in variants.items():
+            fn()
+            same = True if messages is None else bool(torch.equal(messages[variant], messages["eager"]))
+            t = time_it(fn)
+            rows.append({"MiB": size, "operation": operation, "variant": variant, "ms": 1e3 * t,
+                         "x_copy": t / copy_s, "same_bytes": same})  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--mib", type=float, nargs="+", default=[64.0, 256.0])
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--no-fused", action="store_true", help="eager rows only: nothing compiles")
+    p.add_argument("--backend", default="inductor", help='torch.compile backend ("eager": a dry run)')
+    args = p.parse_args(argv)
+    result = formats_against_copy(args.device, args.mib, args.reps, with_fused=not args.no_fused,
+                                  backend=args.backend, say=lambda line: print(line, file=sys.stderr))  # fmt: skip
+    for row in result["rows"]:
+        print(json.dumps(row))
+    print(json.dumps({"enable_s": result["enable"], "choices": result["choices"]}))
+    return 0 if all(r["same_bytes"] for r in result["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
