@@ -529,3 +529,8 @@ def test_peak_flops_from_config_or_known_gpus():
     assert KNOWN_PEAK_TFLOPS["A100"] == (312.0, 19.5) and KNOWN_PEAK_TFLOPS["H100"] == (989.0, 67.0)
     names = list(KNOWN_PEAK_TFLOPS)
     assert names.index("H100 PCIe") < names.index("H100") and names.index("A10G") < names.index("A10")
+    # issue 52's targets are MFU against 989 (H200 SXM, bf16 dense); the NVL card's own rate is matched first
+    assert KNOWN_PEAK_TFLOPS["H200"] == (989.0, 67.0) and names.index("H200 NVL") < names.index("H200")
+    for fragment, tflops in (("NVIDIA H200", 989.0), ("NVIDIA H200 NVL", 835.0), ("NVIDIA H100 80GB HBM3", 989.0)):
+        first = next(f for f in KNOWN_PEAK_TFLOPS if f in fragment)
+        assert KNOWN_PEAK_TFLOPS[first][0] == tflops, fragment

@@ -96,6 +96,14 @@ def is_compiled(model: torch.nn.Module) -> bool:
     return any(getattr(layer, "_compiled_call_impl", None) is not None for layer in layers(model))
 
 
+def root_cause(error: BaseException) -> BaseException:
+    """The error behind dynamo's wrappers (``BackendCompilerFailed`` keeps the backend's own as ``inner_exception``;
+    others chain it as their cause): what the fallback's line quotes."""
+    while (inner := getattr(error, "inner_exception", None) or error.__cause__) is not None:
+        error = inner
+    return error
+
+
 def eager():
     """A context in which compiled functions run eagerly, compiling nothing (evaluation: module docstring)."""
     stance = getattr(torch.compiler, "set_stance", None)

@@ -469,11 +469,9 @@ class Trainer:
             compiling.uncompile_model(self.model)
             self.loss = next_token_loss
             log.warning("%s: rank %d runs the model eagerly, compiling failed: %s", compiling.NOTICE_PREFIX, self.rank,
-                        first_line(error))  # fmt: skip
+                        first_line(compiling.root_cause(error)))  # fmt: skip
         finally:
-            if self.grads is not None:
-                self.grads.zero_()
-            else:
+            if self.grads is None:  # overlap: DDP would add them into step 1's (flat: each step zeroes its buffer)
                 for p in self.params:
                     p.grad = None
         self.compile_seconds = time.perf_counter() - start

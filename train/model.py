@@ -80,9 +80,8 @@ WINDOW_ATTENTION = "cerar_pythia_causal_sdpa"
 
 def _causal_window_attention(module, query, key, value, attention_mask, **kwargs):
     """HF's SDPA attention with no mask, so SDPA runs causal (``is_causal``: flash attention on a GPU): the training
-    windows are whole sequences, never padded. A mask given anyway is refused, not ignored."""
-    if attention_mask is not None:
-        raise ValueError(f"attention {WINDOW_ATTENTION!r} attends causally over whole windows; it takes no mask")
+    windows are whole sequences, never padded. (HF prepares no mask for an attention it has no mask function for:
+    ``attention_mask`` arrives as None, whatever the caller gave; the trainer gives none.)"""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, None, **kwargs)
@@ -98,7 +97,8 @@ def attend_whole_windows(model: GPTNeoXForCausalLM) -> bool:
     (B, 1, T, T) mask that keeps SDPA off its flash kernel (train/compiling.py). An attention registered under a
     name of its own gets no mask prepared at all (``_preprocess_mask_arguments`` returns at once for a name its mask
     functions do not know), and this one calls HF's SDPA attention exactly as HF does when it finds the mask
-    unneeded: the logits are the same, bit for bit (tests/test_compiled_step.py)."""
+    unneeded: the logits are the same, bit for bit (tests/test_compiled_step.py). The model so made takes no padding
+    mask (HF drops one given to it): it is the trainer's; train/export.py writes its weights for HF's own attention."""
     try:
         import transformers.masking_utils  # noqa: F401
         from transformers import AttentionInterface
