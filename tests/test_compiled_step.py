@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import time
 from collections import Counter
@@ -251,8 +252,6 @@ def trainer_of(corpus, run_dir, *overrides: str, fused: bool = False, overlap: b
 
 
 def _losses(run_dir) -> list[float]:
-    import json
-
     return [json.loads(line)["train_loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -276,7 +275,9 @@ def test_compiling_changes_nothing_the_run_trains(corpus, tmp_path, overlap):
                 assert all(p.grad.data_ptr() == v.data_ptr() for p, v in views)  # the flat gradient's views, still
             runs[name] = (parameter_sha256(trainer.model), _losses(tmp_path / name), trainer.data.train.state_dict())
     assert runs["compiled"] == runs["eager"]
-    assert trainer.compile_seconds is not None
+    first = [json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0]) for name in runs]
+    assert [("time/compile" in line) for line in first] == [False, True]  # the compile's seconds, logged once
+    assert first[1]["time/compile"] == trainer.compile_seconds > 0
 
 
 @pytest.mark.quick

@@ -103,7 +103,7 @@ class PhaseTimer(StreamPhaseTimer):
 def read_on_host(values: torch.Tensor) -> list[float]:
     """The values of a small device tensor, on the host: one blocking copy to the CPU (on CUDA a sync: it waits for
     every kernel queued before it). Made as ``aten._to_copy`` to the CPU on every device, the CPU too, so that a
-    dispatch mode counts it where no GPU is (tests/test_step_syncs.py)."""
+    dispatch mode counts it where no GPU is (tests/test_compiled_step.py)."""
     return values.to("cpu", copy=True).tolist()
 
 
@@ -780,15 +780,17 @@ class Trainer:
             bar = tqdm(total=t.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
         self.model.train()
         self.compile_before_first_step()
+        logged_once: set[str] = set()
         while self.state.step < t.max_steps:
             step_start = time.perf_counter()
             record = self.train_step()
             step, step_seconds = self.state.step, time.perf_counter() - step_start
-            if step == start_step + 1 and self.compile_seconds is not None:
-                record.values["time/compile"] = self.compile_seconds  # this launch's compile, before its first step
             last = step == t.max_steps
             evaluates = self._due(t.eval_every, step) or last
             logged = self._due(t.log_every, step) or evaluates
+            if logged and self.compile_seconds is not None and "compile" not in logged_once:
+                record.values["time/compile"] = self.compile_seconds  # this launch's compile, before its first step
+                logged_once.add("compile")
             drift = {}
             if logged and self.world_size > 1 and self._due(t.drift_every, step):
                 drift = self.replica_drift()  # before a resync at this step: the drift its interval built up
