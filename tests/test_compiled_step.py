@@ -9,7 +9,6 @@ which exercises everything the trainer does around the compile; one slow test co
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import logging
@@ -19,10 +18,9 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.runs import composed
+from tests.runs import composed, in_process_trainer
 from train import compiling, distributed
 from train.metrics import parameter_sha256
 from train.model import (
@@ -196,59 +194,9 @@ def corpus(tmp_path_factory):
     return folder
 
 
-@contextlib.contextmanager
 def trainer_of(corpus, run_dir, *overrides: str, fused: bool = False, overlap: bool = False):
-    """A Trainer of the tiny model as train/run.py builds one, in a process group of one (gloo). ``fused``: the
-    AdamW kernels of a CUDA run (torch's fused AdamW runs on the CPU too); ``overlap``: trainer.overlap=true (DDP
-    reduces in backward, through the aggregator's hook)."""
-    from train.aggregation.build import build_aggregator
-    from train.data import build_data
-    from train.loop import Trainer
-    from train.metrics import RunLogger
-    from train.schedule import build_scheduler
-
-    cfg = composed(
-        "data=local",
-        f"data.path={corpus / 'corpus'}",
-        f"data.cache_dir={corpus / 'cache'}",
-        "data.bpe_vocab_size=300",
-        "data.seq_len=16",
-        "trainer.micro_batch_size=2",
-        "trainer.eval_batches=1",
-        "trainer.progress_bar=false",
-        "wandb.mode=disabled",
-        "checkpoint.every=0",
-        "checkpoint.at_end=false",
-        f"trainer.overlap={str(overlap).lower()}",
-        *overrides,
-    )
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(cfg.seed)
-        model = build_model(cfg.model)
-        optimizer = build_optimizer(model, cfg.model, "cuda" if fused else "cpu")
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        aggregator = build_aggregator(cfg, 1)
-        if overlap:
-            aggregator.register_hook(ddp)
-        trainer = Trainer(
-            cfg,
-            ddp=ddp,
-            optimizer=optimizer,
-            scheduler=build_scheduler(optimizer, cfg.model, cfg.trainer.max_steps),
-            data=build_data(cfg, 0, 1),
-            aggregator=aggregator,
-            logger=None,
-            device=torch.device("cpu"),
-            rank=0,
-            world_size=1,
-            run_dir=run_dir,
-            overlap=overlap,
-        )
-        trainer.logger = RunLogger(cfg, run_dir, 1, True, 0)
-        yield trainer
-    finally:
-        dist.destroy_process_group()
+    """tests/runs.py's in-process trainer of the tiny model on this module's corpus."""
+    return in_process_trainer(corpus / "corpus", corpus / "cache", run_dir, *overrides, fused=fused, overlap=overlap)
 
 
 def _losses(run_dir) -> list[float]:

@@ -383,35 +383,11 @@ def test_bpe_cache_is_built_once(tmp_path):
 def test_non_finite_gradients_skip_the_step(tmp_path):
     """A NaN gradient is caught before aggregation; the step is skipped and counted, the next one runs.
     (A small local corpus: the step does not depend on the text, and it needs no embedded token cache.)"""
-    import torch.distributed as dist
-
-    from train.aggregation.build import build_aggregator
-    from train.loop import Trainer
-    from train.model import build_model
-    from train.schedule import build_scheduler
+    from tests.runs import in_process_trainer
 
     corpus = _corpus(tmp_path / "corpus", docs=6)
-    local = {"path": str(corpus), "cache_dir": str(tmp_path / "cache"), "bpe_vocab_size": 300}
-    cfg = _cfg(kind="local", name="local", seq_len=16, **local)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        torch.manual_seed(0)
-        model = build_model(cfg.model)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        trainer = Trainer(
-            cfg,
-            ddp=torch.nn.parallel.DistributedDataParallel(model),
-            optimizer=optimizer,
-            scheduler=build_scheduler(optimizer, cfg.model, 10),
-            data=build_data(cfg, 0, 1),
-            aggregator=build_aggregator(cfg, 1),
-            logger=None,
-            device=torch.device("cpu"),
-            rank=0,
-            world_size=1,
-            run_dir=tmp_path,
-            overlap=False,
-        )
+    with in_process_trainer(corpus, tmp_path / "cache", tmp_path, "trainer.max_steps=10") as trainer:
+        model = trainer.model
         before = [p.detach().clone() for p in model.parameters()]
         handle = next(model.parameters()).register_hook(lambda g: g * float("nan"))
         record = trainer.train_step()
@@ -422,8 +398,6 @@ def test_non_finite_gradients_skip_the_step(tmp_path):
         record = trainer.train_step()
         assert record["skipped_steps"] == 1 and trainer.scheduler.last_epoch == 1
         assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
-    finally:
-        dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- fp16 loss scale

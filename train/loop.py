@@ -448,8 +448,8 @@ class Trainer:
         waits for the others up to trainer.compile_timeout_s. Where compiling raises, this rank's model stays eager,
         said in one line (the ranks' arithmetic may then differ in rounding; their aggregate does not)."""
         t = self.t
-        if not self.compile or self.state.step >= t.max_steps:
-            return
+        if not self.compile or self.compile_seconds is not None or self.state.step >= t.max_steps:
+            return  # off, done already (fit calls it; a caller may have before), or nothing left to train
         set_phase(COMPILE_PHASE)
         waiting = None
         if self.world_size > 1:  # the barrier's gloo group, made now (a collective) while no rank compiles yet
