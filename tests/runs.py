@@ -10,6 +10,7 @@ gradients; drift every 3 steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -120,3 +121,59 @@ def launch_sweep(N: int, out: Path, cache: Path) -> Path:
     """The N-rank launch of ``sweep_runs(N)`` into ``out``."""
     torchrun(N, "sweep.py", [str(out), *sweep_runs(N), "--", *MATRIX], cache, timeout=850)
     return out
+
+
+@contextlib.contextmanager
+def in_process_trainer(corpus, cache, run_dir, *overrides: str, fused: bool = False, overlap: bool = False):
+    """A Trainer of the tiny model as train/run.py builds one, in this process, in a process group of one (gloo),
+    on the local corpus in folder ``corpus`` (tokenizer cached in ``cache``), with a RunLogger writing to
+    ``run_dir``. ``fused``: the AdamW kernels of a CUDA run (torch's fused AdamW runs on the CPU too); ``overlap``:
+    trainer.overlap=true (DDP reduces in backward, through the aggregator's hook)."""
+    import torch
+    import torch.distributed as dist
+
+    from train.aggregation.build import build_aggregator
+    from train.data import build_data
+    from train.loop import Trainer
+    from train.metrics import RunLogger
+    from train.model import build_model, build_optimizer
+    from train.schedule import build_scheduler
+
+    data = {"path": corpus, "cache_dir": cache, "bpe_vocab_size": 300, "seq_len": 16}
+    loop = {"micro_batch_size": 2, "eval_batches": 1, "progress_bar": "false", "overlap": str(overlap).lower()}
+    cfg = composed(
+        "data=local",
+        *(f"data.{key}={value}" for key, value in data.items()),
+        *(f"trainer.{key}={value}" for key, value in loop.items()),
+        "wandb.mode=disabled",
+        "checkpoint.every=0",
+        "checkpoint.at_end=false",
+        *overrides,
+    )
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(cfg.seed)
+        model = build_model(cfg.model)
+        optimizer = build_optimizer(model, cfg.model, "cuda" if fused else "cpu")
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        aggregator = build_aggregator(cfg, 1)
+        if overlap:
+            aggregator.register_hook(ddp)
+        trainer = Trainer(
+            cfg,
+            ddp=ddp,
+            optimizer=optimizer,
+            scheduler=build_scheduler(optimizer, cfg.model, cfg.trainer.max_steps),
+            data=build_data(cfg, 0, 1),
+            aggregator=aggregator,
+            logger=None,
+            device=torch.device("cpu"),
+            rank=0,
+            world_size=1,
+            run_dir=run_dir,
+            overlap=overlap,
+        )
+        trainer.logger = RunLogger(cfg, run_dir, 1, True, 0)
+        yield trainer
+    finally:
+        dist.destroy_process_group()

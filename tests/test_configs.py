@@ -96,6 +96,8 @@ def test_root_defaults_are_the_cpu_quick_start():
         (["aggregator=powersgd", "trainer.overlap=false"], "needs trainer.overlap=true"),
         (["data.seq_len=4096"], "data.seq_len=4096"),
         (["model.num_heads=5"], "divisible by model.num_heads=5"),
+        (["trainer.compile_backend=tvm"], "trainer.compile_backend='tvm' is not one of inductor, aot_eager, eager"),
+        (["trainer.compile_timeout_s=0"], "trainer.compile_timeout_s=0.0 must be > 0"),
     ],
 )
 @pytest.mark.quick

@@ -18,7 +18,7 @@ Who ends it, and so the bound (T = T_S, the trainer's deadline):
 The stalled rank stops itself (SIGSTOP) as it enters the phase at step STALL_STEP (the ``start-`` cases: as it
 enters the start-up phase, or makes its first point-to-point call or first large all-reduce); the groups' own
 timeout is the trainer's NCCL one (`train.distributed.watchdog_timeout_s`, 3T). Without the trainer's bounded
-waits (the non-finite flag read by ``.item()``, the loss and evaluation reductions, the object gathers) the
+waits (the non-finite flag and train loss read on the host, the evaluation reductions, the object gathers) the
 survivors block in the emulated host read until the watchdog's SIGABRT; without the host watchdog, the start-up
 cases hang to the launch's limit (a hold inside a call has no work for any watchdog to time) or end in the
 emulated watchdog's SIGABRT (DDP's constructor, which reads its all-gather on the host).
@@ -140,7 +140,9 @@ CASES = {
     "nccl-aggregate": (2, ["aggregator=nccl"], "aggregate", "aggregate (nccl)"),  # torch's all-reduce, polled
     "int8-aggregate": (2, ["aggregator=int8"], "aggregate", "aggregate (int8)"),  # the 8-bit all-reduce's rounds
     "flat-auto": (2, AUTO, "auto", "exact all_reduce (g_bar)"),  # aggregator=auto's check
-    "flat-optimizer": (2, FLAT, "optimizer", "train-loss all_reduce"),
+    # the next collective after the optimizer: step 2 evaluates (its log line waits for none: the train loss came
+    # with the step's non-finite flag)
+    "flat-optimizer": (2, FLAT, "optimizer", "evaluation all_reduce"),
     # a fixed code: the ranks' parameters differ from step 1, so each evaluates the whole set (c=auto's may still
     # agree at step 2, and split the set with one all_reduce)
     "flat-eval": (2, ["aggregator=cerar", "c=4"], "eval", "all_gather_object of the validation shares"),

@@ -208,6 +208,15 @@ class TrainerConfig:
     # gradients into inf before the non-finite check (tests/test_reliability.py, scripts/checks/chaos.py).
     inject_nonfinite_at_step: int = 0
     inject_nonfinite_rank: int = 0
+    # torch.compile of the model (train/compiling.py, docs/training.md): null = on for CUDA, off on CPU. Each
+    # transformer layer is compiled in place (one graph, reused by every layer; the checkpoint's keys are unchanged)
+    # and the loss apart; compiled once before the first step, outside any collective, the ranks then waiting for each
+    # other up to compile_timeout_s. A compile that fails leaves the model eager, said in one line.
+    compile: bool | None = None
+    # torch.compile's backend: inductor (fused kernels: Triton on a GPU, C++ on a CPU); eager or aot_eager trace
+    # only (dynamo's graphs run torch's own operations, the eager numbers: the tests' way to exercise the path fast)
+    compile_backend: str = "inductor"
+    compile_timeout_s: float = 1800.0
 
 
 @dataclass
@@ -261,6 +270,7 @@ TRANSPORT_DTYPES = ("float32", "float16", "bfloat16")  # cerar.formats.wire.TRAN
 PRESET_TRANSPORTS = {"hier_fp16": "float16", "hier_bf16": "bfloat16"}  # presets whose name says their transport
 DATA_KINDS = ("embedded", "pile", "local")
 INIT_METHODS = ("small_init", "wang_init", "normal")  # GPT-NeoX's names (init_functions.py); train/model.py
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")  # trainer.compile_backend: torch.compile's, train/compiling.py
 
 # The 8-bit all-reduce (cerar.int8.all_reduce, issue 25): int8 flat, hier_int8 on the two tiers (layout as hier_ring)
 QUANTIZED_KINDS = ("int8", "hier_int8")
@@ -398,6 +408,8 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
         f"trainer.bucket_cap_mb={t.bucket_cap_mb} must be > 0 (MiB) or null",
     )
     _require(t.collective_timeout_s > 0, f"trainer.collective_timeout_s={t.collective_timeout_s} must be > 0")
+    _one_of(t.compile_backend, COMPILE_BACKENDS, "trainer.compile_backend")
+    _require(t.compile_timeout_s > 0, f"trainer.compile_timeout_s={t.compile_timeout_s} must be > 0")
     _require(ck.every >= 0, f"checkpoint.every={ck.every} must be >= 0")
     _require(ck.keep >= 1, f"checkpoint.keep={ck.keep} must be >= 1")
     _require(ck.write_timeout_s > 0, f"checkpoint.write_timeout_s={ck.write_timeout_s} must be > 0")
@@ -673,6 +685,14 @@ def effective_overlap(cfg) -> bool:
     if cfg.trainer.overlap is None:
         return cfg.aggregator.kind in HOOK_ONLY_AGGREGATORS
     return bool(cfg.trainer.overlap)
+
+
+def effective_compile(cfg, device_type: str) -> bool:
+    """trainer.compile=null means: compile on CUDA, where the fused kernels pay for the compile; stay eager on a CPU,
+    where inductor's C++ build of the model takes minutes (train/compiling.py)."""
+    if cfg.trainer.compile is None:
+        return device_type == "cuda"
+    return bool(cfg.trainer.compile)
 
 
 def config_fingerprint(cfg: DictConfig) -> str:

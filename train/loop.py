@@ -48,37 +48,43 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.nn.functional import cross_entropy
 
 from cerar.int8.all_reduce import dither_calls, set_dither_calls
 from cerar.ring.rounds import PhaseTimer as StreamPhaseTimer
 from train import checkpoint as ckpt
+from train import compiling
 from train.aggregation.tensor_errors import TensorLayout, per_tensor_figures
+from train.compiling import next_token_loss
+from train.config import effective_compile
 from train.distributed import (
-    all_reduce_mean,
     bounded,
     deadline_s,
+    first_line,
     group_with_timeout,
     guarded,
     set_phase,
     set_step,
 )
 from train.loss_scale import build_loss_scaler
+from train.model import load_optimizer_state
+from train.watchdog import COMPILE_PHASE
 
 log = logging.getLogger(__name__)
 
 
 class PhaseTimer(StreamPhaseTimer):
-    """Seconds per phase. On CUDA, from a pair of events recorded on the current stream around each
-    phase and read once per step (`collect`, after the step's last bounded wait, when they wait only
-    for this rank's own kernels): a ``torch.cuda.synchronize`` at each phase boundary would block the
-    host on a collective that a stalled peer never completes, outside any deadline of ours, until
-    torch's watchdog aborts the process (train/distributed.py). On the CPU, the host's clock.
-    ``current`` names the phase the host is in, for the failure message (`train.distributed.set_phase`)."""
+    """Seconds per phase of one step. On CUDA, from a pair of events recorded on the current stream around
+    each phase and read once (`collect`, after the step's last bounded wait, when they wait only for this
+    rank's own kernels; the loop reads them while the next step's kernels run): a ``torch.cuda.synchronize``
+    at each phase boundary would block the host on a collective that a stalled peer never completes, outside
+    any deadline of ours, until torch's watchdog aborts the process (train/distributed.py). On the CPU, the
+    host's clock. ``current`` names the phase the host is in, for the failure message
+    (`train.distributed.set_phase`)."""
 
     def __init__(self, device: torch.device):
         super().__init__(device)
         self.device = device
+        self.seconds = {"data": 0.0, "forward": 0.0, "backward": 0.0, "aggregate": 0.0, "optimizer": 0.0}
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -93,9 +99,49 @@ class PhaseTimer(StreamPhaseTimer):
         self.totals()
         return self.seconds
 
-    def reset(self) -> None:
-        self._events.clear()
-        self.seconds = {"data": 0.0, "forward": 0.0, "backward": 0.0, "aggregate": 0.0, "optimizer": 0.0}
+
+def read_on_host(values: torch.Tensor) -> list[float]:
+    """The values of a small device tensor, on the host: one blocking copy to the CPU (on CUDA a sync: it waits for
+    every kernel queued before it). Made as ``aten._to_copy`` to the CPU on every device, the CPU too, so that a
+    dispatch mode counts it where no GPU is (tests/test_compiled_step.py)."""
+    return values.to("cpu", copy=True).tolist()
+
+
+class HostValue:
+    """A device scalar on its way to the host: a non-blocking copy into pinned memory, then (CUDA) an event after it.
+    ``float()`` waits for that event only, i.e. for the step that made the value, not for the kernels queued since:
+    the loop reads a step's values while the next step's forward and backward run."""
+
+    def __init__(self, value: torch.Tensor):
+        self.host = value.detach().to("cpu", non_blocking=True, copy=True)
+        self.event = None
+        if value.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def __float__(self) -> float:
+        if self.event is not None:
+            self.event.synchronize()
+        return float(self.host.tolist())  # a host tensor: no device read
+
+
+@dataclass
+class StepRecord:
+    """What one step leaves for its log line: host values (train_loss: the mean over the ranks, read with the
+    non-finite flag), device values on their way to the host (`HostValue`: grad_norm) and the step's phase timer,
+    read once the line is written."""
+
+    values: dict
+    timer: PhaseTimer
+
+    def __getitem__(self, key: str):
+        return self.values[key]
+
+    def line(self) -> dict:
+        """The record with every value on the host and the phases' seconds (waits for this step's kernels only)."""
+        out = {k: float(v) if isinstance(v, HostValue) else v for k, v in self.values.items()}
+        out.update({f"time/{k}": v for k, v in self.timer.collect().items()})
+        return out
 
 
 @dataclass
@@ -250,10 +296,9 @@ def write_flat_params(params: list[torch.nn.Parameter], flat: torch.Tensor) -> N
             offset += p.numel()
 
 
-def lm_loss(model, batch: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy of a (B, T+1) window batch."""
-    logits = model(input_ids=batch[:, :-1]).logits
-    return cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+def lm_loss(model, batch: torch.Tensor, loss=next_token_loss) -> torch.Tensor:
+    """Next-token cross entropy of a (B, T+1) window batch (``loss``: `next_token_loss`, or its compiled form)."""
+    return loss(model(input_ids=batch[:, :-1]).logits, batch[:, 1:])
 
 
 class Trainer:
@@ -298,6 +343,11 @@ class Trainer:
         self.scaler = build_loss_scaler(cfg.trainer, device) if precision == "fp16" else None  # Pythia's scaler
         self.tokens_per_step = self.t.micro_batch_size * self.t.grad_accum * cfg.data.seq_len * world_size
         self.grads = None if overlap else FlatGradients(self.params)  # overlap: DDP's buckets own the reduction
+        # trainer.compile (train/compiling.py): the model is compiled before the first step (compile_before_first_step)
+        self.compile = effective_compile(cfg, device.type)
+        self.loss = next_token_loss  # the step's loss function: compiled with the model
+        self.compile_seconds: float | None = None
+        self._deferred_line: tuple | None = None  # a log line written during the next step (`_write_deferred_line`)
         # exact under CERAR (hierarchical: every rank of the last node); checkpoints keep it, resync broadcasts it.
         # With 16-bit transport it is the least-error replica, rounded to the wire's precision, not exact
         self.reference_rank = world_size - 1
@@ -368,7 +418,7 @@ class Trainer:
                 f"{self.world_size} (start a fresh run with resume=false)"
             )
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"])  # this run's AdamW kernels, whoever wrote it
         self.scheduler.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
@@ -388,6 +438,63 @@ class Trainer:
             last_val_loss=state["last_val_loss"],
         )
 
+    # ------------------------------------------------------------------ compiling
+
+    def compile_before_first_step(self) -> None:
+        """trainer.compile: compile the model (train/compiling.py) and run it once, forward and backward, on a batch of
+        the step's shape, so that dynamo and inductor compile here, in a phase of their own bounded by
+        trainer.compile_timeout_s, and not inside the first step, where a peer waits at most T for this rank in a
+        collective. The batch is zeros (no data read, no random number drawn), backward runs under ``no_sync`` (DDP
+        reduces nothing) and its gradients are then zeroed: the run goes on as if nothing had run. Every rank then
+        waits for the others up to trainer.compile_timeout_s. Where compiling raises, this rank's model stays eager,
+        said in one line (the ranks' arithmetic may then differ in rounding; their aggregate does not)."""
+        t = self.t
+        if not self.compile or self.compile_seconds is not None or self.state.step >= t.max_steps:
+            return  # off, done already (fit calls it; a caller may have before), or nothing left to train
+        set_phase(COMPILE_PHASE)
+        waiting = None
+        if self.world_size > 1:  # the barrier's gloo group, made now (a collective) while no rank compiles yet
+            with guarded("new_group for the compile barrier (trainer.compile_timeout_s)"):
+                waiting = group_with_timeout(t.compile_timeout_s)
+        if self.rank == 0:
+            log.info("%s", compiling.notice(self.device, len(compiling.layers(self.model)), t.compile_backend,
+                                            t.compile_timeout_s))  # fmt: skip
+        start = time.perf_counter()
+        ok, why = compiling.available()
+        try:
+            if not ok:
+                raise RuntimeError(why)
+            self.loss = compiling.compile_model(self.model, t.compile_backend)
+            self._compile_pass()
+        except Exception as error:  # compiling is optional: the eager model is always there
+            compiling.uncompile_model(self.model)
+            self.loss = next_token_loss
+            log.warning("%s: rank %d runs the model eagerly, compiling failed: %s", compiling.NOTICE_PREFIX, self.rank,
+                        first_line(compiling.root_cause(error)))  # fmt: skip
+        finally:
+            if self.grads is None:  # overlap: DDP would add them into step 1's (flat: each step zeroes its buffer)
+                for p in self.params:
+                    p.grad = None
+        self.compile_seconds = time.perf_counter() - start
+        if waiting is not None:
+            bounded(
+                "barrier after compiling the model (trainer.compile_timeout_s)",
+                lambda: dist.barrier(group=waiting, async_op=True),
+                timeout_s=t.compile_timeout_s,
+            )
+        if self.rank == 0 and compiling.is_compiled(self.model):
+            log.info("%s: compiled in %.1f s", compiling.NOTICE_PREFIX, self.compile_seconds)
+        set_phase("start-up")
+
+    def _compile_pass(self) -> None:
+        """One forward and backward of a zero batch of the step's shape through DDP (as the step calls it), outside
+        DDP's reduction (``no_sync``): what makes dynamo compile the layers' forward and backward and the loss."""
+        batch = torch.zeros(self.t.micro_batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device=self.device)
+        with self.ddp.no_sync():
+            with self.autocast():
+                loss = lm_loss(self.ddp, batch, self.loss)
+            loss.backward()
+
     # ------------------------------------------------------------------ one step
 
     def _forward_backward(self) -> torch.Tensor:
@@ -395,12 +502,15 @@ class Trainer:
         total = torch.zeros((), device=self.device)
         for micro in range(self.t.grad_accum):
             with self.timer.phase("data"):  # time/data: waiting for the next batch
-                batch = self.data.train.next_batch(self.t.micro_batch_size).to(self.device, non_blocking=True)
+                batch = self.data.train.next_batch(self.t.micro_batch_size)
+                if self.device.type == "cuda":  # pinned: the copy then runs behind the queued kernels, host free
+                    batch = batch.pin_memory()
+                batch = batch.to(self.device, non_blocking=True)
             last = micro == self.t.grad_accum - 1
             sync = self.overlap and last  # overlap: DDP's hook reduces on the last micro-batch only
             with contextlib.nullcontext() if sync else self.ddp.no_sync():
                 with self.timer.phase("forward"), self.autocast():
-                    loss = lm_loss(self.ddp, batch) / self.t.grad_accum
+                    loss = lm_loss(self.ddp, batch, self.loss) / self.t.grad_accum
                 scaled = self.scaler.scale(loss) if self.scaler is not None else loss
                 with (
                     self.timer.phase("backward"),
@@ -410,11 +520,18 @@ class Trainer:
             total += loss.detach()
         return total
 
-    def _grads_finite_everywhere(self, flat: torch.Tensor | None) -> bool:
-        """One all-reduce of a flag: every rank skips a step alike if any rank saw inf/nan."""
-        flag = local_nonfinite(self.params, flat).to(torch.float64).reshape(1)
-        bounded("non-finite flag all_reduce", lambda: dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True))
-        return flag.item() == 0.0  # the all-reduce has completed: the read waits for nothing remote
+    def _grads_finite_everywhere(self, flat: torch.Tensor | None, loss: torch.Tensor) -> tuple[bool, float]:
+        """One all-reduce of [non-finite flag, loss] and the step's one host read: whether every rank's gradients
+        are finite (every rank skips a step alike if any rank saw inf/nan: the flags' sum is 0 only if none did)
+        and the train loss, the mean over the ranks (the loss is ready: backward came after it). The read must
+        precede the optimizer step, which it decides, and the aggregation, which must not take inf or nan into
+        the aggregators' state or the autos' measurements; it waits for this rank's backward, then the host
+        queues the optimizer's few kernels (docs/training.md: what a later read would cost)."""
+        pair = torch.stack([local_nonfinite(self.params, flat).to(torch.float64), loss.detach().to(torch.float64)])
+        if self.world_size > 1:  # a group of one sums nothing
+            bounded("non-finite flag all_reduce (and the train loss)", lambda: dist.all_reduce(pair, async_op=True))
+        nonfinite, loss_sum = read_on_host(pair)  # the all-reduce has completed: the read waits for nothing remote
+        return nonfinite == 0.0, loss_sum / self.world_size
 
     def _rebuild_ddp_buckets(self) -> None:
         """overlap=true: DDP rebuilds its buckets once, after the first synchronised backward, and it does so with
@@ -449,44 +566,48 @@ class Trainer:
         self.scaler.step(self.optimizer)  # sees the inf: does not step
         self.scaler.update()
 
-    def train_step(self) -> dict:
+    def train_step(self) -> StepRecord:
         """One optimizer step, as a table of contents: each phase is a method below, timed by `self.timer`."""
         step = self._begin_step()
         loss = self._forward_backward()
+        if self._deferred_line is not None:  # the previous step's log line, written while this step's kernels run
+            self._write_deferred_line()
+            set_phase("after backward")
         self._maybe_inject_nonfinite(step)
         record: dict = {"lr": self.scheduler.get_last_lr()[0]}  # the lr this step's update uses
         if self.overlap:  # DDP's buckets have aggregated during the backward pass (the aggregator's hook)
-            bytes_sent, finite = self._after_hook_aggregation()
+            bytes_sent, finite = self._after_hook_aggregation(loss, record)
         else:
-            bytes_sent, finite = self._aggregate_flat(step, record)
+            bytes_sent, finite = self._aggregate_flat(step, loss, record)
         self._optimizer_step(step, finite, record)
-        return self._end_step(step, loss, bytes_sent, record)
+        return self._end_step(step, bytes_sent, record)
 
     def _begin_step(self) -> int:
-        """The step now starting: timers reset, its number published (error lines, the watchdog), gradients
-        zeroed (flat mode: the one buffer every parameter's gradient views)."""
-        self.timer.reset()
+        """The step now starting: a timer of its own (the last step's may not be read yet), its number published
+        (error lines, the watchdog), gradients zeroed (flat mode: the one buffer every parameter's gradient views)."""
+        self.timer = PhaseTimer(self.device)
         step = self.state.step + 1
         set_step(step)
         if self.grads is not None:
             self.grads.zero_()
         return step
 
-    def _after_hook_aggregation(self) -> tuple[int, bool]:
-        """Overlapped mode: the bytes the hook sent, whether the gradients are finite on every rank, and DDP's
-        buckets rebuilt where the aggregator asks (its bucket size depends on the code)."""
+    def _after_hook_aggregation(self, loss: torch.Tensor, record: dict) -> tuple[int, bool]:
+        """Overlapped mode: the bytes the hook sent, whether the gradients are finite on every rank (and the train
+        loss), and DDP's buckets rebuilt where the aggregator asks (its bucket size depends on the code)."""
         bytes_sent = self.aggregator.bytes_sent_by_hook(self.numel)
         self._note_replicas_differ()
-        finite = self._grads_finite_everywhere(None)
+        finite, record["train_loss"] = self._grads_finite_everywhere(None, loss)
         self._rebuild_ddp_buckets()
         return bytes_sent, finite
 
-    def _aggregate_flat(self, step: int, record: dict) -> tuple[int, bool]:
+    def _aggregate_flat(self, step: int, loss: torch.Tensor, record: dict) -> tuple[int, bool]:
         """Flat mode: skip everywhere if any rank's gradients are not finite; else unscale (fp16), let the autos
         choose before aggregating, aggregate the flat gradient in place, and measure the aggregate's error
         where due. Returns the bytes sent and whether the step may update."""
         flat = self.grads.flat
-        if not self._grads_finite_everywhere(flat):  # before aggregation
+        finite, record["train_loss"] = self._grads_finite_everywhere(flat, loss)  # before aggregation
+        if not finite:
             return 0, False
         if self.scaler is not None:  # aggregate true gradients, not scaled ones (in place, in flat)
             self.scaler.unscale_(self.optimizer)
@@ -552,27 +673,30 @@ class Trainer:
             if self.grads is None:
                 self.optimizer.zero_grad(set_to_none=True)
 
-    def _end_step(self, step: int, loss: torch.Tensor, bytes_sent: int, record: dict) -> dict:
-        """The step counted, its phases' seconds collected, and its record: what the loop logs when due."""
-        self.timer.collect()  # every collective of the step has passed its bounded wait
+    def _end_step(self, step: int, bytes_sent: int, record: dict) -> StepRecord:
+        """The step counted, and its record: what the loop logs when due. Its device values (grad_norm) start
+        their copy to the host now, read when the line is written (`HostValue`): no host read here."""
         self.state.step = step
         self.state.tokens += self.tokens_per_step
-        record.update({"train_loss_local": loss, "bytes_sent": bytes_sent, "skipped_steps": self.state.skipped_steps})
+        record.update({"bytes_sent": bytes_sent, "skipped_steps": self.state.skipped_steps})
         record.update(self.aggregator.step_metrics())  # hierarchical: bytes_sent/intra_node, bytes_sent/inter_node
         if self.auto_c is not None:
             record["auto_c/c"] = self.auto_c.c  # the code this step aggregated with
-        return {k: v for k, v in record.items() if v is not None}
+        values = {k: HostValue(v) if isinstance(v, torch.Tensor) else v for k, v in record.items() if v is not None}
+        return StepRecord(values, self.timer)
 
     # ------------------------------------------------------------------ diagnostics
 
     @torch.no_grad()
     def _loss_sum(self, batches: list[torch.Tensor]) -> torch.Tensor:
-        """[sum of token losses, tokens] over `batches` with this rank's parameters, as a float64 device pair."""
+        """[sum of token losses, tokens] over `batches` with this rank's parameters, as a float64 device pair. Eager
+        where the model is compiled: a no-grad, eval-mode graph would compile here, while the peers wait (T) in the
+        evaluation's collective (train/compiling.py)."""
         self.model.eval()
         total = torch.zeros(2, dtype=torch.float64, device=self.device)
         for batch in batches:
             batch = batch.to(self.device)
-            with self.autocast():
+            with self.autocast(), compiling.eager():
                 loss = lm_loss(self.model, batch)
             n = batch[:, 1:].numel()
             total += torch.stack([loss.double() * n, torch.tensor(float(n), dtype=torch.float64, device=self.device)])
@@ -646,7 +770,9 @@ class Trainer:
 
     def fit(self) -> dict:
         """Steps to trainer.max_steps (or stop_after_step); after each, as due: drift, resync, the log line with
-        its evaluation, a checkpoint."""
+        its evaluation, a checkpoint. A log line without an evaluation is written during the next step, while its
+        forward and backward run on the device (`_write_deferred_line`), and before anything that must follow it
+        (a checkpoint, the end of this launch): writing it reads nothing the device has still to compute."""
         t, start_wall, start_step = self.t, time.perf_counter(), self.state.step
         bar = None
         if self.rank == 0 and t.progress_bar:
@@ -654,27 +780,40 @@ class Trainer:
 
             bar = tqdm(total=t.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
         self.model.train()
+        self.compile_before_first_step()
+        logged_once: set[str] = set()
         while self.state.step < t.max_steps:
             step_start = time.perf_counter()
             record = self.train_step()
             step, step_seconds = self.state.step, time.perf_counter() - step_start
             last = step == t.max_steps
-            logged = self._due(t.log_every, step) or last or self._due(t.eval_every, step)
+            evaluates = self._due(t.eval_every, step) or last
+            logged = self._due(t.log_every, step) or evaluates
+            if logged and self.compile_seconds is not None and "compile" not in logged_once:
+                record.values["time/compile"] = self.compile_seconds  # this launch's compile, before its first step
+                logged_once.add("compile")
             drift = {}
             if logged and self.world_size > 1 and self._due(t.drift_every, step):
                 drift = self.replica_drift()  # before a resync at this step: the drift its interval built up
             if self.world_size > 1 and self._due(t.resync_every, step):
                 self.resync_from_exact_rank()
             if logged:
-                train_loss = self._log_step(step, record, step_seconds, drift, last, start_wall)
+                line = (step, record, step_seconds, drift, start_wall)
+                if evaluates:
+                    self._write_deferred_line()
+                    self._log_step(*line, evaluates=True)
+                else:
+                    self._deferred_line = (*line, time.perf_counter() - start_wall)
                 if bar is not None:
-                    bar.set_postfix(loss=f"{train_loss:.3f}", refresh=False)
+                    bar.set_postfix(loss=f"{record['train_loss']:.3f}", refresh=False)
             if self._due(self.cfg.checkpoint.every, step) or (last and self.cfg.checkpoint.at_end):
+                self._write_deferred_line()  # metrics.jsonl holds the checkpoint's step before a resume reads it
                 self.save_checkpoint()
             if bar is not None:
                 bar.update(1)
             if t.stop_after_step and start_step < t.stop_after_step <= step and not last:
                 break
+        self._write_deferred_line()
         if bar is not None:
             bar.close()
         finished = self.state.step == t.max_steps
@@ -685,26 +824,43 @@ class Trainer:
             "steps_this_run": self.state.step - start_step,
         }
 
-    def _log_step(self, step: int, record: dict, step_seconds: float, drift: dict, last: bool, start_wall: float):
-        """One line of metrics.jsonl (and W&B): the mean train loss over the ranks (the step's one host sync for
-        it), the phases' seconds, the step's record and drift, and an evaluation when due. Returns the loss."""
-        t = self.t
+    def _write_deferred_line(self) -> None:
+        """Write the log line `fit` deferred, if any (local work: its values are on the host or on their way)."""
+        if self._deferred_line is not None:
+            *line, wall = self._deferred_line
+            self._deferred_line = None
+            self._log_step(*line, evaluates=False, wall=wall)
+
+    def _log_step(
+        self,
+        step: int,
+        record: StepRecord,
+        step_seconds: float,
+        drift: dict,
+        start_wall: float,
+        evaluates: bool,
+        wall: float | None = None,
+    ) -> float:
+        """One line of metrics.jsonl (and W&B): the train loss (the mean over the ranks, read with the step's
+        non-finite flag), the phases' seconds, the step's record and drift, and an evaluation when due. ``wall``:
+        the seconds since the loop began at the step's end (a deferred line); else measured now, after the
+        evaluation. Returns the loss."""
         set_phase("logging")
-        local_loss = float(record.pop("train_loss_local"))
-        (train_loss,) = all_reduce_mean([local_loss], self.device, "train-loss all_reduce")
+        values = record.line()  # waits for this step's kernels only (its events, its values' copies)
+        train_loss = values.pop("train_loss")
         out = {"step": step, "train_loss": train_loss}
-        out.update({f"time/{k}": v for k, v in self.timer.seconds.items()})
+        out.update({k: values.pop(k) for k in list(values) if k.startswith("time/")})
         out["time/step"] = step_seconds
         out["tokens_per_s"] = self.tokens_per_step / step_seconds
-        out.update({k: float(v) if isinstance(v, torch.Tensor) else v for k, v in record.items()})
+        out.update(values)
         out.update(drift)
-        if self._due(t.eval_every, step) or last:
+        if evaluates:
             evaluation = self.evaluate()
             self.state.last_val_loss = evaluation["val_loss"]
             out.update(evaluation)
         # seconds since this launch's loop began, evaluation included: the wall clock a curve of val_loss
         # is drawn against (scripts/studies/time_to_loss.py: the time to reach a loss)
-        out["time/wall"] = time.perf_counter() - start_wall
+        out["time/wall"] = time.perf_counter() - start_wall if wall is None else wall
         if not math.isfinite(train_loss):
             log.warning("step %d: train loss is %s", step, train_loss)
         self.logger.log(out)

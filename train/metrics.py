@@ -35,7 +35,8 @@ KNOWN_PEAK_TFLOPS = {
     "H100 PCIe": (756.0, 51.0),
     "H100 NVL": (835.0, 60.0),
     "H100": (989.0, 67.0),  # SXM
-    "H200": (989.0, 67.0),
+    "H200 NVL": (835.0, 60.0),  # the PCIe card: 1,671 bf16 TFLOP/s with sparsity, half that dense
+    "H200": (989.0, 67.0),  # SXM (torch names it plainly "NVIDIA H200"): the H100 SXM's rates
     "GH200": (989.0, 67.0),
     "B200": (2250.0, 80.0),
     "A100": (312.0, 19.5),

@@ -46,7 +46,7 @@ from train.distributed import (
 )
 from train.loop import Trainer
 from train.metrics import RunLogger, parameter_sha256
-from train.model import build_model, count_parameters, optimizer_param_groups
+from train.model import build_model, build_optimizer, count_parameters
 from train.schedule import build_scheduler
 
 log = logging.getLogger("train")
@@ -103,14 +103,8 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         cfg.c,
         "" if cfg.aggregator.transport == "float32" else f", {cfg.aggregator.transport} messages",
     )
-    m = cfg.model
-    optimizer = torch.optim.AdamW(
-        optimizer_param_groups(model, m.weight_decay),
-        lr=m.lr,
-        betas=(m.adam_beta1, m.adam_beta2),
-        eps=m.adam_eps,
-    )
-    scheduler = build_scheduler(optimizer, m, cfg.trainer.max_steps)
+    optimizer = build_optimizer(model, cfg.model, device)  # fused AdamW on CUDA, foreach elsewhere
+    scheduler = build_scheduler(optimizer, cfg.model, cfg.trainer.max_steps)
     set_phase("start-up: subgroups")
     with each_new_group_guarded("new_group calls (the aggregator and loop groups)"):  # ncclCommSplit: no work
         aggregator = build_aggregator(cfg, launch.world_size)

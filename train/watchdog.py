@@ -44,6 +44,10 @@ module, never the other way): the exit path's own bound, the step, which peers n
 (`exit_after_collective_failure`, looked up when it fires: tests record the line there)."""
 
 
+COMPILE_PHASE = "start-up: compiling the model"
+"""The phase in which the trainer compiles the model before its first step (train/loop.py)."""
+
+
 class HostWatchdogError(RuntimeError):
     """The main thread held a phase past its deadline: the message is the line the process exits with."""
 
@@ -65,6 +69,8 @@ class Deadlines:
       the whole set);
     - a checkpoint, and reading one at start: ``checkpoint.write_timeout_s`` + T (the others wait that long for it);
     - creating the process group: the group's own timeout + T (its rendezvous waits that long for late ranks);
+    - compiling the model before the first step (train/compiling.py): ``trainer.compile_timeout_s``, the bound the
+      ranks then wait for each other with;
     - compiling the fused kernels (before the group: its rendezvous bounds the wait), building data, the model and
       the logger at start, closing the logger at the end: not watched (local work, or W&B's service; a peer
       stalled there is ended by the others' deadlines, and torchrun then stops it);
@@ -74,6 +80,7 @@ class Deadlines:
     group_timeout_s: float
     write_timeout_s: float = 1800.0
     eval_micro_batches: int = 1
+    compile_timeout_s: float = 1800.0
     phases: dict[str, float | None] = field(init=False)
 
     def __post_init__(self):
@@ -91,6 +98,7 @@ class Deadlines:
             "start-up: reading the checkpoint": self.write_timeout_s + T,
             "eval": 4 * T * max(1, self.eval_micro_batches),
             "checkpoint": self.write_timeout_s + T,
+            COMPILE_PHASE: self.compile_timeout_s,
             "exit after a collective failure": self.exit_s,
         }
 
@@ -103,6 +111,7 @@ class Deadlines:
             group_timeout_s=group_timeout_s,
             write_timeout_s=cfg.checkpoint.write_timeout_s,
             eval_micro_batches=t.eval_batches * world_size,
+            compile_timeout_s=t.compile_timeout_s,
         )
 
     def phase(self, name: str) -> float | None:
