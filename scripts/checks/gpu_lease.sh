@@ -75,8 +75,13 @@ step() {  # step NAME SECONDS command...: the command under timeout, its output 
 
 # 1. the check, --quick (about 105 s on an H200: the NCCL self-loop, the arithmetic, the throughput, the hook)
 step "check --quick" 200 "$PY" -m scripts.checks.gpu --quick ${DEVICE[@]+"${DEVICE[@]}"} --out "$OUT/gpu.md"
-# 2. the benchmark, in what is left but the training section's share; its own budget ends it before the timeout
-BENCH=$(($(left) - 130))
+# 2. NCCL's point-to-point captured in a CUDA graph and replayed (docs/gpus.md, "CUDA graphs and NCCL's
+#    point-to-point"): CERAR's rounds on the one-rank self-loop, every replay held to the spec's protocol
+step "captured self-loop" 90 "$PY" -c "import json; from scripts.checks.gpu.throughput import captured_selfloop
+r = captured_selfloop(); print('captured self-loop:', json.dumps(r)); raise SystemExit(r['status'] not in ('PASS', 'NOT RUN'))"
+# 3. the benchmark, in what is left but the report's seconds (the training section runs only where time is left:
+#    the benchmark's rows are what a lease exists for); its own budget ends it before the timeout
+BENCH=$(($(left) - ${GPU_LEASE_TRAINING_S:-15}))
 [ $BENCH -gt 300 ] && BENCH=300
 if [ $BENCH -ge 60 ]; then
   step "bench" $((BENCH + 20)) "$PY" -m scripts.bench.gpu ${DEVICE[@]+"${DEVICE[@]}"} --budget-s "$BENCH" --out "$OUT/gpu_bench.md"
@@ -84,7 +89,7 @@ else
   say "bench: NOT RUN ($(left) s left)"
   FAILED+=("bench (not run)")
 fi
-# 3. the training section (two kill-and-resume runs, about 80 s on an H200), if it fits
+# 4. the training section (two kill-and-resume runs, about 80 s on an H200), if it fits
 if [ "$(left)" -ge 100 ]; then
   step "check: training" $(($(left) - 5)) "$PY" -m scripts.checks.gpu ${DEVICE[@]+"${DEVICE[@]}"} \
     --skip selfloop arithmetic throughput hook_delayed between_ranks training_cerar hierarchical \

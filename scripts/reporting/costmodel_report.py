@@ -34,6 +34,7 @@ from cerar.planning.costmodel import (  # noqa: E402  (the repository root is on
     SCENARIOS,
     TOKENS_PER_WORKER,
     byte_ratio_limit,
+    cerar_arithmetic,
     cli_parser,
     cli_rows,
     fit_groups,
@@ -70,7 +71,9 @@ def report(
         "| | rounds | bytes sent per worker | bytes moved by the arithmetic per worker |",
         "| --- | --- | --- | --- |",
         "| exact ring | 2(N-1) | 2(N-1) ceil(d/N) itemsize | 3 (N-1) ceil(d/N) itemsize (reduce-scatter adds) |",
-        "| CERAR | L = c+N-2 | L ceil(d/c) itemsize | passes * d * itemsize: 11.75 d at N=4, c=16 "
+        "| CERAR | L = c+N-2 | L ceil(d/c) itemsize | passes * d * itemsize: "
+        f"{cerar_arithmetic(2**20, 4, 16, 'spec')['passes']:g} d (`\"spec\"`) and "
+        f"{cerar_arithmetic(2**20, 4, 16, 'messages')['passes']:g} d (`\"messages\"`) at N=4, c=16 "
         "(`cerar.ring.rounds`, `cerar_arithmetic`; 34.2 d with the arithmetic before commit 324c4c8) |",
         "",
         "The arithmetic is memory bound (its products do fewer than c multiply-adds per value moved), "
