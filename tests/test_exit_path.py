@@ -28,9 +28,10 @@ import time
 import pytest
 
 from tests.distributed import ProcessExit, held_store, run_workers, shared_store
-from train.exit_path import FLUSH_WAIT_S, LINE_WAIT_S, write_line
-from train.watchdog_sidecar import GRACE_S, TICK_S
+from train.exit_path import write_line
 
+FLUSH_WAIT_S, LINE_WAIT_S = 1.0, 2.0  # the way out's bounds on Python's buffers and on its line (docs/failures.md)
+GRACE_S, TICK_S = 1.0, 0.1  # the sidecar acts 1 s after a deadline, on two reads 0.1 s apart (docs/failures.md)
 T_S = 0.25  # the deadline the child gives the trainer: a phase's is 4T = 1 s, a collective's 2T = 0.5 s
 WAKE_SLACK_S = 1.0  # a sleeping thread's (or the sidecar's) wake-up on a loaded host, and a live store's answer
 END_SLACK_S = 3.0  # from the decision to the parent seeing the exit: the abort of a group of one, the join's poll

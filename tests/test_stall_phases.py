@@ -53,7 +53,6 @@ import pytest
 from tests.distributed import ProcessExit, held_store, run_workers, shared_store
 from tests.nccl_emulation import DUMP_WAIT_VARIABLE, LARGE_BYTES, WATCHDOG_KEY
 from train.distributed import watchdog_timeout_s
-from train.watchdog_sidecar import GRACE_S, TICK_S
 
 T_S = 3.0  # trainer.collective_timeout_s: the trainer's deadline
 WATCHDOG_S = watchdog_timeout_s(T_S)  # the NCCL groups' own timeout (torch's watchdog): 3T
@@ -63,6 +62,7 @@ SLACK_S = 6.0  # the rest of a step before the survivors reach the stuck collect
 PEERS_S = 5.0  # the host watchdog's look-up of the missing peers, at most (train.watchdog._peers_within)
 POLL_SLACK_S = 2.0  # the poll's line: its ``after`` past T (module docstring)
 WAKE_SLACK_S = 1.0  # the watchdog's (and the sidecar's) line: its ``held`` past the deadline (module docstring)
+GRACE_S, TICK_S = 1.0, 0.1  # the sidecar acts 1 s after a deadline, on two reads 0.1 s apart (docs/failures.md)
 LAUNCH_S = {"poll": 240, "host": 240}  # each launch's limit, its start-up included (over 200 s at a load of 30)
 STALL_STEP = 2
 AT_ONCE = 3
