@@ -37,7 +37,7 @@ def test_every_mark_has_the_deadline_the_failures_doc_states():
     """docs/failures.md's table, T = 3 s: a collective its poll's timeout + T; a phase of a step or of the start-up
     between collectives 4T; eval 4T per micro-batch; a checkpoint and reading one write_timeout + T; the process
     group its own timeout + T; the teardown T; the way out ABORT_WAIT_S + 10 s (the exit timer's); not watched:
-    the fused kernels, data, model, logger, closing the logger."""
+    the fused kernels, the model."""
     T = 3.0
     d = watchdog.Deadlines(T=T, group_timeout_s=9.0, write_timeout_s=30.0, eval_micro_batches=4)
     assert d.collective() == 6.0 and d.collective(10.0) == 13.0 and d.collective_s == 6.0
@@ -47,8 +47,7 @@ def test_every_mark_has_the_deadline_the_failures_doc_states():
     assert d.phase("checkpoint") == 33.0 and d.phase("start-up: reading the checkpoint") == 33.0
     assert d.phase("start-up: process group") == 12.0
     assert d.phase(watchdog.DESTROY) == 3.0 and watchdog.DESTROY == "exit: destroy_process_group"
-    for unwatched in ("start-up: fused kernels", "start-up: data", "start-up: model", "start-up: logger",
-                      "end: closing the logger"):  # fmt: skip
+    for unwatched in ("start-up: fused kernels", "start-up: model"):  # (data and the logger: issue 51's items 2, 3)
         assert d.phase(unwatched) is None, unwatched
     assert d.exit_s == ABORT_WAIT_S + 10.0 == 20.0
     assert d.poll_s == 3.0  # the shortest deadline in use: the teardown's
