@@ -170,6 +170,7 @@ def run_workers(
     *,
     exits=(),
     store=None,
+    stderr=None,
 ):
     """Run ``fn`` on ``world_size`` processes and return their results in rank order.
 
@@ -179,7 +180,8 @@ def run_workers(
     may die or hang on purpose and are killed once the expected ones have reported. ``exits``: ranks
     expected to end the process without reporting (``os._exit``); the call waits for them to end
     and returns a ``ProcessExit`` with the exit status in their place. ``store``: a master
-    ``torch.distributed.TCPStore`` the workers join (default: a new one on a free port).
+    ``torch.distributed.TCPStore`` the workers join (default: a new one on a free port). ``stderr``: a dict that
+    receives each rank's stderr (text), also when the call raises.
     """
     if contract not in CONTRACTS:
         raise ValueError(f"contract must be one of {CONTRACTS}, got {contract!r}")
@@ -228,6 +230,10 @@ def run_workers(
                 p.kill()
                 p.join(timeout=5)
         _pass_on_output(outputs)
+        if stderr is not None:
+            for rank, (_, err_path) in enumerate(outputs):
+                with contextlib.suppress(FileNotFoundError):
+                    stderr[rank] = Path(err_path).read_text(errors="replace")
         logs.cleanup()
     errors = {r: v for r, (s, v) in collected.items() if s == "error"}
     if errors:

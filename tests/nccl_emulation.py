@@ -33,7 +33,11 @@ either way; only the contract around it changes:
   - ``new_group`` for an NCCL group holds the host until every rank of the default group has reached the
     same ``new_group`` call (``ncclCommSplit`` over every rank of the parent, members by
     ``eager_connect_single_device``, the others by ``perform_nocolor_split``; ``_new_process_group_helper``),
-    however long that takes, with no work;
+    however long that takes, with no work. A member waits with the interpreter's lock released, as torch binds
+    ``eager_connect_single_device`` (``py::call_guard<py::gil_scoped_release>()``); a rank that is not a member
+    waits with the lock held, as torch binds ``perform_nocolor_split`` without that guard
+    (``torch/csrc/distributed/c10d/init.cpp``, the ``ProcessGroupNCCL`` class), so no other thread of its
+    process runs until the split is done (`_hold_holding_the_gil`);
   - ``_abort_process_group`` leaves the groups it aborts aborted, and records their names in the
     store under ``nccl-contract/aborted/<rank>``, which outlives the process;
   - collectives (``all_reduce``, ``all_gather``, ``broadcast``, ``barrier``) on any group not created
@@ -143,6 +147,51 @@ def _hold_until(prefix: str, ranks) -> None:
     store = _store["holds"]
     store.set(f"{prefix}{dist.get_rank()}", "arrived")
     store.wait([f"{prefix}{r}" for r in ranks], timedelta(seconds=HELD_FOR_S))
+
+
+def _hold_holding_the_gil(prefix: str, ranks, members) -> None:
+    """``_hold_until`` for a split on a rank that is not a member of the new group (``perform_nocolor_split``):
+    the wait itself is one blocking call made with the interpreter's lock held (``recv`` on a socket of its own,
+    through ``ctypes.PyDLL``, whose calls keep the lock), as ``ncclCommSplit`` waits inside torch's binding. Every
+    rank of the split counts its arrival in the store; the last one to arrive (whichever it is) sets its key for
+    the members, who wait in the store as in ``_hold_until``, and sends one datagram to each waiting non-member's
+    socket (an abstract Unix socket named by the run's store and the split: gone with the process)."""
+    import ctypes
+    import socket
+
+    import torch.distributed as dist
+
+    store, me = _store["holds"], dist.get_rank()
+    run = _store["store"].port
+
+    def address(rank: int) -> str:
+        return f"\0cerar-nccl-emulation/{run}/{prefix}{rank}"
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(address(me))  # bound before counted: the last arrival finds every waiter's socket
+        if store.add(f"{prefix}count", 1) == len(ranks):
+            _release_split(store, prefix, ranks, members, address)
+            return
+        if me in members:
+            store.set(f"{prefix}{me}", "arrived")
+            store.wait([f"{prefix}{r}" for r in ranks], timedelta(seconds=HELD_FOR_S))
+            return
+        byte = ctypes.create_string_buffer(1)
+        recv = ctypes.PyDLL(None).recv  # a PyDLL call keeps the interpreter's lock for its whole length
+        while recv(sock.fileno(), byte, 1, 0) < 0:  # EINTR: again, still holding it
+            pass
+
+
+def _release_split(store, prefix: str, ranks, members, address) -> None:
+    """The last rank to reach a split: every member's key (their store wait ends), a datagram to every non-member."""
+    import socket
+
+    for r in ranks:
+        store.set(f"{prefix}{r}", "arrived")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        for r in sorted(set(ranks) - set(members)):
+            with contextlib.suppress(OSError):  # a non-member that has gone (or is this rank)
+                sender.sendto(b"x", address(r))
 
 
 def _connect_collective(group, op: str, nbytes: int) -> None:
@@ -416,7 +465,9 @@ def _install_collectives(group_timeout_s: float) -> None:
         if not gloo:  # the watchdog's timeout; the transport's own waits longer (_transport_timeout_s)
             bound.arguments["timeout"] = timedelta(seconds=transport_timeout_s(timeout_s))
             world = dist.get_process_group_ranks(c10d._get_default_group())
-            _hold_until(f"{SPLIT_KEY}{next(_splits)}/", world)  # ncclCommSplit over every rank of the parent
+            members = world if bound.arguments.get("ranks") is None else list(bound.arguments["ranks"])
+            # ncclCommSplit over every rank of the parent; a non-member's wait keeps the interpreter's lock
+            _hold_holding_the_gil(f"{SPLIT_KEY}{next(_splits)}/", world, members)
         group = original_new_group(*bound.args, **bound.kwargs)
         if group is None or group == c10d.GroupMember.NON_GROUP_MEMBER:
             return group

@@ -13,7 +13,19 @@ Who ends it, and so the bound (T = T_S, the trainer's deadline):
   naming the collective or phase, at its deadline, 2T after the survivor entered it (`Deadlines`: the poll's T
   + T), within 2T + SLACK_S + PEERS_S of the stall (PEERS_S: the watchdog's bounded look-up of the peers that
   never joined, `train.watchdog._peers_within`);
-- ``"any"``: either, rank by rank (a stall where some survivors wait on a work and others inside a connect).
+- ``"any"``: either, rank by rank (a stall where some survivors wait on a work and others inside a connect);
+- ``"sidecar"`` (the ranks in SIDECAR_ENDED): the host watchdog's sidecar process (train/watchdog_sidecar.py), where
+  the survivor is not a member of the group being split: the emulation holds it in ``perform_nocolor_split`` with
+  the interpreter's lock held, as torch's binding does, so its own watchdog thread cannot run; the sidecar's line,
+  GRACE_S after the collective's deadline.
+
+Each survivor's end is pinned to its deadline by the number its line gives (a stated slack, not the launch's time):
+the poll's ``after X s`` (from the collective's entry) below T + POLL_SLACK_S, and at least T for the first survivor
+to end (its exit closes its connections, which may end the other survivors' waits sooner), the watchdog's ``held X s``
+within [deadline, deadline + WAKE_SLACK_S), the sidecar's within [deadline + GRACE_S, + 2 ticks + WAKE_SLACK_S).
+POLL_SLACK_S: the post before the wait (the heartbeat's ``store.set``, the post), the waiting thread's wake-up and,
+for a hook, its thread's hand-back to the main thread. WAKE_SLACK_S: the watchdog thread sleeps to the deadline of
+the mark it saw, so its lateness is a sleeping thread's wake-up on a loaded host.
 
 The stalled rank stops itself (SIGSTOP) as it enters the phase at step STALL_STEP (the ``start-`` cases: as it
 enters the start-up phase, or makes its first point-to-point call or first large all-reduce); the groups' own
@@ -48,6 +60,9 @@ HOST_S = 2 * T_S  # the host watchdog's deadline for a collective (train.watchdo
 PHASE_S = 4 * T_S  # its deadline between collectives (Deadlines.step_s)
 SLACK_S = 6.0  # the rest of a step before the survivors reach the stuck collective, and the abort, on a loaded host
 PEERS_S = 5.0  # the host watchdog's look-up of the missing peers, at most (train.watchdog._peers_within)
+POLL_SLACK_S = 2.0  # the poll's line: its ``after`` past T (module docstring)
+WAKE_SLACK_S = 1.0  # the watchdog's (and the sidecar's) line: its ``held`` past the deadline (module docstring)
+GRACE_S, TICK_S = 1.0, 0.1  # the sidecar acts 1 s after a deadline, on two reads 0.1 s apart (docs/failures.md)
 LAUNCH_S = {"poll": 240, "host": 240}  # each launch's limit, its start-up included (over 200 s at a load of 30)
 STALL_STEP = 2
 AT_ONCE = 3
@@ -176,6 +191,13 @@ CASES = {
     "start-first-large": (2, ["aggregator=nccl"], "first large all_reduce", "aggregate (nccl)"),
     "start-hier-subgroups": (4, HIER, "start-up: subgroups", "new_group calls"),
     "start-hier-first-p2p": (4, HIER, "first point-to-point", "aggregate (hier_cerar"),
+    # the hook's own tier groups (trainer.overlap=true: HierarchicalHookState makes them in register_hook): the peer
+    # stops before the second, the node group {0, 1}. Rank 0, a member, is held in its split and ended by its
+    # watchdog under that split's own 2T (not DDP's phase, 4T), naming the peer; ranks 2 and 3 are not members:
+    # held with the interpreter's lock (perform_nocolor_split), they are ended by their sidecars
+    "start-hier-hook-split": (
+        4, [*HIER, "trainer.overlap=true"], "hook's new_group 2", "new_group calls (the DDP hook's groups): new_group 2"
+    ),
 }
 VICTIM = 1  # the stalled rank, unless a case names another (VICTIMS)
 VICTIMS = {"flat-checkpoint-barrier": 0}
@@ -185,6 +207,7 @@ VICTIMS = {"flat-checkpoint-barrier": 0}
 # warm-up aggregated by torch's all-reduce). A hierarchical start stalled before the subgroups is ended by the
 # layout's own agreement check on the default group, polled, before any split.
 ENDED_BY = {
+    "start-hier-hook-split": "host",
     "flat-auto_c": "host",
     "start-subgroups": "host",
     "start-ddp": "host",
@@ -194,6 +217,9 @@ ENDED_BY = {
 }
 HOST_PHASE = {"start-subgroups": "start-up: subgroups", "start-ddp": "start-up: DDP"}  # else the victim's phase
 HOST_PHASE.update({case: "aggregate" for case in ("start-first-p2p", "start-first-large", "start-hier-first-p2p")})
+HOST_PHASE["start-hier-hook-split"] = "start-up: DDP"
+SIDECAR_ENDED = {"start-hier-hook-split": [2, 3]}  # survivors held with the interpreter's lock: the sidecar's line
+NEVER_JOINED = {"start-hier-hook-split"}  # a split's own heartbeat: the line names the peer, not "no peer was behind"
 
 
 def victim_of(case: str) -> int:
@@ -212,6 +238,36 @@ def _stop_on_entering(phase: str) -> None:
             shared_store().set("stalled_at", repr(time.time()))
             os.kill(os.getpid(), signal.SIGSTOP)
 
+    if phase == "hook's new_group 2":  # before the hook's second split: before the heartbeat the trainer gives it,
+        import torch.distributed as dist  # or before the call itself (a trainer that gives it none)
+
+        from cerar.hierarchical.hook import HierarchicalHookState
+
+        beat, new_group, make_groups = distributed._beat, dist.new_group, HierarchicalHookState._make_groups
+        hook = {"making": False, "splits": 0}
+
+        def stopping_beat(operation):
+            if operation.endswith("(the DDP hook's groups): new_group 2"):
+                stop(at_once=True)
+            beat(operation)
+
+        def stopping_new_group(*args, **kwargs):
+            if hook["making"]:
+                hook["splits"] += 1
+                if hook["splits"] == 2:
+                    stop(at_once=True)
+            return new_group(*args, **kwargs)
+
+        def marking_make_groups(self):
+            hook["making"] = True
+            try:
+                return make_groups(self)
+            finally:
+                hook["making"] = False
+
+        distributed._beat, dist.new_group = stopping_beat, stopping_new_group
+        HierarchicalHookState._make_groups = marking_make_groups
+        return
     if phase.startswith("start-up: "):  # as train/run.py enters it
         from train import run
 
@@ -334,7 +390,7 @@ def _launch(case, cache, tmp, attempts: int = 3, record: dict | None = None):
 def _launch_once(case, cache, run_dir):
     world, overrides, phase = CASES[case][:3]
     victim = victim_of(case)
-    store = held_store()
+    store, stderr = held_store(), {}
     survivors = [r for r in range(world) if r != victim]
     try:
         results = run_workers(
@@ -347,12 +403,17 @@ def _launch_once(case, cache, run_dir):
             exits=survivors,
             contract="nccl",
             store=store,
+            stderr=stderr,
         )
     except Exception as error:  # a launch that hangs to its limit, or a worker's error: this case's failure
         results = f"{type(error).__name__}: {str(error)[-2000:]}"
     ended = time.time()
     stalled = float(store.get("stalled_at").decode()) if store.check(["stalled_at"]) else None
     lines = {r: store.get(f"line/{r}").decode() for r in range(world) if store.check([f"line/{r}"])}
+    for r in set(survivors) - set(lines):  # ended by its sidecar: the line is on its stderr only
+        said = [line for line in stderr.get(r, "").splitlines() if line.startswith("error: ")]
+        if said:
+            lines[r] = said[-1]
     fired = {r: store.get(f"{WATCHDOG_KEY}{r}").decode() for r in survivors if store.check([f"{WATCHDOG_KEY}{r}"])}
     return results, stalled, ended, fired, lines
 
@@ -401,20 +462,36 @@ def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_
     assert not fired, f"the emulated watchdog fired first: {fired}"
     assert [results[r] for r in survivors] == [ProcessExit(3)] * len(survivors), results
     in_phase = any(" in phase '" in line for line in lines.values())  # held between collectives: the phase's 4T
+    by_sidecar = SIDECAR_ENDED.get(case, [])
     bound = T_S + SLACK_S if ender == "poll" else (PHASE_S if in_phase else HOST_S) + SLACK_S + PEERS_S
+    bound += GRACE_S + 2 * TICK_S if by_sidecar else 0.0
     assert ended - stalled < bound, (ended - stalled, bound, lines)
+    waited = []  # the polls' waits: the first survivor to end waited its whole T; its exit may end the others sooner
     for r in survivors:
         line = lines[r]
         by_host = line.startswith(f"error: host watchdog: rank {r} held ")
         assert by_host == (ender == "host") or ender == "any", (ender, line)
+        assert ("ended by its watchdog's sidecar process" in line) == (r in by_sidecar), line
         if by_host:  # the collective it was held in (or, between collectives, its phase) and past which deadline
             where = HOST_PHASE.get(case, phase)
-            held = f"collective '{operation}" in line and f"past its deadline of {HOST_S:g}s" in line
-            held = held or f"in phase '{where}'" in line and f"past its deadline of {PHASE_S:g}s" in line
-            assert held and f"(phase: {where})" in line, line
+            deadline = HOST_S if f"collective '{operation}" in line else PHASE_S
+            assert f"past its deadline of {deadline:g}s" in line, line
+            assert f"collective '{operation}" in line or f"in phase '{where}'" in line, line
+            assert f"(phase: {where})" in line, line
+            held, late = float(re.search(r" held (\d+\.\d)s ", line).group(1)), 0.0
+            if r in by_sidecar:  # its own watchdog could not run: the sidecar, GRACE_S (and its two reads) later
+                held, late = held - GRACE_S, 2 * TICK_S
+            assert deadline - 0.05 <= held < deadline + late + WAKE_SLACK_S, (held, deadline, line)
             peers = line.split("past its deadline", 1)[1]
         else:
             assert line.startswith(f"error: collective '{operation}") and f"failed on rank {r} " in line, line
+            after = float(re.search(rf"failed on rank {r} after (\d+\.\d)s", line).group(1))
+            assert after < T_S + POLL_SLACK_S, (after, line)
+            waited.append(after)
             peers = line.split("failed on rank", 1)[1]
-        assert re.search(rf"\branks? (\d+, )*{victim}\b", peers), line  # the peer
+        if r not in by_sidecar:  # the sidecar cannot ask the store which peer never came
+            assert re.search(rf"\branks? (\d+, )*{victim}\b", peers), line  # the peer
+            if case in NEVER_JOINED:  # the peer stopped before this collective: named as never having joined it
+                assert f"peer(s) that never joined: rank {victim} " in line, line
         assert "(phase: " in line, line
+    assert not waited or max(waited) >= T_S - 0.05, (waited, lines)

@@ -29,8 +29,9 @@ timeout) the error becomes a `TrainCollectiveError` naming the operation, the st
 reached it (gloo's own timeout message does not say which peer is missing).
 
 After such a failure the process ends at once (`exit_after_collective_failure`): every process group is
-aborted with torch's own abort, one line goes to stderr, and the exit status is 3, so torchrun restarts
-the job. No teardown runs: on NCCL, `destroy_process_group` can wait forever on kernels that still wait
+aborted with torch's own abort, one line goes to stderr (written without blocking: `train.exit_path`), and the
+exit status is 3, so torchrun restarts the job, within ``EXIT_WAIT_S`` whatever the abort or the write do (the
+exit timer, armed first). No teardown runs: on NCCL, `destroy_process_group` can wait forever on kernels that still wait
 for the missing peer, and NCCL's watchdog, on a communicator it finds stuck past the group's timeout,
 would take the process down with SIGABRT before the message (CERAR's transport group has twice CERAR's
 timeout, so CERAR reports first).
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from cerar.ring.transport import transport_contract
-from train import watchdog
+from train import exit_path, watchdog
 from train.config import ConfigError
 
 
@@ -313,10 +313,12 @@ def guarded(operation: str, poll_timeout_s: float | None = None):
 
 @contextlib.contextmanager
 def each_new_group_guarded(operation: str):
-    """`guarded` for a stretch of code that makes subgroups (``build_aggregator``; cerar's and torch's
-    ``dist.new_group`` calls inside it): each ``new_group`` is a collective of its own on NCCL (``ncclCommSplit``
-    over every rank of the parent group, no work), so each is given the host watchdog's collective deadline
-    afresh (2T), named ``<operation>: new_group <k>``; the stretch as a whole may make as many as it needs.
+    """`guarded` for a stretch of code that makes subgroups (``build_aggregator``; a DDP hook's state, made by
+    ``register_hook``; cerar's and torch's ``dist.new_group`` calls inside them): each ``new_group`` is a
+    collective of its own on NCCL (``ncclCommSplit`` over every rank of the parent group, no work), so each is
+    given the host watchdog's collective deadline afresh (2T), named ``<operation>: new_group <k>``, and a
+    heartbeat of its own (every rank makes the same ``new_group`` calls in the same order), so that the line names
+    the peer that never reached the k-th split; the stretch as a whole may make as many as it needs.
     ``dist.new_group`` is wrapped for the stretch only and restored after it."""
     with guarded(operation):
         original = dist.new_group
@@ -324,7 +326,9 @@ def each_new_group_guarded(operation: str):
 
         def new_group(*args, **kwargs):
             made[0] += 1
-            watchdog.enter_collective(f"{operation}: new_group {made[0]}")
+            name = f"{operation}: new_group {made[0]}"
+            watchdog.enter_collective(name)
+            _beat(name)
             return original(*args, **kwargs)
 
         dist.new_group = new_group
@@ -337,6 +341,9 @@ def each_new_group_guarded(operation: str):
 ABORT_WAIT_S = 10.0
 """How long the failure path lets torch's abort run before it exits anyway (an abort is not expected
 to block, but nothing on the way out may hang)."""
+EXIT_WAIT_S = ABORT_WAIT_S + 10.0
+"""The way out's whole bound, kept by the exit timer armed as it starts: the abort (``ABORT_WAIT_S``), Python's
+buffers flushed (``exit_path.FLUSH_WAIT_S``), the line (``exit_path.LINE_WAIT_S``), with room to spare."""
 
 
 def abort_process_groups() -> None:
@@ -357,17 +364,19 @@ def abort_process_groups() -> None:
 
 
 def exit_after_collective_failure(error: BaseException, code: int = 3) -> None:
-    """End this process after a collective failed: abort the process groups (``abort_process_groups``,
-    given ``ABORT_WAIT_S`` at most), print ``error: <message>`` as one line on stderr, flush, and
+    """End this process after a collective failed: arm the exit timer (``EXIT_WAIT_S``: from here the process
+    ends whatever follows does), abort the process groups (``abort_process_groups``, given ``ABORT_WAIT_S`` at
+    most), flush Python's stdout and stderr (bounded), write ``error: <message>`` as one line on stderr without
+    blocking (`train.exit_path.write_line`: a closed or full pipe costs at most its bound, never the exit) and
     ``os._exit(code)``: no teardown, no atexit handler, nothing that could wait on a dead peer."""
-    watchdog.enter_phase("exit after a collective failure")  # bounded here; the host watchdog only backs it
+    exit_path.arm(code, EXIT_WAIT_S)
+    watchdog.leaving(EXIT_WAIT_S)  # no second line from the watchdog; the sidecar knows the bound
     aborting = threading.Thread(target=_abort_quietly, name="abort-process-groups", daemon=True)
     aborting.start()
     aborting.join(ABORT_WAIT_S)
     message = " ".join(str(error).split()) or type(error).__name__
-    with contextlib.suppress(Exception):
-        sys.stdout.flush()
-    print(f"error: {message}", file=sys.stderr, flush=True)
+    exit_path.flush_streams()
+    exit_path.write_line(f"error: {message}")
     os._exit(code)
 
 
@@ -441,6 +450,7 @@ def all_reduce_mean(values: list[float], device: torch.device, operation: str = 
 
 watchdog.RUN.update(  # what the host watchdog asks of the run (train/watchdog.py: it never imports this module)
     abort_wait_s=ABORT_WAIT_S,
+    exit_s=EXIT_WAIT_S,
     step=lambda: current_step(),
     peers=lambda: missing_ranks(),
     fail=lambda error, code: exit_after_collective_failure(error, code=code),

@@ -122,8 +122,9 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
             bucket_cap_mb=ddp_bucket_cap_mb(cfg, model, device, overlap),
             **no_forward_buffer_sync(),
         )
-    if overlap:
-        aggregator.register_hook(ddp)
+    if overlap:  # a hook's state may make groups of its own (cerar/ddp.py, cerar/hierarchical/hook.py): each split
+        with each_new_group_guarded("new_group calls (the DDP hook's groups)"):  # under its own 2T, not DDP's 4T
+            aggregator.register_hook(ddp)
     set_phase("start-up: aggregator")
 
     trainer = Trainer(
@@ -383,8 +384,9 @@ def resume_or_start_fresh(trainer: Trainer, run_dir: Path, resume: str, rank: in
 
 
 def finish() -> None:
-    """Tear down the process group if this process started one, watched by the host watchdog (on NCCL
-    ``destroy_process_group`` can wait on kernels that wait for a peer)."""
+    """Tear down the process group if this process started one, watched by the host watchdog with T (on NCCL
+    ``destroy_process_group`` flushes what is in flight, and can wait on kernels that wait for a peer that has
+    gone, until torch's watchdog SIGABRTs: `train.watchdog.Deadlines`, ``DESTROY``)."""
     if dist.is_initialized():
-        with watchdog.watching_again("exit: destroy_process_group"):
+        with watchdog.watching_again(watchdog.DESTROY):
             dist.destroy_process_group()

@@ -6,7 +6,8 @@
 
 The first argument is the folder that receives one sub-folder per run; each run is "LABEL: OVERRIDES"
 (positional, so torchrun's own options cannot swallow them); everything after `--` applies to every
-run. All configs are composed and validated before the process group starts.
+run. All configs are composed and validated before the process group starts. The host watchdog (train/watchdog.py)
+watches the process group's start and its teardown as train/run.py does, and every run between them.
 """
 
 from __future__ import annotations
@@ -21,21 +22,22 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: import `train` from the repo root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 
-import torch.distributed as dist
 from hydra import compose, initialize_config_dir
 
 from cerar import CollectiveError
+from train import watchdog
 from train.config import ConfigError, UserError, register_configs, validate
 from train.distributed import (
     TrainCollectiveError,
     exit_after_collective_failure,
+    group_timeout_s,
     init_process_group,
     launch_from_env,
     pick_device,
 )
 from train.main import fail
 from train.metrics import LoggerError
-from train.run import run
+from train.run import finish, run
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -81,7 +83,10 @@ def main(argv: list[str]) -> None:
             except ConfigError as err:
                 raise ConfigError(f"run {label}: {err}") from None
         device = pick_device(runs[0][1], launch)
-        init_process_group(launch, device, max(cfg.trainer.collective_timeout_s for _, cfg in runs))
+        T = max(cfg.trainer.collective_timeout_s for _, cfg in runs)
+        deadlines = watchdog.Deadlines(T=T, group_timeout_s=group_timeout_s(device, T))
+        with watchdog.watching(deadlines, launch.rank, "start-up: process group"):  # as train/run.py starts it
+            init_process_group(launch, device, T)
         summaries = {}
         for label, cfg in runs:
             summaries[label] = run(cfg, Path(args.out) / label)
@@ -96,8 +101,7 @@ def main(argv: list[str]) -> None:
             fail(f"{type(err).__name__}: {err}")
         raise
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        finish()  # the teardown under the host watchdog (`train.run.finish`)
 
 
 if __name__ == "__main__":

@@ -15,11 +15,17 @@ the polling nor torch's watchdog (which times works only) sees it:
   all-gather, its broadcasts), where torch's watchdog fires only at the group's timeout and SIGABRTs.
 
 The main thread writes what it is doing (`mark`: a name, a deadline, the time; one tuple assignment, no lock, no
-wake-up); the thread sleeps until the deadline of the mark it saw (at most `poll_s`, the shortest deadline in use,
-so a newer mark with a shorter deadline is never overslept) and, when the main thread still holds the same mark
-past its deadline, prints the project's one line (rank, what, for how long, which peers never joined) and ends the
-process with exit status 3 through `train.distributed.exit_after_collective_failure` (``os._exit`` works while
-the main thread is inside NCCL). Nothing here depends on the backend: gloo and NCCL runs are watched alike.
+wake-up, and the same into the sidecar's page); the thread sleeps until the deadline of the mark it saw (at most
+`poll_s`, the shortest deadline in use, so a newer mark with a shorter deadline is never overslept) and, when the
+main thread still holds the same mark past its deadline, arms the exit timer (`train.exit_path.arm`), prints the
+project's one line (rank, what, for how long, which peers never joined) and ends the process with exit status 3
+through `train.distributed.exit_after_collective_failure` (``os._exit`` works while the main thread is inside
+NCCL). Nothing here depends on the backend: gloo and NCCL runs are watched alike.
+
+The thread needs the interpreter's lock; a call that keeps it (a non-member's subgroup split on NCCL) holds the
+thread too. Each rank of a multi-rank run therefore has a sidecar process (train/watchdog_sidecar.py) that reads
+the same marks and the thread's wake-ups from a shared page and ends the rank, with the line, when the thread did
+not run by a mark's deadline.
 
 The deadlines (`Deadlines`) follow from T = ``trainer.collective_timeout_s`` and the config, stated per phase; each
 leaves the polling its better line first (a collective's mark is T longer than its poll) and ends the process
@@ -29,19 +35,27 @@ before torch's own watchdog times a work out (NCCL groups get ``train.distribute
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass, field
 
+from train import exit_path, watchdog_sidecar
+
 RUN = {
     "abort_wait_s": 10.0,
+    "exit_s": 20.0,
     "step": lambda: 0,
     "peers": lambda: "peers: unknown",
     "fail": None,
 }
 """What the watchdog asks of the run it watches, put here by `train.distributed` when it is imported (it imports this
 module, never the other way): the exit path's own bound, the step, which peers never joined, and the way out
-(`exit_after_collective_failure`, looked up when it fires: tests record the line there)."""
+(`exit_after_collective_failure`, looked up when it fires: tests record the line there), and the way out's whole
+bound (``exit_s``: the exit timer's)."""
+
+DESTROY = "exit: destroy_process_group"
+"""The phase of tearing the process group down at the end (`train.run.finish`, train/sweep.py)."""
 
 
 COMPILE_PHASE = "start-up: compiling the model"
@@ -74,7 +88,19 @@ class Deadlines:
     - compiling the fused kernels (before the group: its rendezvous bounds the wait), building data, the model and
       the logger at start, closing the logger at the end: not watched (local work, or W&B's service; a peer
       stalled there is ended by the others' deadlines, and torchrun then stops it);
-    - the way out after a failure: ``ABORT_WAIT_S`` + 10 s (the exit path bounds itself; this only backs it)."""
+    - tearing the process group down at the end (`DESTROY`, also after an exception that was no collective's): T.
+      On NCCL ``ProcessGroupNCCL::shutdown`` flushes first (``ncclComm->finalize()``, then ``waitReady(true)``
+      until every operation in flight has completed) with torch's watchdog still running (it is joined only
+      after): a work that waits for a peer that has gone is timed out there at the group's timeout, 3T after its
+      creation (``Watchdog::runLoop`` -> ``WorkNCCL::checkTimeout``), and SIGABRTs 4 x the dump wait later
+      (``sleep_for(getDumpTimeout() * 4)``, a minute, then the rethrow). Such a work was posted at most T before
+      the exception (every wait of the trainer is bounded by T from its post), so torch's end comes at the
+      earliest 2T + 4 x the dump wait into the teardown: at T = 300 s, 960 s after the work's creation, before
+      the 4T (1200 s) this phase had as a phase of a step. T comes first; the heartbeat monitor
+      (``HeartbeatMonitor::runLoop``, a watchdog thread with no progress for ``TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC``,
+      480 s, then as long again asleep before ``terminateProcess``) only after 960 s;
+    - the way out after a failure: ``RUN["exit_s"]`` (``ABORT_WAIT_S`` + 10 s), kept by the exit timer
+      (`train.exit_path`) and the sidecar, not by this thread, which the way out stops."""
 
     T: float
     group_timeout_s: float
@@ -85,9 +111,9 @@ class Deadlines:
 
     def __post_init__(self):
         T = float(self.T)
-        self.collective_s = 2 * T
+        self.collective_s = self.collective()
         self.step_s = 4 * T
-        self.exit_s = RUN["abort_wait_s"] + 10.0
+        self.exit_s = RUN["exit_s"]
         self.phases = {
             "start-up: process group": self.group_timeout_s + T,
             "start-up: fused kernels": None,
@@ -99,7 +125,7 @@ class Deadlines:
             "eval": 4 * T * max(1, self.eval_micro_batches),
             "checkpoint": self.write_timeout_s + T,
             COMPILE_PHASE: self.compile_timeout_s,
-            "exit after a collective failure": self.exit_s,
+            DESTROY: T,
         }
 
     @classmethod
@@ -125,7 +151,7 @@ class Deadlines:
     @property
     def poll_s(self) -> float:
         """The longest the thread sleeps without looking: the shortest deadline in use."""
-        return min([self.collective_s, self.step_s, self.exit_s] + [d for d in self.phases.values() if d])
+        return min([self.collective_s, self.step_s] + [d for d in self.phases.values() if d])
 
 
 _UNWATCHED = (None, "", 0.0, None, "")
@@ -144,13 +170,18 @@ class HostWatchdog:
         self._thread = threading.Thread(target=self._run, name="host-watchdog", daemon=True)
 
     def mark(self, name: str, deadline_s: float | None, kind: str = "phase") -> None:
-        """The main thread enters ``name`` for at most ``deadline_s`` seconds (None: not watched)."""
+        """The main thread enters ``name`` for at most ``deadline_s`` seconds (None: not watched); the sidecar's page
+        gets the same."""
         if kind == "phase":
             self.phase_name = name
         self.current = (name, kind, time.monotonic(), deadline_s, self.phase_name)
+        if (board := _sidecar["board"]) is not None:
+            board.mark(name, kind, self.current[2], deadline_s, self.phase_name, RUN["step"]())
 
     def _run(self) -> None:
         while not self.stopped:
+            if (board := _sidecar["board"]) is not None:
+                board.beat(time.monotonic())  # the sidecar's evidence that this thread runs
             seen = self.current
             name, kind, since, deadline, phase = seen
             if deadline is None:
@@ -165,16 +196,21 @@ class HostWatchdog:
             self._fire(name, kind, time.monotonic() - since, deadline, phase)
 
     def _fire(self, name: str, kind: str, held_s: float, deadline_s: float, phase: str) -> None:
+        exit_path.arm(3, PEERS_S + RUN["exit_s"])  # from here the process ends, whatever the look-up or the line do
         what = f"collective '{name}'" if kind == "collective" else f"phase '{name}'"
         error = HostWatchdogError(
             f"host watchdog: rank {self.rank} held {held_s:.1f}s in {what} at step {RUN['step']()} "
             f"(phase: {phase}), past its deadline of {deadline_s:g}s (T = trainer.collective_timeout_s = "
-            f"{self.deadlines.T:g}s; docs/failures.md): {_peers_within(5.0)}"
+            f"{self.deadlines.T:g}s; docs/failures.md): {_peers_within(PEERS_S)}"
         )
         RUN["fail"](error, 3)
 
     def start(self) -> None:
         self._thread.start()
+
+
+PEERS_S = watchdog_sidecar.PEERS_S
+"""The longest the line waits for the peers' look-up (a dead store host must not hold the way out)."""
 
 
 def _peers_within(seconds: float) -> str:
@@ -194,11 +230,19 @@ def _peers_within(seconds: float) -> str:
 
 _watchdog: dict[str, HostWatchdog | None] = {"it": None}
 _last: dict = {"deadlines": None, "rank": 0}
+_sidecar: dict = {"board": None, "process": None, "pid": None}
 
 
-def start(deadlines: Deadlines, rank: int) -> HostWatchdog:
+def start(deadlines: Deadlines, rank: int, sidecar: bool | None = None) -> HostWatchdog:
     """Start this process's host watchdog (or give the running one the new deadlines: sweeps run several
-    runs in one process)."""
+    runs in one process), and its exit timer (`train.exit_path.prepare`). ``sidecar``: also start the sidecar
+    process (train/watchdog_sidecar.py), once per process; None: where the launch has more than one rank
+    (``WORLD_SIZE``: a group of one waits for no peer)."""
+    exit_path.prepare()
+    if sidecar is None:
+        sidecar = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if sidecar:
+        _start_sidecar(deadlines, rank)
     running = _watchdog["it"]
     if running is not None and not running.stopped:
         running.deadlines = deadlines
@@ -208,16 +252,40 @@ def start(deadlines: Deadlines, rank: int) -> HostWatchdog:
     dog = HostWatchdog(deadlines, rank)
     dog.start()
     _watchdog["it"] = dog
+    if (board := _sidecar["board"]) is not None:
+        board.watching(True)
     return dog
 
 
+def _start_sidecar(deadlines: Deadlines, rank: int) -> None:
+    """This process's sidecar and the page it reads (again in a forked child: the parent's is not its own)."""
+    if _sidecar["pid"] != os.getpid():
+        board = watchdog_sidecar.Board.create()
+        quits = watchdog_sidecar.install_quit_exit()
+        board.describe(deadlines.T, RUN["exit_s"], rank, quits)
+        _sidecar.update(board=board, pid=os.getpid(), process=watchdog_sidecar.spawn(board))
+    else:
+        _sidecar["board"].describe(deadlines.T, RUN["exit_s"], rank, watchdog_sidecar.install_quit_exit())
+
+
 def stop() -> None:
-    """Stop watching (the run is over, or the process is leaving by a path that bounds itself)."""
+    """Stop watching (the run is over, or the process is leaving by a path that bounds itself). The sidecar
+    stays, idle, for the next run of the process and its way out."""
     dog = _watchdog["it"]
     if dog is not None:
         dog.stopped = True
         dog.current = _UNWATCHED
         _watchdog["it"] = None
+    if (board := _sidecar["board"]) is not None:
+        board.watching(False)
+
+
+def leaving(within_s: float) -> None:
+    """The process is on its way out and ends within ``within_s`` (the exit timer is armed): stop watching, and
+    tell the sidecar the time by which it must be gone."""
+    stop()
+    if (board := _sidecar["board"]) is not None:
+        board.leaving(time.monotonic() + within_s, within_s)
 
 
 def enter_phase(name: str) -> None:
@@ -247,6 +315,21 @@ def running() -> HostWatchdog | None:
 
 
 @contextlib.contextmanager
+def watching(deadlines: Deadlines, rank: int, name: str):
+    """Watch the phase ``name`` with ``deadlines``: in the running watchdog, or in one started for the block and
+    stopped after it (what happens outside a run: train/sweep.py's process group)."""
+    started = running() is None
+    if started:
+        start(deadlines, rank)
+    enter_phase(name)
+    try:
+        yield
+    finally:
+        if started:
+            stop()
+
+
+@contextlib.contextmanager
 def watching_again(name: str):
     """Watch ``name`` (a phase of the way out, e.g. tearing the process group down) with the deadlines of the
     last run, after `stop`; stop again after it."""
@@ -254,9 +337,5 @@ def watching_again(name: str):
     if last[0] is None or running() is not None:
         yield
         return
-    start(*last)
-    enter_phase(name)
-    try:
+    with watching(*last, name):
         yield
-    finally:
-        stop()
