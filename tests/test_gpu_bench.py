@@ -76,3 +76,16 @@ def test_the_trainers_rows_are_medians_after_the_dropped_warm_up_steps():
     assert got["mfu"] == 0.26 and got["time/step"] == 0.12 and got["tokens_per_s"] == 4000.0
     assert got["first_step_s"] == 2.0 and got["peak_gib"] == 32.5 and got["time/forward"] is None
     assert summarize(records[:2], warmup=5)["steps_measured"] == 0
+
+
+@pytest.mark.quick
+def test_a_commit_named_in_the_command_is_the_rows_commit(monkeypatch):
+    """On the H200 of 2026-12-04 the device's copy of tree 084fa14 carried a .git at e259866, so git said
+    e259866+dirty: the hash the lease's command names (CERAR_BENCH_COMMIT) is what a row records; without it, git's."""
+    from scripts.bench.gpu.measure import commit
+
+    monkeypatch.setenv("CERAR_BENCH_COMMIT", "084fa14")
+    assert commit() == "084fa14"
+    monkeypatch.delenv("CERAR_BENCH_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert commit().split("+")[0] == head

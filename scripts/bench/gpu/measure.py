@@ -54,8 +54,12 @@ def timed(fn, device: torch.device, warmup: int = 3, repeats: int = 10, cpu_cloc
 
 
 def commit() -> str:
-    """The tree's commit (``+dirty`` with uncommitted changes to tracked files); else ``CERAR_BENCH_COMMIT`` (a
-    device machine's copy of the tree may have no .git: pass the hash in the command); else "unknown"."""
+    """``CERAR_BENCH_COMMIT`` where the command sets it (a device machine's copy of the tree carries a .git that
+    need not be the tree's: on the H200 of 2026-12-04 git read e259866+dirty in a copy of 084fa14); else the tree's
+    commit (``+dirty`` with uncommitted changes to tracked files); else "unknown"."""
+    named = os.environ.get("CERAR_BENCH_COMMIT")
+    if named:
+        return named
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
         if head.returncode == 0:
@@ -66,7 +70,7 @@ def commit() -> str:
             return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("CERAR_BENCH_COMMIT") or "unknown"
+    return "unknown"
 
 
 def _version(package: str) -> str | None:
