@@ -244,6 +244,21 @@ def test_the_ddp_hooks_keep_a_tensor_zero_on_every_rank_at_zero(request, contrac
         assert worst > 1e-3, (contract, key, worst)
 
 
+@pytest.mark.quick
+def test_a_tensor_with_no_values_counts_as_zero_on_every_rank():
+    """A parameter with no values (numel 0) among a bucket's tensors: the per-tensor flags the hooks agree on (and
+    the 16-bit casts' scales) take its largest magnitude as 0, where torch's infinity norm of an empty tensor raises,
+    and restoring the zero tensors leaves it, and the others, as they were."""
+    from cerar.ring.equilibrate import agreed_statistics, restore_zero_segments
+
+    flat = torch.tensor([0.0, 0.0, 3.0, -4.0])
+    sizes = [2, 0, 2]
+    flags, _ = agreed_statistics(flat, sizes, rule="cast")  # one process, no group: this rank's own
+    assert flags.tolist() == [0.0, 0.0, 4.0]
+    restore_zero_segments(flat, sizes, flags)
+    assert flat.tolist() == [0.0, 0.0, 3.0, -4.0]
+
+
 def _decided_at_once(case: dict) -> tuple[dict, dict]:
     """(aggregator=auto's decision, c=auto's) of a case: one each, a choice, and no check scheduled again (a
     refusal, "evidence not finite", would check again at the next step)."""
