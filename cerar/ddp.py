@@ -19,6 +19,20 @@ across the ranks so that every tensor has about the same root mean square, and u
 decoding (``cerar.ring.equilibrate``): CERAR mixes the components of a column, so without it a tensor much
 smaller than its bucket's others takes an error relative to theirs, not to its own.
 
+A tensor of the bucket that is zero on every rank (a parameter whose gradient is exactly zero: a branch behind a
+gate that starts at 0, an adapter's A while its B is 0) comes back as exact zeros, its exact mean, where the code's
+mixing would leak its column-mates' values into it (6e-5 at N=4, c=8: a step Adam takes in full).
+Equilibrated, the scales' statistics already say which ones (no extra cost). Without equilibration it costs, per
+coded bucket of T >= 2 tensors, one all-reduce of the T largest magnitudes over the ranks (MAX, float32:
+2 (N-1)/N x 4 T bytes, counted in ``last_stats``' bytes_sent), a pass over the bucket to take them and one
+multiply per tensor by 1 or 0 after the decoding. No collective the hook already makes per bucket can carry them:
+CERAR's rounds are point-to-point and mix every value they carry, and the call's agreement check is made once per
+bucket length, not per bucket. The flags stay on the device (no ``.item()``): the hook's thread waits for the all-reduce
+within the timeout before it posts the rounds, as for the scales (``cerar.ring.transport``: gloo ``Work.wait(timeout)``;
+NCCL its completion polled, then ``Work.wait()``, which orders the hook's stream), and the multiply is queued on the
+hook's stream after the decoding. The exact ring and a one-tensor bucket need none (a gradient zero everywhere
+codes to zero).
+
 ``Cast16HookState`` / ``cast16_hook``: the 16-bit all-reduce (``cerar.ring.equilibrate.cast_all_reduce``), each
 tensor of the bucket scaled by its own agreed power of two before the cast, in place of torch's
 ``fp16_compress_hook`` / ``bf16_compress_hook`` (which cast ``bucket / N`` with no scale: a tensor near
@@ -56,7 +70,13 @@ import torch.distributed as dist
 
 from cerar.coding.codes import Code, make_code
 from cerar.formats.wire import default_kappa_max, transport_name
-from cerar.ring.equilibrate import cast_all_reduce, equilibrated
+from cerar.ring.equilibrate import (
+    agreed_statistics,
+    cast_all_reduce,
+    equilibrated,
+    restore_zero_segments,
+    scales_bytes,
+)
 from cerar.ring.protocol import AllReduceStats, all_reduce, ring_all_reduce
 from cerar.ring.transport import _as_timedelta
 
@@ -98,8 +118,9 @@ class CerarHookState:
     messages travel on (made by ``transport_group`` when not given: creating a state is then a
     collective call on every rank); transport_dtype: the dtype on the wire ("float32", "float16",
     "bfloat16"; ``cerar.formats.wire``). equilibrate: scale each parameter tensor of a bucket to a common root mean
-    square before CERAR and back after (``cerar.ring.equilibrate``; the exact ring needs none). ``last_stats``
-    collects each bucket's AllReduceStats (with equilibration, the scales' all-reduce counted in bytes_sent).
+    square before CERAR and back after (``cerar.ring.equilibrate``; the exact ring needs none). Either way a coded
+    bucket's tensors that are zero on every rank come back as zeros (module docstring). ``last_stats`` collects each
+    bucket's AllReduceStats (the scales' all-reduce, or the zero flags', counted in bytes_sent).
     """
 
     process_group: dist.ProcessGroup | None = None
@@ -145,7 +166,8 @@ class CerarHookState:
             self.last_stats = []
 
     def _reduce(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> AllReduceStats:
-        """Average one bucket in place; ``sizes``: its parameter tensors' sizes, to equilibrate them."""
+        """Average one bucket in place; ``sizes``: its parameter tensors' sizes, to equilibrate them or keep the
+        ones zero on every rank at zero (``_coded``)."""
         group = self.transport if self.transport is not None else self.process_group
         if self.exact_ring:
             return ring_all_reduce(
@@ -158,11 +180,25 @@ class CerarHookState:
                 tensor, code, group, op="avg", timeout=self.timeout, timed=False, transport=self.transport_dtype
             )
 
-        if not sizes or len(sizes) < 2:
-            return run()
-        stats, agreed = equilibrated(tensor, sizes, run, group, self.timeout, operation="cerar_hook: equilibrate")
+        stats, agreed = self._coded(tensor, sizes, run, group, "cerar_hook")
         stats.bytes_sent += agreed
         return stats
+
+    def _coded(self, tensor: torch.Tensor, sizes: list[int] | None, run, group, hook: str):
+        """(``run()``'s result, the bytes this rank sent to agree per tensor): ``run`` a coded call on the bucket in
+        place, its tensors (``sizes``) equilibrated around it over ``group`` when ``self.equilibrate``, else those
+        zero on every rank restored to zero after it, from the T largest magnitudes agreed over ``group``
+        (``cerar.ring.equilibrate.agreed_statistics``, rule "cast"; module docstring). No sizes, or one tensor:
+        ``run()`` as it is."""
+        if not sizes or len(sizes) < 2:
+            return run(), 0
+        if self.equilibrate:
+            return equilibrated(tensor, sizes, run, group, self.timeout, operation=f"{hook}: equilibrate")
+        operation = f"{hook}: tensors zero on every rank"
+        flags, N = agreed_statistics(tensor, sizes, group, self.timeout, "cast", operation=operation)
+        result = run()
+        restore_zero_segments(tensor, sizes, flags)
+        return result, scales_bytes(len(sizes), N, "cast")
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self._streams:
@@ -172,7 +208,8 @@ class CerarHookState:
     def submit(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.futures.Future:
         """Average ``tensor`` in place on the hook's thread (and, on CUDA, the hook's stream, after
         the work now queued on the current stream); the future completes with it. ``sizes``: the
-        bucket's parameter tensors' sizes (``bucket_sizes``), for the states that scale per tensor."""
+        bucket's parameter tensors' sizes (``bucket_sizes``), for the states that scale per tensor or keep
+        its tensors that are zero on every rank at zero."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cerar-ddp-hook")
         if tensor.is_cuda:
@@ -217,9 +254,9 @@ def bucket_sizes(bucket: dist.GradBucket) -> list[int]:
 
 def cerar_hook(state: CerarHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket with CERAR (or the exact ring), its tensors
-    equilibrated first when ``state.equilibrate``. (This module keeps its annotations evaluated: DDP
-    checks that ``bucket`` is annotated as ``dist.GradBucket`` itself.)"""
-    sizes = bucket_sizes(bucket) if state.equilibrate and not state.exact_ring else None
+    equilibrated first when ``state.equilibrate``; coded, its tensors zero on every rank stay zero. (This module
+    keeps its annotations evaluated: DDP checks that ``bucket`` is annotated as ``dist.GradBucket`` itself.)"""
+    sizes = None if state.exact_ring else bucket_sizes(bucket)
     return state.submit(bucket.buffer(), sizes)
 
 

@@ -12,7 +12,12 @@ the state is created: a collective call on every rank), so they never mix with t
 other threads issue meanwhile. ``last_stats`` collects each bucket's ``HierarchicalStats``. With
 ``equilibrate=True`` a coded bucket's parameter tensors are first scaled to a common root mean square by
 powers of two agreed over every rank and unscaled after (``cerar.ring.equilibrate``, as the flat hook does;
-the scales' all-reduce is counted in ``inter_node.bytes_sent``: it spans every rank).
+the scales' all-reduce is counted in ``inter_node.bytes_sent``: it spans every rank). Either way a coded bucket's
+tensors that are zero on every rank come back as exact zeros (``CerarHookState._coded``): equilibrated, from the
+scales' statistics at no extra cost; without, at the cost of one all-reduce over every rank per coded bucket of
+T >= 2 tensors, of their T largest magnitudes (MAX, float32: 2 (N-1)/N x 4 T bytes with N every rank, counted in
+``inter_node.bytes_sent``), a pass to take them and one multiply per tensor after the call (``cerar.ddp``'s
+docstring: why no collective the hook already makes can carry them, and how it keeps to the stream).
 """
 
 from dataclasses import dataclass, field
@@ -25,7 +30,6 @@ from cerar.ddp import CerarHookState, bucket_sizes
 from cerar.formats.wire import transport_name
 from cerar.hierarchical.collective import HierarchicalStats, hierarchical_all_reduce, hierarchical_ring_all_reduce
 from cerar.hierarchical.layout import NodeLayout, TierGroups, new_tier_groups
-from cerar.ring.equilibrate import equilibrated
 from cerar.ring.transport import _as_timedelta
 
 
@@ -93,16 +97,13 @@ class HierarchicalHookState(CerarHookState):
                 transport=self.transport_dtype,
             )
 
-        if not sizes or len(sizes) < 2:
-            return run()
-        operation = "hierarchical_hook: equilibrate"
-        stats, agreed = equilibrated(tensor, sizes, run, self.groups.all_ranks, self.timeout, operation=operation)
-        stats.inter_node.bytes_sent += agreed
+        stats, agreed = self._coded(tensor, sizes, run, self.groups.all_ranks, "hierarchical_hook")
+        stats.inter_node.bytes_sent += agreed  # the agreement spans every rank: counted between the nodes
         return stats
 
 
 def hierarchical_hook(state: HierarchicalHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket with hierarchical CERAR (or the exact hierarchy), its
-    tensors equilibrated first when ``state.equilibrate``."""
-    sizes = bucket_sizes(bucket) if state.equilibrate and not state.exact_ring else None
+    tensors equilibrated first when ``state.equilibrate``; coded, its tensors zero on every rank stay zero."""
+    sizes = None if state.exact_ring else bucket_sizes(bucket)
     return state.submit(bucket.buffer(), sizes)

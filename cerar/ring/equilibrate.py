@@ -103,12 +103,14 @@ def _views(flat: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
 
 def segment_statistics(flat: torch.Tensor, sizes: list[int], rule: str) -> torch.Tensor:
     """This rank's statistic per segment (T values): the sum of squares ("rms", float64) or the largest
-    magnitude ("cast", float32)."""
+    magnitude ("cast", float32); 0 for an empty segment."""
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     views = _views(flat, sizes)
     if rule == "rms":  # accumulated in float64 (module docstring), then squared: no float32 sum of squares
         return torch.stack(torch._foreach_norm(views, 2, dtype=torch.float64)).square()
+    # an empty segment's largest magnitude is 0 (torch's infinity norm of an empty tensor raises: no identity)
+    views = [v if v.numel() else v.new_zeros(1) for v in views]
     return torch.stack(torch._foreach_norm(views, math.inf)).to(torch.float32)
 
 

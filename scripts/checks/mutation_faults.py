@@ -752,8 +752,8 @@ FAULTS = [
     Fault(
         name="equilibrate-skipped-hook",
         file="cerar/ddp.py",
-        original="    sizes = bucket_sizes(bucket) if state.equilibrate and not state.exact_ring else None\n",
-        replacement="    sizes = None\n",
+        original="        if self.equilibrate:\n            return equilibrated(",
+        replacement="        if False:\n            return equilibrated(",
         tests=("tests/test_equilibrate.py -k hooks",),
         why="the CERAR hook codes the raw bucket: a tensor 100x below its column-mates takes 100x its own error",
         quick=True,
@@ -1247,6 +1247,42 @@ FAULTS = [
         replacement="        return True\n",
         tests=("tests/test_compiled_step.py -k defaults_to_cuda_only",),
         why="trainer.compile=null compiles on a CPU too: minutes of inductor's C++ build before a CPU run's first step",
+        quick=True,
+    ),
+    # --- issue 51 item 7's gap: the DDP hooks without equilibration ---
+    Fault(
+        name="zero-tensor-leaks-hook",
+        file="cerar/ddp.py",
+        original="    sizes = None if state.exact_ring else bucket_sizes(bucket)\n",
+        replacement="    sizes = bucket_sizes(bucket) if state.equilibrate and not state.exact_ring else None\n",
+        tests=("tests/test_tensors_without_noise.py -k ddp_hooks",),
+        why="trainer.overlap=true aggregator.equilibrate=false: CERAR's hook leaks its column-mates' values into a "
+        "tensor zero on every rank (6e-5 at N=4, c=8), a step Adam takes in full",
+    ),
+    Fault(
+        name="zero-tensor-leaks-hier-hook",
+        file="cerar/hierarchical/hook.py",
+        original="    sizes = None if state.exact_ring else bucket_sizes(bucket)\n",
+        replacement="    sizes = bucket_sizes(bucket) if state.equilibrate and not state.exact_ring else None\n",
+        tests=("tests/test_tensors_without_noise.py -k ddp_hooks",),
+        why="the two-tier hook without equilibration leaks the rail code's mixing into a tensor zero on every rank",
+    ),
+    Fault(
+        name="zero-tensor-flags-unused-hook",
+        file="cerar/ddp.py",
+        original="        result = run()\n        restore_zero_segments(tensor, sizes, flags)\n",
+        replacement="        result = run()\n",
+        tests=("tests/test_tensors_without_noise.py -k ddp_hooks",),
+        why="the hooks agree on which tensors are zero on every rank (and pay its all-reduce), then leave the leak",
+    ),
+    Fault(
+        name="empty-tensor-flag-raises",
+        file="cerar/ring/equilibrate.py",
+        original="    views = [v if v.numel() else v.new_zeros(1) for v in views]\n",
+        replacement="",
+        tests=("tests/test_tensors_without_noise.py -k no_values",),
+        why="a parameter with no values in a bucket: the hooks' flags (and the 16-bit casts' scales) raise inside "
+        "backward, torch's infinity norm of an empty tensor having no identity",
         quick=True,
     ),
 ]
