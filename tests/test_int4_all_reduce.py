@@ -47,17 +47,21 @@ def slack(B: int, rotate: bool) -> float:
     return 2 * U * (40 + 8 * (math.log2(B) if rotate else 0) * math.sqrt(B))
 
 
-def steps(v: np.ndarray, B: int, rotate: bool, seed: int) -> np.ndarray:
+def steps(v: np.ndarray, B: int, rotate: bool, seed: int, spread: np.ndarray | None = None) -> np.ndarray:
     """Per value of a shard v (float64, its padded length), the step of its block: absmax / 7 of the block's exact
-    rotation (full blocks, when rotated) or of the block."""
+    rotation (full blocks, when rotated) or of the block. ``spread``: a bound on how far each value of v may lie
+    from the values the format sees; the step is then the most it may be (a rotated block's absmax moves by at
+    most the sum of its values' moves, a plain block's by the largest)."""
     s = v.size
+    spread = np.zeros(s) if spread is None else spread
     full = s // B * B if rotate else 0
     out = np.empty(s)
     if full:
         y = (v[:full].reshape(-1, B) * signs(seed, B)) @ hadamard(B)
-        out[:full] = np.repeat(np.abs(y).max(axis=1) / 7, B)
+        moved = spread[:full].reshape(-1, B).sum(axis=1)
+        out[:full] = np.repeat((np.abs(y).max(axis=1) + moved) / 7, B)
     for lo in range(full, s, B):
-        out[lo : lo + B] = np.abs(v[lo : lo + B]).max() / 7
+        out[lo : lo + B] = (np.abs(v[lo : lo + B]).max() + spread[lo : lo + B].max()) / 7
     return out
 
 
@@ -69,12 +73,16 @@ def rotated_share(s: int, B: int, rotate: bool) -> np.ndarray:
     return share
 
 
-def oracle(contributions: np.ndarray, B: int, rounding: str, rotate: bool, seed: int):
-    """(mean, bound per value, typical squared error per value) for contributions [n, m] (float64)."""
+def oracle(contributions: np.ndarray, B: int, rounding: str, rotate: bool, seed: int, spread=None):
+    """(mean, bound per value, typical squared error per value) for contributions [n, m] (float64). ``spread``
+    [n, m]: where the contributions the call sees may differ from these (the two-tier call's rounding inside the
+    nodes), a bound per value on how much; the bound then holds against these contributions' mean."""
     n, m = contributions.shape
     s = -(-m // n)
-    x = np.zeros((n, n * s))
+    x, moved = np.zeros((n, n * s)), np.zeros((n, n * s))
     x[:, :m] = contributions
+    if spread is not None:
+        moved[:, :m] = spread
     mean = x.mean(axis=0)
     k = 0.5 if rounding == "nearest" else 1.0
     t = 1 / 12 if rounding == "nearest" else 1 / 6
@@ -82,19 +90,22 @@ def oracle(contributions: np.ndarray, B: int, rounding: str, rotate: bool, seed:
     bound, typical = np.zeros(n * s), np.zeros(n * s)
     for j in range(n):
         shard = slice(j * s, (j + 1) * s)
-        own = [steps(x[i, shard], B, rotate, seed) for i in range(n) if i != j]
+        own = [steps(x[i, shard], B, rotate, seed, moved[i, shard]) for i in range(n) if i != j]
         e1 = sum(own) * (widen + 8 * B * U) / n
-        add = n * U * np.abs(x[:, shard]).sum(axis=0) / n
+        add = n * U * (np.abs(x[:, shard]) + moved[:, shard]).sum(axis=0) / n
+        pulled = moved[:, shard].mean(axis=0)  # the contributions' own moves, averaged
         reduced_exact = steps(mean[shard], B, rotate, seed)
-        block_max = np.array([(e1 + B * add)[lo : lo + B].max() for lo in range(0, s, B)]).repeat(B)[:s]
-        reduced = reduced_exact + block_max / 7
-        bound[shard] = e1 + add + reduced * widen + 16 * 2.0**-149
+        # in the rotated domain each contribution's rounding errs by at most its k steps (H sigma sigma H / B = I):
+        # the reduced block's absmax moves by the largest e1 of the block, and by the float32 and node moves
+        block_e1 = np.array([e1[lo : lo + B].max() for lo in range(0, s, B)]).repeat(B)[:s]
+        reduced = steps(mean[shard], B, rotate, seed, pulled + add) + block_e1 / 7
+        bound[shard] = pulled + e1 + add + reduced * widen + 16 * 2.0**-149
         typical[shard] = (sum(o**2 for o in own) / n**2 + reduced_exact**2) * t * rotated_share(s, B, rotate)
     return mean[:m], bound[:m], typical[:m]
 
 
-def check_against_oracle(out, contributions, B, rounding, rotate, seed, label) -> float:
-    mean, bound, typical = oracle(contributions.double().numpy(), B, rounding, rotate, seed)
+def check_against_oracle(out, contributions, B, rounding, rotate, seed, label, spread=None) -> float:
+    mean, bound, typical = oracle(contributions.double().numpy(), B, rounding, rotate, seed, spread)
     error = np.abs(out.double().numpy() - mean)
     worst = int(np.argmax(error - bound))
     assert np.all(error <= bound), (label, worst, error[worst], bound[worst])
