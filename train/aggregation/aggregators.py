@@ -12,7 +12,8 @@ their own (made when the aggregator is built, on every rank); `powersgd`, `fp16`
 torch ships (fp16/bf16 are also implemented on the flat gradient for overlap=false). `hier_cerar` and
 `hier_ring` are the two-tier aggregators of `cerar.hierarchical` (exact inside each node; CERAR with a code
 for the nodes, or the exact ring, between them), on process groups of their own per tier. `int8` and
-`hier_int8` are the 8-bit all-reduce of `cerar.int8.all_reduce` (flat, and between the nodes of the two tiers).
+`hier_int8` are the 8-bit all-reduce of `cerar.int8.all_reduce` (flat, and between the nodes of the two tiers);
+`int4` and `hier_int4` the 4-bit one of `cerar.int4` (flat, and between the nodes with 8 bits inside them).
 
 `ring`, `cerar`, `hier_cerar` and `hier_ring` take `aggregator.transport` (float32, float16, bfloat16): the
 dtype their messages travel in (`cerar.formats.wire`: 16-bit messages, float32 arithmetic); `hier_fp16` and `hier_bf16`
@@ -631,3 +632,93 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
 
         self.hook_state = HierarchicalQuantizedHookState(timeout=self.timeout, layout=self.layout, block=self.block)
         ddp.register_comm_hook(self.hook_state, hierarchical_quantized_hook)
+
+
+# ------------------------------------------------------------------------------------------------
+# The 4-bit all-reduce (cerar.int4, issue 54): aggregator=int4 and aggregator=hier_int4
+# ------------------------------------------------------------------------------------------------
+
+
+class Int4Aggregator(HookStatsBytes, Aggregator):
+    """`cerar.int4.all_reduce.int4_all_reduce`: int4 messages, two values a byte, one float32 scale per `block` values,
+    each full block rotated first unless `rotate` is false; the 8-bit call's two shots, so every rank receives the
+    same average and the replicas stay identical. On a process group of its own."""
+
+    name = "int4"
+
+    def __init__(self, world_size: int, timeout_s: float, block: int, rotate: bool = True, seed: int = 0, group=None):
+        super().__init__(world_size, timeout_s)
+        from cerar.int4 import all_reduce
+
+        self.int4, self.block, self.rotate, self.seed = all_reduce, block, rotate, seed
+        self.hook_state = None
+        self.transport = group  # its own group (given, or made here): its batches never mix with the loop's
+        if group is None and world_size > 1 and dist.is_initialized():
+            from cerar.ddp import transport_group
+
+            self.transport = transport_group(None, self.timeout)
+
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
+        if self.world_size < 2:
+            return 0
+        stats = self.int4.int4_all_reduce(
+            flat, self.transport, op="avg", timeout=self.timeout, block=self.block, rotate=self.rotate, seed=self.seed
+        )
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.int4.hook import Int4HookState, int4_hook
+
+        self.hook_state = Int4HookState(
+            timeout=self.timeout, transport=self.transport, block=self.block, rotate=self.rotate, seed=self.seed
+        )
+        ddp.register_comm_hook(self.hook_state, int4_hook)
+
+
+class HierarchicalInt4Aggregator(TwoTierBytes, Aggregator):
+    """`cerar.int4.two_tier`: the 8-bit (or exact) reduce-scatter inside each node, the 4-bit all-reduce on the rails
+    between the nodes, the exact all-gather inside each node. Every rank receives the same average. `step_metrics`
+    reports the bytes each tier sent in the last step."""
+
+    name = "hier_int4"
+
+    def __init__(self, world_size: int, timeout_s: float, layout, block: int, rotate: bool = True,
+                 intra: str = "int8", seed: int = 0, describe: bool = True):  # fmt: skip
+        super().__init__(world_size, timeout_s)
+        from cerar.hierarchical import tier_groups
+        from cerar.int4 import two_tier
+
+        self.two_tier, self.layout, self.block, self.rotate, self.intra, self.seed = (
+            two_tier, layout, block, rotate, intra, seed
+        )  # fmt: skip
+        self.method = two_tier.RAIL_METHOD if layout.nodes > 1 else "none"
+        self.tier_bytes = {"intra_node": 0, "inter_node": 0}
+        self.hook_state = None
+        self.groups = None  # the tiers' own groups: their batches never mix with the loop's collectives
+        if world_size > 1 and dist.is_initialized():
+            self.groups = tier_groups(layout, self.timeout)
+        if describe and (not dist.is_initialized() or dist.get_rank() == 0):
+            where = "LOCAL_WORLD_SIZE" if layout.from_launcher else "aggregator.local_size"
+            log.info("%s: %s (local size from %s); inside the nodes: %s; between the nodes: %s, block %d%s",
+                     self.name, layout, where, intra, self.method, block, ", rotated" if rotate else "")  # fmt: skip
+
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
+        if self.world_size < 2:
+            return 0
+        stats = self.two_tier.hierarchical_int4_all_reduce(
+            flat, self.groups, op="avg", timeout=self.timeout, block=self.block, intra=self.intra,
+            intra_block=self.block, rotate=self.rotate, seed=self.seed,
+        )  # fmt: skip
+        self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.int4.hook import HierarchicalInt4HookState, hierarchical_int4_hook
+
+        self.hook_state = HierarchicalInt4HookState(
+            timeout=self.timeout, layout=self.layout, block=self.block, rotate=self.rotate, seed=self.seed,
+            intra=self.intra, intra_block=self.block,
+        )  # fmt: skip
+        ddp.register_comm_hook(self.hook_state, hierarchical_int4_hook)
