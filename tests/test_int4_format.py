@@ -59,22 +59,11 @@ def dither(key: int, s: int) -> np.ndarray:
     return u
 
 
-def rotate32(rows: np.ndarray) -> np.ndarray:
-    """The stages h = 1, 2, ..., B/2 on float32 rows: (a, b) -> (a + b, a - b)."""
+def hadamard_rows(rows: np.ndarray, dtype=np.float64) -> np.ndarray:
+    """The stages h = 1, 2, ..., B/2 on rows in ``dtype``: (a, b) -> (a + b, a - b). float32: each sum and difference
+    rounded as the format's float32 additions are; float64: H rows exactly (Sylvester's H) for the values here."""
     n, B = rows.shape
-    v = rows.astype(np.float32)
-    h = 1
-    while h < B:
-        g = v.reshape(n, B // (2 * h), 2, h)
-        v = np.concatenate([g[:, :, :1] + g[:, :, 1:], g[:, :, :1] - g[:, :, 1:]], axis=2).reshape(n, B)
-        h *= 2
-    return v
-
-
-def rotate64(rows: np.ndarray) -> np.ndarray:
-    """H rows exactly (float64, the same butterflies: Sylvester's H)."""
-    n, B = rows.shape
-    v = rows.astype(np.float64)
+    v = rows.astype(dtype)
     h = 1
     while h < B:
         g = v.reshape(n, B // (2 * h), 2, h)
@@ -92,7 +81,8 @@ def reference(x: torch.Tensor, B: int, rounding: str, key: int, rotate: bool, se
     y = v.copy()
     with np.errstate(over="ignore", invalid="ignore"):
         if rotated:
-            y[:rotated] = rotate32(v[:rotated].reshape(-1, B) * signs(seed, B).astype(np.float32)).reshape(-1)
+            rows = v[:rotated].reshape(-1, B) * signs(seed, B).astype(np.float32)
+            y[:rotated] = hadamard_rows(rows, np.float32).reshape(-1)
         scales = np.zeros(nb, np.float32)
         r = np.zeros(s, np.float32)
         for b in range(nb):
@@ -172,7 +162,7 @@ def test_quantizer_writes_the_format_byte_for_byte(rounding, B, s, rotate):
     rotated = s // B * B if rotate else 0
     decoded = q.astype(np.float64)
     if rotated:
-        decoded[:rotated] = (rotate64(q[:rotated].reshape(-1, B)) * signs(seed, B) / B).reshape(-1)
+        decoded[:rotated] = (hadamard_rows(q[:rotated].reshape(-1, B)) * signs(seed, B) / B).reshape(-1)
     expected = torch.from_numpy((decoded * np.repeat(scales.astype(np.float64), B)[:s]).astype(np.float32))
     per_value = torch.from_numpy(np.repeat(finite, B)[:s])
     assert torch.equal(out[per_value], expected[per_value])
@@ -187,7 +177,7 @@ def spec_bound(x: torch.Tensor, B: int, rounding: str, rotate: bool, seed: int) 
     rotated = s // B * B if rotate else 0
     y = v.copy()
     if rotated:
-        y[:rotated] = rotate64(v[:rotated].reshape(-1, B) * signs(seed, B)).reshape(-1)
+        y[:rotated] = hadamard_rows(v[:rotated].reshape(-1, B) * signs(seed, B)).reshape(-1)
     nb = -(-s // B)
     absmax = np.array([np.abs(y[b * B : (b + 1) * B]).max() for b in range(nb)])
     m = math.log2(B) if rotate else 0
@@ -337,7 +327,7 @@ def test_the_rotation_is_derived_from_the_seed_alone_and_undone_exactly():
     for B in (1, 2, 8, 128):
         z = torch.randint(-7, 8, (5, B)).float()
         once = q4.fwht_(z.clone()).clone()
-        assert torch.equal(once.double(), torch.from_numpy(rotate64(z.numpy())))
+        assert torch.equal(once.double(), torch.from_numpy(hadamard_rows(z.numpy())))
         assert torch.equal(q4.fwht_(once), z * B)
 
 

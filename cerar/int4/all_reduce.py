@@ -38,7 +38,7 @@ import torch
 
 from cerar.formats.int4_blocks import DEFAULT_BLOCK, DEFAULT_ROTATE, DEFAULT_ROUNDING, check_format, message_bytes
 from cerar.int4.codecs import Int4Codec
-from cerar.int4.two_shot import gather_reduced, message_key, next_call, scatter_reduce
+from cerar.int4.two_shot import call_stats, copy_back, divide, gather_reduced, message_key, next_call, scatter_reduce
 from cerar.int8.all_reduce import _PeerRing, check_quantized_call
 from cerar.ring.checks import check_agreement
 from cerar.ring.protocol import AllReduceStats, as_equal_shards
@@ -110,31 +110,17 @@ def int4_all_reduce(
     def key(shard: int, phase: int) -> int:
         return message_key(seed, call, sender, shard, phase)
 
-    def average() -> None:
-        with timer.phase("encode"):
-            rows[ring.rank].div_(N)
-
-    def copy_back() -> None:
-        with timer.phase("decode"):
-            tensor.copy_(flat[:d].view(tensor.shape))
-
     with torch.no_grad():
         rounds = _Rounds(ring, timer)
         buffers = scatter_reduce(rows, rounds, codec, key, timer)
         if op == "avg":
-            rounds.issue(average)
+            rounds.issue(divide, timer, rows[ring.rank], N)
         gather_reduced(rows, rounds, codec, key, timer, buffers[:N])
         if not in_place:
-            rounds.issue(copy_back)
+            rounds.issue(copy_back, timer, tensor, flat)
         rounds.finish()
 
-    seconds = timer.totals()
-    stats.bytes_sent, stats.bytes_received = ring.bytes_sent, ring.bytes_received
-    stats.seconds_encode = seconds.get("encode", 0.0)
-    stats.seconds_comm = seconds.get("comm", 0.0)
-    stats.seconds_decode = seconds.get("decode", 0.0)
-    stats.peak_extra_bytes = _bytes(*buffers) + (0 if in_place else _bytes(flat))
-    return stats
+    return call_stats([ring], timer, stats.rounds, _bytes(*buffers) + (0 if in_place else _bytes(flat)))
 
 
 __all__ = ["INT4_PROTOCOL_VERSION", "check_int4_call", "int4_all_reduce", "int4_bytes_sent"]

@@ -23,6 +23,7 @@ import torch
 
 from cerar.formats.int4_blocks import dither_key
 from cerar.int8.all_reduce import dither_calls, set_dither_calls
+from cerar.ring.protocol import AllReduceStats
 from cerar.ring.rounds import PhaseTimer
 from cerar.ring.transport import _Rounds
 
@@ -111,7 +112,37 @@ def gather_reduced(
         rounds.issue(decode, recv)
 
 
+def divide(timer: PhaseTimer, shard: torch.Tensor, n: int) -> None:
+    """shard /= n: the sum of n contributions made their mean (device work, issued between the shots)."""
+    with timer.phase("decode"):
+        shard.div_(n)
+
+
+def copy_back(timer: PhaseTimer, tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    """The caller's tensor from the padded copy it was reduced in (device work, issued last)."""
+    with timer.phase("decode"):
+        tensor.copy_(flat[: tensor.numel()].view(tensor.shape))
+
+
+def call_stats(rings: list, timer: PhaseTimer, rounds: int, peak_extra_bytes: int) -> AllReduceStats:
+    """A finished call's record: the bytes its ``rings`` (the ``_Ring``s it posted on) counted, its rounds, the
+    seconds of each phase of ``timer``, its peak extra storage."""
+    seconds = timer.totals()
+    return AllReduceStats(
+        bytes_sent=sum(ring.bytes_sent for ring in rings),
+        bytes_received=sum(ring.bytes_received for ring in rings),
+        rounds=rounds,
+        seconds_encode=seconds.get("encode", 0.0),
+        seconds_comm=seconds.get("comm", 0.0),
+        seconds_decode=seconds.get("decode", 0.0),
+        peak_extra_bytes=peak_extra_bytes,
+    )
+
+
 __all__ = [
+    "call_stats",
+    "copy_back",
+    "divide",
     "PHASE_CONTRIBUTION",
     "PHASE_NODE",
     "PHASE_REDUCED",

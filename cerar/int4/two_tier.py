@@ -37,7 +37,7 @@ from cerar.hierarchical.intra_node import all_gather
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups
 from cerar.int4.all_reduce import INT4_PROTOCOL_VERSION, check_int4_call, int4_all_reduce, int4_bytes_sent
 from cerar.int4.codecs import Int8Codec
-from cerar.int4.two_shot import PHASE_NODE, message_key, next_call, scatter_reduce
+from cerar.int4.two_shot import PHASE_NODE, call_stats, copy_back, divide, message_key, next_call, scatter_reduce
 from cerar.int8.all_reduce import _PeerRing
 from cerar.ring.checks import check_agreement
 from cerar.ring.protocol import AllReduceStats, as_equal_shards
@@ -126,7 +126,7 @@ def _int8_inside(tensor, groups: TierGroups, stats, op, timeout, timed, operatio
     """Steps 1-3 with the 8-bit reduce-scatter inside the node (G > 1): shot 1 of ``two_shot`` on the node's
     ``_PeerRing``, the rail, then the exact ring all-gather of ``cerar.hierarchical.intra_node`` on the node's ring.
     Fills ``stats.intra_node`` (both rings' bytes) and ``stats.inter_node`` (the rail's)."""
-    G, d = groups.layout.local_size, tensor.numel()
+    G = groups.layout.local_size
     where = f"{operation}: inside node {groups.node}"
     peers = _PeerRing.of(groups.intra_node, _as_timedelta(timeout), where)
     ring = _Ring.of(groups.intra_node, _as_timedelta(timeout), where)
@@ -139,36 +139,20 @@ def _int8_inside(tensor, groups: TierGroups, stats, op, timeout, timed, operatio
     def key(shard: int, phase: int) -> int:
         return message_key(seed, call, sender, shard, phase + PHASE_NODE)
 
-    def divide() -> None:  # the rail divides by n, for 1 / (n G) in all
-        with timer.phase("decode"):
-            mine.div_(G)
-
-    def copy_back() -> None:
-        with timer.phase("decode"):
-            tensor.copy_(flat[:d].view(tensor.shape))
-
     with torch.no_grad():
         rounds = _Rounds(peers, timer)
         buffers = scatter_reduce(shards, rounds, codec, key, timer)
         if op == "avg":
-            rounds.issue(divide)
+            rounds.issue(divide, timer, mine, G)  # the rail divides by n, for 1 / (n G) in all
         rounds.finish()  # a stall inside the node is reported here, before the rail
         stats.inter_node = on_rail(mine)
         rounds = _Rounds(ring, timer)
         all_gather(shards, rounds)
         if not in_place:
-            rounds.issue(copy_back)
+            rounds.issue(copy_back, timer, tensor, flat)
         rounds.finish()
-    seconds = timer.totals()
-    stats.intra_node = AllReduceStats(
-        bytes_sent=peers.bytes_sent + ring.bytes_sent,
-        bytes_received=peers.bytes_received + ring.bytes_received,
-        rounds=2 * (G - 1),
-        seconds_encode=seconds.get("encode", 0.0),
-        seconds_comm=seconds.get("comm", 0.0),
-        seconds_decode=seconds.get("decode", 0.0),
-        peak_extra_bytes=_bytes(*buffers) + (0 if in_place else _bytes(flat)),
-    )
+    peak = _bytes(*buffers) + (0 if in_place else _bytes(flat))
+    stats.intra_node = call_stats([peers, ring], timer, 2 * (G - 1), peak)
 
 
 def hierarchical_int4_bytes(

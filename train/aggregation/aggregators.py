@@ -639,24 +639,18 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
 # ------------------------------------------------------------------------------------------------
 
 
-class Int4Aggregator(HookStatsBytes, Aggregator):
+class Int4Aggregator(QuantizedAggregator):
     """`cerar.int4.all_reduce.int4_all_reduce`: int4 messages, two values a byte, one float32 scale per `block` values,
     each full block rotated first unless `rotate` is false; the 8-bit call's two shots, so every rank receives the
-    same average and the replicas stay identical. On a process group of its own."""
+    same average and the replicas stay identical. On a process group of its own (made as int8's)."""
 
     name = "int4"
 
     def __init__(self, world_size: int, timeout_s: float, block: int, rotate: bool = True, seed: int = 0, group=None):
-        super().__init__(world_size, timeout_s)
+        super().__init__(world_size, timeout_s, block, group)
         from cerar.int4 import all_reduce
 
-        self.int4, self.block, self.rotate, self.seed = all_reduce, block, rotate, seed
-        self.hook_state = None
-        self.transport = group  # its own group (given, or made here): its batches never mix with the loop's
-        if group is None and world_size > 1 and dist.is_initialized():
-            from cerar.ddp import transport_group
-
-            self.transport = transport_group(None, self.timeout)
+        self.int4, self.rotate, self.seed = all_reduce, rotate, seed
 
     def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
         self.check_scales(flat, scales)
@@ -676,28 +670,20 @@ class Int4Aggregator(HookStatsBytes, Aggregator):
         ddp.register_comm_hook(self.hook_state, int4_hook)
 
 
-class HierarchicalInt4Aggregator(TwoTierBytes, Aggregator):
+class HierarchicalInt4Aggregator(HierarchicalQuantizedAggregator):
     """`cerar.int4.two_tier`: the 8-bit (or exact) reduce-scatter inside each node, the 4-bit all-reduce on the rails
-    between the nodes, the exact all-gather inside each node. Every rank receives the same average. `step_metrics`
-    reports the bytes each tier sent in the last step."""
+    between the nodes, the exact all-gather inside each node (the tiers' groups made as hier_int8's). Every rank
+    receives the same average. `step_metrics` reports the bytes each tier sent in the last step."""
 
     name = "hier_int4"
 
     def __init__(self, world_size: int, timeout_s: float, layout, block: int, rotate: bool = True,
                  intra: str = "int8", seed: int = 0, describe: bool = True):  # fmt: skip
-        super().__init__(world_size, timeout_s)
-        from cerar.hierarchical import tier_groups
+        super().__init__(world_size, timeout_s, layout, block, describe=False)
         from cerar.int4 import two_tier
 
-        self.two_tier, self.layout, self.block, self.rotate, self.intra, self.seed = (
-            two_tier, layout, block, rotate, intra, seed
-        )  # fmt: skip
+        self.two_tier, self.rotate, self.intra, self.seed = two_tier, rotate, intra, seed
         self.method = two_tier.RAIL_METHOD if layout.nodes > 1 else "none"
-        self.tier_bytes = {"intra_node": 0, "inter_node": 0}
-        self.hook_state = None
-        self.groups = None  # the tiers' own groups: their batches never mix with the loop's collectives
-        if world_size > 1 and dist.is_initialized():
-            self.groups = tier_groups(layout, self.timeout)
         if describe and (not dist.is_initialized() or dist.get_rank() == 0):
             where = "LOCAL_WORLD_SIZE" if layout.from_launcher else "aggregator.local_size"
             log.info("%s: %s (local size from %s); inside the nodes: %s; between the nodes: %s, block %d%s",
