@@ -38,6 +38,7 @@ import torch
 
 from cerar.formats.int4_blocks import DEFAULT_BLOCK, DEFAULT_ROTATE, DEFAULT_ROUNDING, check_format, message_bytes
 from cerar.int4.codecs import Int4Codec
+from cerar.int4.feedback import ErrorFeedback
 from cerar.int4.two_shot import call_stats, copy_back, divide, gather_reduced, message_key, next_call, scatter_reduce
 from cerar.int8.all_reduce import _PeerRing, check_quantized_call
 from cerar.ring.checks import check_agreement
@@ -74,17 +75,30 @@ def int4_all_reduce(
     rotate: bool = DEFAULT_ROTATE,
     seed: int = 0,
     timed: bool = True,
+    feedback: ErrorFeedback | None = None,
 ) -> AllReduceStats:
     """All-reduce ``tensor`` (float32, any shape, contiguity and length) in place over ``group`` with 4-bit messages
     (module docstring): every rank gets the same approximation of the sum, or with ``op="avg"`` the mean, within
     two block roundings per value. ``block``: values per float32 scale (a power of two when rotated);
     ``rounding``: "stochastic" (the default: zero on average over calls) or "nearest"; ``rotate``: rotate each full
-    block first (the signs from ``seed``, which also keys the dither). ``timeout`` (seconds or timedelta, default 5
-    minutes) bounds every round as in ``cerar.all_reduce``. Raises ValueError for bad input and CollectiveError when
-    a peer fails, stalls past the timeout or disagrees on the call (on every rank). ``stats.bytes_sent`` counts the
-    scales: ``int4_bytes_sent(d, N, B)``."""
+    block first (the signs from ``seed``, which also keys the dither); ``feedback``: this rank's error feedback
+    (``cerar.int4.feedback``), or None. ``timeout`` (seconds or timedelta, default 5 minutes) bounds every round as
+    in ``cerar.all_reduce``. Raises ValueError for bad input and CollectiveError when a peer fails, stalls past the
+    timeout or disagrees on the call (on every rank). ``stats.bytes_sent`` counts the scales:
+    ``int4_bytes_sent(d, N, B)``."""
     operation = "cerar.int4_all_reduce"
     codec = check_int4_call(tensor, op, block, rounding, rotate, seed, operation)
+    return two_shot_all_reduce(tensor, codec, group, op, timeout, seed=seed, timed=timed, feedback=feedback,
+                               operation=operation)  # fmt: skip
+
+
+def two_shot_all_reduce(
+    tensor: torch.Tensor, codec, group, op: str, timeout, *, seed: int, timed: bool, feedback=None,
+    feedback_name: str = "flat", operation: str = "cerar.int4.two_shot_all_reduce",
+) -> AllReduceStats:  # fmt: skip
+    """The flat two-shot call of any codec (``cerar.int4.codecs``: the 4-bit format, or the 8-bit one where a caller
+    wants its error fed back), arguments checked by the caller. ``feedback``: the residuals are kept under
+    ``feedback_name`` (the padded [N, s] shards of this call's tensor)."""
     ring = _PeerRing.of(group, timeout, operation)
     N, d = ring.size, tensor.numel()
     check_agreement(
@@ -96,6 +110,7 @@ def int4_all_reduce(
             "op": op,
             "tensor length d": d,
             "dtype": str(tensor.dtype),
+            "error feedback": feedback is not None,
         },
     )
     call = next_call()
@@ -105,6 +120,7 @@ def int4_all_reduce(
     timer = PhaseTimer(tensor.device, enabled=timed)
     flat, in_place = as_equal_shards(tensor, N)
     rows = flat.view(N, -1)
+    residual = None if feedback is None else feedback.rows(feedback_name, N, rows.shape[1], flat)
     sender = ring.global_rank(ring.rank)
 
     def key(shard: int, phase: int) -> int:
@@ -112,15 +128,14 @@ def int4_all_reduce(
 
     with torch.no_grad():
         rounds = _Rounds(ring, timer)
-        buffers = scatter_reduce(rows, rounds, codec, key, timer)
+        buffers = scatter_reduce(rows, rounds, codec, key, timer, residual)
         if op == "avg":
             rounds.issue(divide, timer, rows[ring.rank], N)
-        gather_reduced(rows, rounds, codec, key, timer, buffers[:N])
+        gather_reduced(rows, rounds, codec, key, timer, buffers[:N], residual)
         if not in_place:
             rounds.issue(copy_back, timer, tensor, flat)
         rounds.finish()
-
     return call_stats([ring], timer, stats.rounds, _bytes(*buffers) + (0 if in_place else _bytes(flat)))
 
 
-__all__ = ["INT4_PROTOCOL_VERSION", "check_int4_call", "int4_all_reduce", "int4_bytes_sent"]
+__all__ = ["INT4_PROTOCOL_VERSION", "check_int4_call", "int4_all_reduce", "int4_bytes_sent", "two_shot_all_reduce"]

@@ -49,9 +49,25 @@ def message_key(seed: int, call: int, sender: int, shard: int, phase: int) -> in
     return dither_key(seed, call, sender, shard, phase)
 
 
-def scatter_reduce(rows: torch.Tensor, rounds: _Rounds, codec, key, timer: PhaseTimer) -> list[torch.Tensor]:
+def _encode_fed(codec, message: torch.Tensor, x: torch.Tensor, key: int, residual: torch.Tensor | None) -> None:
+    """Write x into ``message``; with error feedback (``residual``: what the last message of this shard dropped),
+    x + residual, and keep in ``residual`` what this message drops (``cerar.int4.feedback``)."""
+    if residual is None:
+        codec.encode(message, x, key)
+        return
+    residual.add_(x)
+    codec.encode(message, residual, key)
+    sent = torch.empty_like(residual)
+    codec.decode(message, residual.numel(), sent)
+    residual.sub_(sent)
+
+
+def scatter_reduce(
+    rows: torch.Tensor, rounds: _Rounds, codec, key, timer: PhaseTimer, residual: torch.Tensor | None = None
+) -> list[torch.Tensor]:
     """Shot 1 on ``rows`` [N, s] (module docstring): rank i ends with rows[i] its own shard plus the decoded
-    messages of the others' shard i. ``key(shard, phase)``: each message's dither key. Returns the N message
+    messages of the others' shard i. ``key(shard, phase)``: each message's dither key; ``residual`` [N, s]: error
+    feedback's (row j != i: what this rank's last message of shard j dropped), or None. Returns the N message
     buffers (``messages[j]``: the one sent to rank j; ``messages[i]``, free, for shot 2) and the N - 1 received."""
     ring = rounds.ring
     N, i, s = ring.size, ring.rank, rows.shape[1]
@@ -61,7 +77,8 @@ def scatter_reduce(rows: torch.Tensor, rounds: _Rounds, codec, key, timer: Phase
 
     def encode(j: int) -> None:
         with timer.phase("encode"):
-            codec.encode(messages[j], rows[j], key(j, PHASE_CONTRIBUTION))
+            fed = None if residual is None else residual[j]
+            _encode_fed(codec, messages[j], rows[j], key(j, PHASE_CONTRIBUTION), fed)
 
     def accumulate(message: torch.Tensor) -> None:
         with timer.phase("decode"):
@@ -86,18 +103,25 @@ def gather_reduced(
     key,
     timer: PhaseTimer,
     messages: list[torch.Tensor],
+    residual: torch.Tensor | None = None,
 ) -> None:
     """Shot 2 on ``rows`` [N, s] whose row i (this rank's) holds the reduced shard: one message of it, decoded back
     into row i, and the ring all-gather of the N messages (``messages``, one buffer per shard), each decoded into
-    its row."""
+    its row. ``residual`` [N, s]: error feedback's, whose row i is what this rank's last reduced message dropped."""
     ring = rounds.ring
     N, i, s = ring.size, ring.rank, rows.shape[1]
     at = ring.global_rank
 
     def encode_result() -> None:
         with timer.phase("encode"):
-            codec.encode(messages[i], rows[i], key(i, PHASE_REDUCED))
+            if residual is None:
+                codec.encode(messages[i], rows[i], key(i, PHASE_REDUCED))
+            else:
+                residual[i].add_(rows[i])
+                codec.encode(messages[i], residual[i], key(i, PHASE_REDUCED))
             codec.decode(messages[i], s, rows[i])  # the bytes every other rank decodes
+            if residual is not None:
+                residual[i].sub_(rows[i])
 
     def decode(j: int) -> None:
         with timer.phase("decode"):

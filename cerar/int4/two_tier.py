@@ -35,8 +35,9 @@ from cerar.formats.int8_blocks import message_bytes as int8_message_bytes
 from cerar.hierarchical.collective import HierarchicalStats, _groups, run_tiers
 from cerar.hierarchical.intra_node import all_gather
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups
-from cerar.int4.all_reduce import INT4_PROTOCOL_VERSION, check_int4_call, int4_all_reduce, int4_bytes_sent
+from cerar.int4.all_reduce import INT4_PROTOCOL_VERSION, check_int4_call, int4_bytes_sent, two_shot_all_reduce
 from cerar.int4.codecs import Int8Codec
+from cerar.int4.feedback import ErrorFeedback
 from cerar.int4.two_shot import PHASE_NODE, call_stats, copy_back, divide, message_key, next_call, scatter_reduce
 from cerar.int8.all_reduce import _PeerRing
 from cerar.ring.checks import check_agreement
@@ -71,21 +72,35 @@ def hierarchical_int4_all_reduce(
     rotate: bool = DEFAULT_ROTATE,
     seed: int = 0,
     timed: bool = True,
+    feedback: ErrorFeedback | None = None,
 ) -> HierarchicalStats:
     """All-reduce ``tensor`` (float32) in place: ``intra`` ("exact" or "int8", blocks of ``intra_block``) inside each
     node, 4 bits on the rails (module docstring); every rank gets the same result. ``layout`` as for
-    ``hierarchical_all_reduce``; ``op``, ``timeout``, ``block``, ``rounding``, ``rotate``, ``seed`` as for
-    ``int4_all_reduce`` (the rounding is the 8-bit tier's too). Raises ValueError for bad input and CollectiveError
-    when a peer fails, stalls past the timeout or disagrees on the call (on every rank). ``HierarchicalStats``
-    records each tier's bytes; ``inter_node_method`` is "int4 quantized", or "none" on one node."""
+    ``hierarchical_all_reduce``; ``op``, ``timeout``, ``block``, ``rounding``, ``rotate``, ``seed``, ``feedback``
+    as for ``int4_all_reduce`` (the rounding is the 8-bit tier's too; the feedback keeps the rail's residual and the
+    8-bit tier's). Raises ValueError for bad input and CollectiveError when a peer fails, stalls past the timeout or
+    disagrees on the call (on every rank). ``HierarchicalStats`` records each tier's bytes; ``inter_node_method`` is
+    "int4 quantized", or "none" on one node."""
     operation = "cerar.hierarchical_int4_all_reduce"
     codec = check_int4_call(tensor, op, block, rounding, rotate, seed, operation)
     check_intra(intra, intra_block, operation)
+    inside = Int8Codec(intra_block, rounding) if intra == "int8" else None
+    return two_tier_all_reduce(tensor, codec, layout, op, timeout, inside=inside, seed=seed, timed=timed,
+                               feedback=feedback, operation=operation)  # fmt: skip
+
+
+def two_tier_all_reduce(
+    tensor: torch.Tensor, codec, layout, op: str, timeout, *, inside=None, seed: int, timed: bool, feedback=None,
+    operation: str = "cerar.int4.two_tier_all_reduce",
+) -> HierarchicalStats:  # fmt: skip
+    """The two tiers with any codec on the rails (``cerar.int4.codecs``: 4 bits, or 8 where a caller wants the 8-bit
+    hierarchy's error fed back) and, inside the nodes, the exact reduce-scatter (``inside`` None) or the codec
+    ``inside``'s; arguments checked by the caller. ``feedback``: residuals kept under "node" and "rail"."""
     groups = _groups(layout, timeout, operation)
     layout = groups.layout
-    method = RAIL_METHOD if layout.nodes > 1 else "none"
+    method = f"int{codec.bits} quantized" if layout.nodes > 1 else "none"
     d = tensor.numel()
-    lossy_inside = intra == "int8" and layout.local_size > 1
+    lossy_inside = inside is not None and layout.local_size > 1
     check_agreement(
         _Ring.of(groups.all_ranks, _as_timedelta(timeout), operation),
         {
@@ -94,11 +109,12 @@ def hierarchical_int4_all_reduce(
             "node layout (nodes x local size)": str(layout),
             "method between the nodes": method,
             **codec.agreement(),
-            "method inside the nodes": intra,
-            "8-bit block size inside the nodes": intra_block if intra == "int8" else 0,
+            "method inside the nodes": "exact" if inside is None else inside.name,
+            "block size inside the nodes": 0 if inside is None else inside.block,
             "op": op,
             "tensor length d": d,
             "dtype": str(tensor.dtype),
+            "error feedback": feedback is not None,
         },
     )
     stats = HierarchicalStats(layout, method, exact=method == "none" and not lossy_inside)
@@ -109,23 +125,23 @@ def hierarchical_int4_all_reduce(
         if method == "none":  # one node: nothing between nodes
             return AllReduceStats()
         try:
-            return int4_all_reduce(shard, groups.rail, op=op, timeout=timeout, block=block, rounding=rounding,
-                                   rotate=rotate, seed=seed, timed=timed)  # fmt: skip
+            return two_shot_all_reduce(shard, codec, groups.rail, op, timeout, seed=seed, timed=timed,
+                                       feedback=feedback, feedback_name="rail", operation=operation)  # fmt: skip
         except CollectiveError as error:
             raise CollectiveError(f"{operation}: between the nodes, on rail {groups.local_rank}: {error}") from error
 
     if lossy_inside:
-        _int8_inside(tensor, groups, stats, op, timeout, timed, operation, on_rail, Int8Codec(intra_block, rounding),
-                     seed)  # fmt: skip
+        _coded_inside(tensor, groups, stats, op, timeout, timed, operation, on_rail, inside, seed, feedback)
     else:
         run_tiers(tensor, groups, stats, op, timeout, timed, operation, on_rail)
     return stats
 
 
-def _int8_inside(tensor, groups: TierGroups, stats, op, timeout, timed, operation, on_rail, codec, seed) -> None:
-    """Steps 1-3 with the 8-bit reduce-scatter inside the node (G > 1): shot 1 of ``two_shot`` on the node's
-    ``_PeerRing``, the rail, then the exact ring all-gather of ``cerar.hierarchical.intra_node`` on the node's ring.
-    Fills ``stats.intra_node`` (both rings' bytes) and ``stats.inter_node`` (the rail's)."""
+def _coded_inside(tensor, groups: TierGroups, stats, op, timeout, timed, operation, on_rail, codec, seed,
+                  feedback) -> None:  # fmt: skip
+    """Steps 1-3 with a rounded reduce-scatter inside the node (G > 1): shot 1 of ``two_shot`` with ``codec`` on the
+    node's ``_PeerRing``, the rail, then the exact ring all-gather of ``cerar.hierarchical.intra_node`` on the node's
+    ring. Fills ``stats.intra_node`` (both rings' bytes) and ``stats.inter_node`` (the rail's)."""
     G = groups.layout.local_size
     where = f"{operation}: inside node {groups.node}"
     peers = _PeerRing.of(groups.intra_node, _as_timedelta(timeout), where)
@@ -134,6 +150,7 @@ def _int8_inside(tensor, groups: TierGroups, stats, op, timeout, timed, operatio
     flat, in_place = as_equal_shards(tensor, G)
     shards = flat.view(G, -1)
     mine = shards[groups.local_rank]
+    residual = None if feedback is None else feedback.rows("node", G, shards.shape[1], flat)
     call, sender = next_call(), peers.global_rank(peers.rank)
 
     def key(shard: int, phase: int) -> int:
@@ -141,7 +158,7 @@ def _int8_inside(tensor, groups: TierGroups, stats, op, timeout, timed, operatio
 
     with torch.no_grad():
         rounds = _Rounds(peers, timer)
-        buffers = scatter_reduce(shards, rounds, codec, key, timer)
+        buffers = scatter_reduce(shards, rounds, codec, key, timer, residual)
         if op == "avg":
             rounds.issue(divide, timer, mine, G)  # the rail divides by n, for 1 / (n G) in all
         rounds.finish()  # a stall inside the node is reported here, before the rail
@@ -170,4 +187,11 @@ def hierarchical_int4_bytes(
     return {"intra_node": inside, "inter_node": int4_bytes_sent(s if G > 1 else d, n, block)}
 
 
-__all__ = ["INTRA_METHODS", "RAIL_METHOD", "check_intra", "hierarchical_int4_all_reduce", "hierarchical_int4_bytes"]
+__all__ = [
+    "INTRA_METHODS",
+    "RAIL_METHOD",
+    "check_intra",
+    "hierarchical_int4_all_reduce",
+    "hierarchical_int4_bytes",
+    "two_tier_all_reduce",
+]
