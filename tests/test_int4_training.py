@@ -19,24 +19,28 @@ from tests.runs import MATRIX, read_run, torchrun
 
 N = 4
 HIER = "aggregator=hier_int4 aggregator.local_size=2"
-PART = f"{HIER} checkpoint.every=3 checkpoint.keep=2"
+FED = "aggregator.error_feedback=true aggregator.feedback_window=6"
+PART = f"{HIER} {FED} checkpoint.every=3 checkpoint.keep=2"
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, cache_dir):
     out = tmp_path_factory.mktemp("int4-runs")
     labels = [
-        "int4: aggregator=int4",
+        "int4: aggregator=int4 aggregator.feedback_window=6",  # a window without feedback, to compare
+        f"int4_fed: aggregator=int4 {FED}",
+        f"int8_fed: aggregator=int8 {FED}",
         f"hier_int4: {HIER}",
-        f"part_hier_int4: {PART} trainer.stop_after_step=3",
-        f"part_hier_int4: {PART} resume=true",
+        f"hier_int4_fed: {HIER} {FED}",
+        f"part_hier_int4_fed: {PART} trainer.stop_after_step=3",
+        f"part_hier_int4_fed: {PART} resume=true",
     ]
     torchrun(N, "sweep.py", [str(out), *labels, "--", *MATRIX], cache_dir, timeout=900)
     return out
 
 
 @pytest.mark.timeout(900)
-def test_int4_and_hier_int4_train_with_the_formula_bytes_identical_replicas_and_a_bitwise_resume(runs):
+def test_int4_and_hier_int4_train_with_the_formula_bytes_and_identical_replicas(runs):
     from cerar.hierarchical import NodeLayout
     from cerar.int4.all_reduce import int4_bytes_sent
     from cerar.int4.two_tier import hierarchical_int4_bytes
@@ -60,16 +64,48 @@ def test_int4_and_hier_int4_train_with_the_formula_bytes_identical_replicas_and_
         for r in records:
             assert math.sqrt(128) / 254 < r["agg/rel_error_max"] < 1.0, (label, r["step"], r["agg/rel_error_max"])
             assert r["agg/tensor_error_to_noise_max"] > 0 and r["agg/worst_tensor"]
-    _, resumed = read_run(runs / "part_hier_int4")
-    _, full = read_run(runs / "hier_int4")
+
+@pytest.mark.timeout(900)
+def test_error_feedback_trains_is_judged_over_windows_and_resumes_bit_for_bit(runs):
+    """Fed back, int4, int8 and hier_int4 send the same bytes as without (the residuals never travel) and keep the
+    replicas identical; the window of steps 1-6 is judged per tensor at step 6, and the worst tensor's error of the
+    summed aggregates, against the summed noise, is below half the unfed int4 run's (the fed-back errors cancel to
+    the last residual, the unfed ones add up: sqrt(6) one-step errors against about one). A hier_int4 run fed back,
+    stopped after step 3 and resumed (every rank's residuals from the checkpoint) ends with the uninterrupted run's
+    parameters, bit for bit; the window it resumed inside is not reported."""
+    from cerar.int4.all_reduce import int4_bytes_sent
+
+    windows = {}
+    for label in ("int4", "int4_fed", "int8_fed", "hier_int4_fed"):
+        records, summary = read_run(runs / label)
+        assert len(set(summary["param_sha256_per_rank"])) == 1, label
+        assert max(r["drift/max_abs"] for r in records if "drift/max_abs" in r) == 0.0, label
+        judged = [r for r in records if "feedback/window_error_to_noise_max" in r]
+        assert [r["step"] for r in judged] == [6], (label, [r["step"] for r in judged])
+        r = judged[0]
+        assert r["feedback/window_steps"] == 6 and r["feedback/window_worst_tensor"]
+        per_tensor = [v for k, v in r.items() if k.startswith("window/")]
+        assert len(per_tensor) == len([k for k in r if k.startswith("tensor/")]) > 1
+        assert r["feedback/window_error_to_noise_max"] == max(per_tensor) > 0
+        windows[label] = r["feedback/window_error_to_noise_max"]
+    d = read_run(runs / "int4")[1]["parameters"]
+    assert {r["bytes_sent"] for r in read_run(runs / "int4_fed")[0]} == {int4_bytes_sent(d, N, 128)}
+    s = math.ceil(d / N)
+    assert {r["bytes_sent"] for r in read_run(runs / "int8_fed")[0]} == {2 * (N - 1) * (s + 4 * math.ceil(s / 128))}
+    assert windows["int4_fed"] < 0.5 * windows["int4"], windows
+    resumed_records, resumed = read_run(runs / "part_hier_int4_fed")
+    _, full = read_run(runs / "hier_int4_fed")
     assert resumed["resumed_from_step"] == 3 and resumed["param_sha256"] == full["param_sha256"]
+    assert not any("feedback/window_error_to_noise_max" in r for r in resumed_records if r["step"] > 3)
 
 
 @pytest.mark.quick
 def test_the_int4_options_are_checked_before_start_and_kept_out_of_other_runs_identities():
     """aggregator.rotate needs a power-of-two block and aggregator.intra a known method (named, before any process
-    group); the 4-bit fields enter the identity of the 4-bit runs only (older runs resume unchanged), intra only the
-    two-tier one's; the trainer compiles the 8-bit kernel where hier_int4 rounds to 8 bits inside the nodes, and no
+    group); error feedback is refused where it is not built, with DDP hooks, and where its windows cannot be
+    measured; the 4-bit fields enter the identity of the 4-bit runs only (older runs resume unchanged), intra only
+    the two-tier one's, error_feedback only when on (its window never: it only observes); the trainer compiles the
+    8-bit kernel where hier_int4 rounds to 8 bits inside the nodes, and no
     kernel for the 4-bit format (none exists yet)."""
     from tests.runs import composed
     from train.aggregation.build import fused_kernels
@@ -85,6 +121,15 @@ def test_the_int4_options_are_checked_before_start_and_kept_out_of_other_runs_id
     assert tiers["aggregator.intra"] == "int8" and tiers["aggregator.local_size"] == 2
     for other in ("aggregator=int8", "aggregator=ring", "aggregator=hier_int8"):
         assert not {"aggregator.rotate", "aggregator.intra"} & set(training_identity(composed(other), 2)), other
+    with pytest.raises(ConfigError, match=r"aggregator.error_feedback=true is built for int8, hier_int8, int4"):
+        validate(composed("aggregator=fp16", "aggregator.error_feedback=true"), world_size=2)
+    with pytest.raises(ConfigError, match=r"error_feedback=true needs trainer.overlap=false"):
+        validate(composed("aggregator=int4", "aggregator.error_feedback=true", "trainer.overlap=true"), world_size=2)
+    with pytest.raises(ConfigError, match=r"trainer.measure_error_every=2: error feedback is judged over windows"):
+        validate(composed("aggregator=int8", "aggregator.error_feedback=true", "trainer.measure_error_every=2"), 2)
+    fed = training_identity(composed("aggregator=int8", "aggregator.error_feedback=true"), 2)
+    assert fed["aggregator.error_feedback"] is True and "aggregator.feedback_window" not in fed
+    assert "aggregator.error_feedback" not in training_identity(composed("aggregator=int8"), 2)
     assert fused_kernels(composed("aggregator=int4").aggregator) == ()
     assert fused_kernels(composed(*HIER.split()).aggregator) == ("quantize_stochastic",)
     assert fused_kernels(composed(*HIER.split(), "aggregator.intra=exact").aggregator) == ()

@@ -138,6 +138,24 @@ class Aggregator:
     def load_state_dict(self, state: dict) -> None:
         raise ValueError(f"aggregator={self.name} keeps no state, but the checkpoint holds some for it")
 
+    feedback = None
+    """This rank's error feedback (`cerar.int4.feedback.ErrorFeedback`), where the aggregator feeds roundings back."""
+
+    def rank_state(self) -> dict | None:
+        """What a checkpoint keeps of this rank's own state (each rank's, gathered): the error feedback's residuals;
+        None: nothing."""
+        return None if self.feedback is None else {"error_feedback": self.feedback.state_dict()}
+
+    def load_rank_state(self, state: dict | None) -> None:
+        """Restore ``rank_state``'s (None: nothing kept, as before error feedback); a ValueError naming the mismatch
+        when the checkpoint and this aggregator disagree on keeping it."""
+        if (state is None) != (self.feedback is None):
+            kept = "keeps" if state is not None else "does not keep"
+            raise ValueError(f"aggregator={self.name}: the checkpoint {kept} error feedback's residuals; this run "
+                             f"{'does not feed back' if self.feedback is None else 'feeds back'}")  # fmt: skip
+        if state is not None:
+            self.feedback.load_state_dict(state["error_feedback"])
+
 
 class AllReduceAggregator(Aggregator):
     """torch.distributed.all_reduce, then divide by N; hook mode is DDP's built-in reduction."""
@@ -547,6 +565,15 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
         ddp.register_comm_hook(self.hook_state, self.hierarchical.hierarchical_hook)
 
 
+def _error_feedback(on: bool):
+    """A new `cerar.int4.feedback.ErrorFeedback` for this rank when `on` (aggregator.error_feedback), else None."""
+    if not on:
+        return None
+    from cerar.int4.feedback import ErrorFeedback
+
+    return ErrorFeedback()
+
+
 def _transport_suffix(transport: str) -> str:
     """The aggregator name's mark of 16-bit messages: "" for float32, "-float16" / "-bfloat16"."""
     return "" if transport == "float32" else f"-{transport}"
@@ -565,11 +592,12 @@ class QuantizedAggregator(HookStatsBytes, Aggregator):
 
     name = "int8"
 
-    def __init__(self, world_size: int, timeout_s: float, block: int, group=None):
+    def __init__(self, world_size: int, timeout_s: float, block: int, group=None, error_feedback: bool = False):
         super().__init__(world_size, timeout_s)
         from cerar.int8 import all_reduce as quantized
 
         self.quantized, self.block = quantized, block
+        self.feedback = _error_feedback(error_feedback)
         self.hook_state = None
         self.transport = group  # its own group (given, or made here): its batches never mix with the loop's
         if group is None and world_size > 1 and dist.is_initialized():
@@ -581,6 +609,15 @@ class QuantizedAggregator(HookStatsBytes, Aggregator):
         self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
+        if self.feedback is not None:  # the same two shots, written once for any format: with the residuals
+            from cerar.formats.int8_blocks import DEFAULT_ROUNDING
+            from cerar.int4.all_reduce import two_shot_all_reduce
+            from cerar.int4.codecs import Int8Codec
+
+            stats = two_shot_all_reduce(flat, Int8Codec(self.block, DEFAULT_ROUNDING), self.transport, "avg",
+                                        self.timeout, seed=0, timed=True, feedback=self.feedback,
+                                        operation=f"aggregator={self.name} (error feedback)")  # fmt: skip
+            return int(stats.bytes_sent)
         stats = self.quantized.quantized_all_reduce(
             flat, self.transport, op="avg", timeout=self.timeout, block=self.block
         )
@@ -600,12 +637,14 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
 
     name = "hier_int8"
 
-    def __init__(self, world_size: int, timeout_s: float, layout, block: int, describe: bool = True):
+    def __init__(self, world_size: int, timeout_s: float, layout, block: int, describe: bool = True,
+                 error_feedback: bool = False):  # fmt: skip
         super().__init__(world_size, timeout_s)
         from cerar.hierarchical import tier_groups
         from cerar.int8 import two_tier as quantized
 
         self.hierarchical_quantized, self.layout, self.block = quantized, layout, block
+        self.feedback = _error_feedback(error_feedback)
         self.method = quantized.RAIL_METHOD if layout.nodes > 1 else "none"
         self.tier_bytes = {"intra_node": 0, "inter_node": 0}
         self.hook_state = None
@@ -621,9 +660,18 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
         self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
-        stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
-            flat, self.groups, op="avg", timeout=self.timeout, block=self.block
-        )
+        if self.feedback is not None:  # the same tiers, written once for any format: with the residuals
+            from cerar.formats.int8_blocks import DEFAULT_ROUNDING
+            from cerar.int4.codecs import Int8Codec
+            from cerar.int4.two_tier import two_tier_all_reduce
+
+            stats = two_tier_all_reduce(flat, Int8Codec(self.block, DEFAULT_ROUNDING), self.groups, "avg",
+                                        self.timeout, seed=0, timed=True, feedback=self.feedback,
+                                        operation=f"aggregator={self.name} (error feedback)")  # fmt: skip
+        else:
+            stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
+                flat, self.groups, op="avg", timeout=self.timeout, block=self.block
+            )
         self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
         return int(stats.bytes_sent)
 
@@ -646,8 +694,9 @@ class Int4Aggregator(QuantizedAggregator):
 
     name = "int4"
 
-    def __init__(self, world_size: int, timeout_s: float, block: int, rotate: bool = True, seed: int = 0, group=None):
-        super().__init__(world_size, timeout_s, block, group)
+    def __init__(self, world_size: int, timeout_s: float, block: int, rotate: bool = True, seed: int = 0, group=None,
+                 error_feedback: bool = False):  # fmt: skip
+        super().__init__(world_size, timeout_s, block, group, error_feedback)
         from cerar.int4 import all_reduce
 
         self.int4, self.rotate, self.seed = all_reduce, rotate, seed
@@ -656,9 +705,8 @@ class Int4Aggregator(QuantizedAggregator):
         self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
-        stats = self.int4.int4_all_reduce(
-            flat, self.transport, op="avg", timeout=self.timeout, block=self.block, rotate=self.rotate, seed=self.seed
-        )
+        stats = self.int4.int4_all_reduce(flat, self.transport, op="avg", timeout=self.timeout, block=self.block,
+                                          rotate=self.rotate, seed=self.seed, feedback=self.feedback)  # fmt: skip
         return int(stats.bytes_sent)
 
     def register_hook(self, ddp) -> None:
@@ -678,8 +726,8 @@ class HierarchicalInt4Aggregator(HierarchicalQuantizedAggregator):
     name = "hier_int4"
 
     def __init__(self, world_size: int, timeout_s: float, layout, block: int, rotate: bool = True,
-                 intra: str = "int8", seed: int = 0, describe: bool = True):  # fmt: skip
-        super().__init__(world_size, timeout_s, layout, block, describe=False)
+                 intra: str = "int8", seed: int = 0, describe: bool = True, error_feedback: bool = False):  # fmt: skip
+        super().__init__(world_size, timeout_s, layout, block, describe=False, error_feedback=error_feedback)
         from cerar.int4 import two_tier
 
         self.two_tier, self.rotate, self.intra, self.seed = two_tier, rotate, intra, seed
@@ -695,7 +743,7 @@ class HierarchicalInt4Aggregator(HierarchicalQuantizedAggregator):
             return 0
         stats = self.two_tier.hierarchical_int4_all_reduce(
             flat, self.groups, op="avg", timeout=self.timeout, block=self.block, intra=self.intra,
-            intra_block=self.block, rotate=self.rotate, seed=self.seed,
+            intra_block=self.block, rotate=self.rotate, seed=self.seed, feedback=self.feedback,
         )  # fmt: skip
         self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
         return int(stats.bytes_sent)
