@@ -147,3 +147,48 @@ def test_a_residual_kept_for_another_length_is_refused_naming_the_place():
         feedback.rows("flat", 2, 6, torch.zeros(1))
     with pytest.raises(ValueError, match="a state must map names to tensors"):
         feedback.load_state_dict({"flat": [1.0]})
+
+
+def _window_worker(rank, N, steps):
+    from train.aggregation.feedback_window import FeedbackWindow
+    from train.aggregation.tensor_errors import TensorLayout
+
+    window = FeedbackWindow(TensorLayout(("a", "b"), (3, 5)), 3)
+    records = {}
+    for step in steps:
+        local, exact, aggregated = window_case(rank, step, N)
+        records[step] = window.add(step, local, aggregated, exact)
+    return records
+
+
+def window_case(rank: int, step: int, N: int):
+    """Rank r's gradient at a step, the exact mean and an aggregate (the mean plus an error that is the same on every
+    rank), 8 values in two tensors of 3 and 5."""
+    grads = [torch.randn(8, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(N)]
+    exact = torch.stack(grads).mean(0)
+    error = torch.randn(8, generator=torch.Generator().manual_seed(999 + step)) * 0.1
+    return grads[rank], exact, exact + error
+
+
+@pytest.mark.quick
+def test_the_window_criterion_is_the_summed_error_over_the_summed_noise_per_tensor():
+    """FeedbackWindow over windows of 3 steps on 2 ranks, against the docstring's formula written here: per tensor,
+    ||sum_steps error|| / sqrt(sum_steps sigma^2), sigma^2 = sum_r ||g_r - g_bar||^2 / (N (N - 1)). Steps 1-4, 6-9:
+    windows (1, 2, 3) and (7, 8, 9) are reported at their last step; (4, 5, 6) is broken by the missing step 5."""
+    N, steps = 2, (1, 2, 3, 4, 6, 7, 8, 9)
+    records = run_workers(_window_worker, N, args=(steps,), timeout_s=60)
+    assert records[0] == records[1]
+    assert [s for s in steps if records[0][s]] == [3, 9]
+    for last in (3, 9):
+        error, noise = torch.zeros(8, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        for step in (last - 2, last - 1, last):
+            cases = [window_case(r, step, N) for r in range(N)]
+            exact, aggregated = cases[0][1].double(), cases[0][2].double()
+            error += aggregated - exact
+            for part, (lo, hi) in enumerate(((0, 3), (3, 8))):
+                noise[part] += sum(float((c[0].double() - exact)[lo:hi].square().sum()) for c in cases) / (N * (N - 1))
+        want = [float(error[:3].norm() / noise[0].sqrt()), float(error[3:].norm() / noise[1].sqrt())]
+        got = records[0][last]
+        assert [got["window/a"], got["window/b"]] == pytest.approx(want, rel=1e-5)
+        assert got["feedback/window_error_to_noise_max"] == max(got["window/a"], got["window/b"])
+        assert got["feedback/window_worst_tensor"] == ("a" if want[0] >= want[1] else "b")
