@@ -15,6 +15,9 @@ Public API:
     quantized_all_reduce(tensor, group, op, timeout, block)    the 8-bit all-reduce (cerar.int8.all_reduce; two tiers:
                                                                cerar.int8.two_tier; DDP hooks:
                                                                cerar.int8.hook), docs/int8.md
+    int4_all_reduce(tensor, group, op, timeout, block)         the 4-bit all-reduce, blocks rotated
+                                                               (cerar.int4.all_reduce; two tiers, 8/4 bits:
+                                                               cerar.int4.two_tier), docs/int4.md
     cerar.ring.equilibrate                                          per-tensor power-of-two scales, agreed across ranks:
                                                                equilibrated(tensor, sizes, run) around CERAR (each
                                                                tensor's error relative to its own size), and
@@ -26,6 +29,7 @@ Public API:
 
 from cerar.coding.codes import CONSTRUCTIONS, DEFAULT_KAPPA_MAX, Code, make_code
 from cerar.formats.wire import TRANSPORTS, default_kappa_max
+from cerar.int4.all_reduce import int4_all_reduce
 from cerar.int8.all_reduce import quantized_all_reduce
 from cerar.ring.equilibrate import agreed_scales, apply_scales, cast_all_reduce, equilibrated
 from cerar.ring.fp32_products import PrecisionError, full_fp32_products
@@ -51,6 +55,7 @@ __all__ = [
     "cast_all_reduce",
     "equilibrated",
     "full_fp32_products",
+    "int4_all_reduce",
     "make_code",
     "quantized_all_reduce",
     "release_workspaces",

@@ -111,7 +111,8 @@ class AggregatorConfig:
     ranks, hier_cerar (cerar.hierarchical: exact inside each node, CERAR with a code for the nodes between
     them) and hier_ring (the same tiers with the exact ring between the nodes).
     int8 (cerar.int8.all_reduce: 8-bit messages, one float32 scale per `block` values, every rank the same
-    result) and hier_int8 (exact inside each node, int8 between the nodes).
+    result) and hier_int8 (exact inside each node, int8 between the nodes); int4 (cerar.int4.all_reduce: 4-bit
+    messages, blocks rotated) and hier_int4 (8-bit or exact inside each node, int4 between the nodes).
     """
 
     name: str = MISSING
@@ -141,6 +142,16 @@ class AggregatorConfig:
     # int8 / hier_int8 (cerar.int8.all_reduce, docs/int8.md): values per float32 scale of the 8-bit messages (>= 1);
     # 128: the scales cost 3% of the int8 payload, the messages 0.258 of float32's bytes
     block: int = 128
+    # int4 / hier_int4 (cerar.int4, docs/int4.md): rotate each full block (random signs from the seed, Walsh-Hadamard)
+    # before rounding to 4 bits (block a power of two); hier_int4's reduce-scatter inside a node: int8 or exact
+    rotate: bool = True
+    intra: str = "int8"
+    # int8, hier_int8, int4, hier_int4 (trainer.overlap=false): error feedback (cerar.int4.feedback, docs/int4.md):
+    # each rank adds to what it sends what its last messages' rounding dropped; the residuals are checkpointed per
+    # rank. Judged per tensor over windows of feedback_window consecutive steps (null: 10 steps under feedback, no
+    # windows without; train/aggregation/feedback_window.py), which need trainer.measure_error_every 0 or 1.
+    error_feedback: bool = False
+    feedback_window: int | None = None
     # cerar, ring, hier_cerar, hier_ring: the dtype their messages travel in (cerar.formats.wire; docs/cerar-16bit.md):
     # float32, or float16 / bfloat16: 16-bit messages (each with a power-of-two scale), float32 arithmetic.
     # With 16 bits, kappa_max null means cerar.default_kappa_max(transport), and the code must be admissible.
@@ -278,6 +289,16 @@ QUANTIZED_FIELDS = ("block",)  # in a run's identity only for the quantized kind
 AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, *QUANTIZED_KINDS)
 HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int8")
 
+# The 4-bit all-reduce (cerar.int4, issue 54): int4 flat, hier_int4 on the two tiers (8 or 32 bits inside a node)
+INT4_KINDS = ("int4", "hier_int4")
+INT4_FIELDS = ("rotate", "intra")  # in a run's identity only for the 4-bit kinds (older runs' identities unchanged)
+INTRA_METHODS = ("exact", "int8")  # cerar.int4.two_tier.INTRA_METHODS
+QUANTIZED_KINDS = (*QUANTIZED_KINDS, *INT4_KINDS)  # aggregator.block: values per scale of their messages too
+AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, *INT4_KINDS)
+HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int4")
+FEEDBACK_KINDS = ("int8", "hier_int8", "int4", "hier_int4")  # aggregator.error_feedback: each rank's own roundings
+NOT_TRAINING_AGGREGATOR_FIELDS = ("feedback_window",)  # what a run records of its aggregates, not what it trains
+
 # aggregator=auto (issue 28): chooses among the others from measured noise and measured links
 AUTO_KIND = "auto"
 # in a run's identity only for aggregator=auto
@@ -363,6 +384,9 @@ def validate(cfg: DictConfig | TrainConfig, world_size: int | None = None) -> No
         _require(a.eps is None or 0 < a.eps < 1, f"aggregator.eps={a.eps} must lie in (0, 1) or be null")
     if a.kind in QUANTIZED_KINDS:
         _require(a.block >= 1, f"aggregator.block={a.block} must be >= 1 (values per scale of the 8-bit messages)")
+    if a.kind in INT4_KINDS:
+        _validate_int4(a)
+    _validate_feedback(cfg)
     equilibrate = getattr(a, "equilibrate", True)
     _require(isinstance(equilibrate, bool), f"aggregator.equilibrate={equilibrate!r} must be true or false")
     _validate_transport(cfg)
@@ -434,6 +458,43 @@ def _require_zstandard_for(d) -> None:
         raise ConfigError(
             f"{what} is read from .zst files, which needs the zstandard package: pip install zstandard"
         ) from None
+
+
+def _validate_int4(a) -> None:
+    """aggregator.rotate needs a block that is a power of two (the fast transform); aggregator.intra one of
+    INTRA_METHODS (hier_int4 only)."""
+    _require(isinstance(a.rotate, bool), f"aggregator.rotate={a.rotate!r} must be true or false")
+    _require(
+        not a.rotate or a.block & (a.block - 1) == 0,
+        f"aggregator.block={a.block} must be a power of two to be rotated (aggregator.rotate=false for another size)",
+    )
+    if a.kind == "hier_int4":
+        _one_of(a.intra, INTRA_METHODS, "aggregator.intra")
+
+
+def _validate_feedback(cfg) -> None:
+    """aggregator.error_feedback: for the aggregators whose every rounding is a rank's own message (FEEDBACK_KINDS),
+    in flat mode; judged over windows of consecutive measured steps (aggregator.feedback_window >= 1)."""
+    a, t = cfg.aggregator, cfg.trainer
+    fed, window = getattr(a, "error_feedback", False), getattr(a, "feedback_window", None)
+    _require(isinstance(fed, bool), f"aggregator.error_feedback={fed!r} must be true or false")
+    _require(window is None or window >= 1, f"aggregator.feedback_window={window} must be >= 1 (steps) or null")
+    if fed:
+        _require(
+            a.kind in FEEDBACK_KINDS,
+            f"aggregator.error_feedback=true is built for {', '.join(FEEDBACK_KINDS)} (each rank keeps the residual of "
+            f"the messages it rounds itself); aggregator={a.name}'s error is not a rank's own rounding",
+        )
+        _require(
+            not effective_overlap(cfg),
+            "aggregator.error_feedback=true needs trainer.overlap=false (the residuals are kept per flat gradient)",
+        )
+    if fed or window is not None:
+        _require(
+            t.measure_error_every in (0, 1),
+            f"trainer.measure_error_every={t.measure_error_every}: error feedback is judged over windows of "
+            "consecutive steps (aggregator.feedback_window), so every step is measured (1) or none (0)",
+        )
 
 
 def _validate_transport(cfg) -> None:
@@ -644,6 +705,13 @@ def training_identity(cfg, world_size: int) -> dict:
                 continue
             if section == "aggregator" and key in AUTO_FIELDS and not chooses:
                 continue
+            if section == "aggregator" and key in INT4_FIELDS and cfg.aggregator.kind not in INT4_KINDS:
+                continue  # absent from the identities of the other kinds (and of runs from before issue 54)
+            if section == "aggregator" and key == "intra" and cfg.aggregator.kind != "hier_int4":
+                continue  # the flat int4 has no tier inside a node
+            unfed = key == "error_feedback" and not value  # feedback only when on (older runs' identities unchanged)
+            if section == "aggregator" and (key in NOT_TRAINING_AGGREGATOR_FIELDS or unfed):
+                continue  # and its window only observes
             if section == "aggregator" and key == "transport" and value == "float32":
                 continue  # the default: absent, as in the runs from before the field
             if section == "aggregator" and key == "equilibrate" and cfg.aggregator.kind not in EQUILIBRATE_KINDS:

@@ -53,6 +53,7 @@ from cerar.int8.all_reduce import dither_calls, set_dither_calls
 from cerar.ring.rounds import PhaseTimer as StreamPhaseTimer
 from train import checkpoint as ckpt
 from train import compiling
+from train.aggregation.feedback_window import feedback_window
 from train.aggregation.tensor_errors import TensorLayout, per_tensor_figures
 from train.compiling import next_token_loss
 from train.config import effective_compile
@@ -331,6 +332,7 @@ class Trainer:
         # (train/aggregation/tensor_errors.py)
         self.tensors = TensorLayout.of(self.model.named_parameters())
         aggregator.use_tensors(list(self.tensors.sizes))  # those that scale per tensor scale each apart
+        self.window = feedback_window(cfg.aggregator, self.tensors)  # error feedback: judged over windows of steps
         self.state = TrainState()
         set_dither_calls(0)  # this run's 8-bit dither from its own first call, whatever the process ran before
         self.timer = PhaseTimer(device)
@@ -371,6 +373,9 @@ class Trainer:
     def checkpoint_state(self) -> dict:
         """Model/optimizer/scheduler of this rank plus every rank's data position and RNG (gathered)."""
         mine = {"data": self.data.train.state_dict(), "rng": ckpt.rng_states()}
+        own = self.aggregator.rank_state()  # error feedback's residuals: each rank's own
+        if own is not None:
+            mine["aggregator"] = own
         per_rank = [None] * self.world_size
         with guarded("checkpoint all_gather_object"):  # gloo: gloo's timeout bounds the size exchange's wait
             dist.all_gather_object(per_rank, mine, group=group_with_timeout(deadline_s()))
@@ -429,6 +434,7 @@ class Trainer:
             self.aggregator.load_state_dict(state["aggregator"])
         set_dither_calls(int(state.get("int8_dither_calls", 0)))  # (older checkpoints: none kept, 0)
         mine = state["ranks"][self.rank]
+        self.aggregator.load_rank_state(mine.get("aggregator"))
         self.data.train.load_state_dict(mine["data"])
         ckpt.set_rng_states(mine["rng"])
         self.state = TrainState(
@@ -621,6 +627,8 @@ class Trainer:
         if exact is not None:
             record.update(error_and_noise(local, flat, exact, self.rank))
             record.update(per_tensor_figures(local, flat, exact, self.tensors, self.optimizer, self.params))
+            if self.window is not None:
+                record.update(self.window.add(step, local, flat, exact))
             record["noise/sequences_per_step"] = self.t.micro_batch_size * self.t.grad_accum * self.world_size
         return bytes_sent, True
 

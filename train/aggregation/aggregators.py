@@ -12,7 +12,8 @@ their own (made when the aggregator is built, on every rank); `powersgd`, `fp16`
 torch ships (fp16/bf16 are also implemented on the flat gradient for overlap=false). `hier_cerar` and
 `hier_ring` are the two-tier aggregators of `cerar.hierarchical` (exact inside each node; CERAR with a code
 for the nodes, or the exact ring, between them), on process groups of their own per tier. `int8` and
-`hier_int8` are the 8-bit all-reduce of `cerar.int8.all_reduce` (flat, and between the nodes of the two tiers).
+`hier_int8` are the 8-bit all-reduce of `cerar.int8.all_reduce` (flat, and between the nodes of the two tiers);
+`int4` and `hier_int4` the 4-bit one of `cerar.int4` (flat, and between the nodes with 8 bits inside them).
 
 `ring`, `cerar`, `hier_cerar` and `hier_ring` take `aggregator.transport` (float32, float16, bfloat16): the
 dtype their messages travel in (`cerar.formats.wire`: 16-bit messages, float32 arithmetic); `hier_fp16` and `hier_bf16`
@@ -136,6 +137,24 @@ class Aggregator:
 
     def load_state_dict(self, state: dict) -> None:
         raise ValueError(f"aggregator={self.name} keeps no state, but the checkpoint holds some for it")
+
+    feedback = None
+    """This rank's error feedback (`cerar.int4.feedback.ErrorFeedback`), where the aggregator feeds roundings back."""
+
+    def rank_state(self) -> dict | None:
+        """What a checkpoint keeps of this rank's own state (each rank's, gathered): the error feedback's residuals;
+        None: nothing."""
+        return None if self.feedback is None else {"error_feedback": self.feedback.state_dict()}
+
+    def load_rank_state(self, state: dict | None) -> None:
+        """Restore ``rank_state``'s (None: nothing kept, as before error feedback); a ValueError naming the mismatch
+        when the checkpoint and this aggregator disagree on keeping it."""
+        if (state is None) != (self.feedback is None):
+            kept = "keeps" if state is not None else "does not keep"
+            raise ValueError(f"aggregator={self.name}: the checkpoint {kept} error feedback's residuals; this run "
+                             f"{'does not feed back' if self.feedback is None else 'feeds back'}")  # fmt: skip
+        if state is not None:
+            self.feedback.load_state_dict(state["error_feedback"])
 
 
 class AllReduceAggregator(Aggregator):
@@ -546,6 +565,15 @@ class HierarchicalAggregator(TwoTierBytes, Aggregator):
         ddp.register_comm_hook(self.hook_state, self.hierarchical.hierarchical_hook)
 
 
+def _error_feedback(on: bool):
+    """A new `cerar.int4.feedback.ErrorFeedback` for this rank when `on` (aggregator.error_feedback), else None."""
+    if not on:
+        return None
+    from cerar.int4.feedback import ErrorFeedback
+
+    return ErrorFeedback()
+
+
 def _transport_suffix(transport: str) -> str:
     """The aggregator name's mark of 16-bit messages: "" for float32, "-float16" / "-bfloat16"."""
     return "" if transport == "float32" else f"-{transport}"
@@ -564,11 +592,12 @@ class QuantizedAggregator(HookStatsBytes, Aggregator):
 
     name = "int8"
 
-    def __init__(self, world_size: int, timeout_s: float, block: int, group=None):
+    def __init__(self, world_size: int, timeout_s: float, block: int, group=None, error_feedback: bool = False):
         super().__init__(world_size, timeout_s)
         from cerar.int8 import all_reduce as quantized
 
         self.quantized, self.block = quantized, block
+        self.feedback = _error_feedback(error_feedback)
         self.hook_state = None
         self.transport = group  # its own group (given, or made here): its batches never mix with the loop's
         if group is None and world_size > 1 and dist.is_initialized():
@@ -580,6 +609,15 @@ class QuantizedAggregator(HookStatsBytes, Aggregator):
         self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
+        if self.feedback is not None:  # the same two shots, written once for any format: with the residuals
+            from cerar.formats.int8_blocks import DEFAULT_ROUNDING
+            from cerar.int4.all_reduce import two_shot_all_reduce
+            from cerar.int4.codecs import Int8Codec
+
+            stats = two_shot_all_reduce(flat, Int8Codec(self.block, DEFAULT_ROUNDING), self.transport, "avg",
+                                        self.timeout, seed=0, timed=True, feedback=self.feedback,
+                                        operation=f"aggregator={self.name} (error feedback)")  # fmt: skip
+            return int(stats.bytes_sent)
         stats = self.quantized.quantized_all_reduce(
             flat, self.transport, op="avg", timeout=self.timeout, block=self.block
         )
@@ -599,12 +637,14 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
 
     name = "hier_int8"
 
-    def __init__(self, world_size: int, timeout_s: float, layout, block: int, describe: bool = True):
+    def __init__(self, world_size: int, timeout_s: float, layout, block: int, describe: bool = True,
+                 error_feedback: bool = False):  # fmt: skip
         super().__init__(world_size, timeout_s)
         from cerar.hierarchical import tier_groups
         from cerar.int8 import two_tier as quantized
 
         self.hierarchical_quantized, self.layout, self.block = quantized, layout, block
+        self.feedback = _error_feedback(error_feedback)
         self.method = quantized.RAIL_METHOD if layout.nodes > 1 else "none"
         self.tier_bytes = {"intra_node": 0, "inter_node": 0}
         self.hook_state = None
@@ -620,9 +660,18 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
         self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
-        stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
-            flat, self.groups, op="avg", timeout=self.timeout, block=self.block
-        )
+        if self.feedback is not None:  # the same tiers, written once for any format: with the residuals
+            from cerar.formats.int8_blocks import DEFAULT_ROUNDING
+            from cerar.int4.codecs import Int8Codec
+            from cerar.int4.two_tier import two_tier_all_reduce
+
+            stats = two_tier_all_reduce(flat, Int8Codec(self.block, DEFAULT_ROUNDING), self.groups, "avg",
+                                        self.timeout, seed=0, timed=True, feedback=self.feedback,
+                                        operation=f"aggregator={self.name} (error feedback)")  # fmt: skip
+        else:
+            stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
+                flat, self.groups, op="avg", timeout=self.timeout, block=self.block
+            )
         self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
         return int(stats.bytes_sent)
 
@@ -631,3 +680,79 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
 
         self.hook_state = HierarchicalQuantizedHookState(timeout=self.timeout, layout=self.layout, block=self.block)
         ddp.register_comm_hook(self.hook_state, hierarchical_quantized_hook)
+
+
+# ------------------------------------------------------------------------------------------------
+# The 4-bit all-reduce (cerar.int4, issue 54): aggregator=int4 and aggregator=hier_int4
+# ------------------------------------------------------------------------------------------------
+
+
+class Int4Aggregator(QuantizedAggregator):
+    """`cerar.int4.all_reduce.int4_all_reduce`: int4 messages, two values a byte, one float32 scale per `block` values,
+    each full block rotated first unless `rotate` is false; the 8-bit call's two shots, so every rank receives the
+    same average and the replicas stay identical. On a process group of its own (made as int8's)."""
+
+    name = "int4"
+
+    def __init__(self, world_size: int, timeout_s: float, block: int, rotate: bool = True, seed: int = 0, group=None,
+                 error_feedback: bool = False):  # fmt: skip
+        super().__init__(world_size, timeout_s, block, group, error_feedback)
+        from cerar.int4 import all_reduce
+
+        self.int4, self.rotate, self.seed = all_reduce, rotate, seed
+
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
+        if self.world_size < 2:
+            return 0
+        stats = self.int4.int4_all_reduce(flat, self.transport, op="avg", timeout=self.timeout, block=self.block,
+                                          rotate=self.rotate, seed=self.seed, feedback=self.feedback)  # fmt: skip
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.int4.hook import Int4HookState, int4_hook
+
+        self.hook_state = Int4HookState(
+            timeout=self.timeout, transport=self.transport, block=self.block, rotate=self.rotate, seed=self.seed
+        )
+        ddp.register_comm_hook(self.hook_state, int4_hook)
+
+
+class HierarchicalInt4Aggregator(HierarchicalQuantizedAggregator):
+    """`cerar.int4.two_tier`: the 8-bit (or exact) reduce-scatter inside each node, the 4-bit all-reduce on the rails
+    between the nodes, the exact all-gather inside each node (the tiers' groups made as hier_int8's). Every rank
+    receives the same average. `step_metrics` reports the bytes each tier sent in the last step."""
+
+    name = "hier_int4"
+
+    def __init__(self, world_size: int, timeout_s: float, layout, block: int, rotate: bool = True,
+                 intra: str = "int8", seed: int = 0, describe: bool = True, error_feedback: bool = False):  # fmt: skip
+        super().__init__(world_size, timeout_s, layout, block, describe=False, error_feedback=error_feedback)
+        from cerar.int4 import two_tier
+
+        self.two_tier, self.rotate, self.intra, self.seed = two_tier, rotate, intra, seed
+        self.method = two_tier.RAIL_METHOD if layout.nodes > 1 else "none"
+        if describe and (not dist.is_initialized() or dist.get_rank() == 0):
+            where = "LOCAL_WORLD_SIZE" if layout.from_launcher else "aggregator.local_size"
+            log.info("%s: %s (local size from %s); inside the nodes: %s; between the nodes: %s, block %d%s",
+                     self.name, layout, where, intra, self.method, block, ", rotated" if rotate else "")  # fmt: skip
+
+    def aggregate(self, flat: torch.Tensor, scales: torch.Tensor | None = None) -> int:
+        self.check_scales(flat, scales)
+        if self.world_size < 2:
+            return 0
+        stats = self.two_tier.hierarchical_int4_all_reduce(
+            flat, self.groups, op="avg", timeout=self.timeout, block=self.block, intra=self.intra,
+            intra_block=self.block, rotate=self.rotate, seed=self.seed, feedback=self.feedback,
+        )  # fmt: skip
+        self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
+        return int(stats.bytes_sent)
+
+    def register_hook(self, ddp) -> None:
+        from cerar.int4.hook import HierarchicalInt4HookState, hierarchical_int4_hook
+
+        self.hook_state = HierarchicalInt4HookState(
+            timeout=self.timeout, layout=self.layout, block=self.block, rotate=self.rotate, seed=self.seed,
+            intra=self.intra, intra_block=self.block,
+        )  # fmt: skip
+        ddp.register_comm_hook(self.hook_state, hierarchical_int4_hook)

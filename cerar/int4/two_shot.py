@@ -1,0 +1,177 @@
+"""The two shots of a quantized all-reduce, for any block format (``cerar.int4.codecs``): partial sums never travel.
+
+For N ranks, rank j owning shard j of ``rows`` [N, s]:
+
+1. ``scatter_reduce``: rank i writes each shard j != i into a message (the format's rounding, once) and sends it to
+   rank j, in N - 1 pairwise steps (step k: to rank i + k, from rank i - k); rank j decodes the N - 1 messages it
+   receives and adds them, in float32, to its own shard, which never travels and so is never rounded;
+2. ``gather_reduced``: rank j writes its reduced shard into one message (the second and last rounding of a value),
+   decodes it back into its own shard (so that it holds what every other rank will), and the N messages go round
+   a ring all-gather verbatim, each rank decoding the same bytes: every rank ends with the same result, bit for bit.
+
+This is the 8-bit all-reduce's form (``cerar.int8.all_reduce``, whose rounds are written for its format alone; a
+later refactor can run it on this skeleton with ``Int8Codec``). The rounds run on cerar's ring plumbing
+(``cerar.ring.transport._Rounds``: ``batch_isend_irecv`` batches, per-round deadlines, the gloo and NCCL contracts)
+over the all-to-all's peer ring (``cerar.int8.all_reduce._PeerRing``). Each message's dither key is the caller's
+``key(shard, phase)``; ``next_call`` numbers the calls, one count with the 8-bit all-reduce's
+(``cerar.int8.all_reduce.dither_calls``), which the trainer sets at a run's start and keeps in its checkpoints.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cerar.formats.int4_blocks import dither_key
+from cerar.int8.all_reduce import dither_calls, set_dither_calls
+from cerar.ring.protocol import AllReduceStats
+from cerar.ring.rounds import PhaseTimer
+from cerar.ring.transport import _Rounds
+
+PHASE_CONTRIBUTION = 0
+"""The key's phase of a contribution's message (shot 1)."""
+PHASE_REDUCED = 1
+"""The key's phase of a reduced shard's message (shot 2)."""
+PHASE_NODE = 2
+"""The key's phase of a contribution inside a node (the two-tier call's 8-bit reduce-scatter)."""
+
+
+def next_call() -> int:
+    """This call's number in the process's count of quantized all-reduces (shared with the 8-bit all-reduce), and
+    the count moved on: every rank makes the same calls, so every rank numbers them alike."""
+    call = dither_calls()
+    set_dither_calls(call + 1)
+    return call
+
+
+def message_key(seed: int, call: int, sender: int, shard: int, phase: int) -> int:
+    """The dither key of one message: a hash of the seed, the call, the sender's global rank (distinct on every
+    rail of a two-tier call), the shard and the phase."""
+    return dither_key(seed, call, sender, shard, phase)
+
+
+def _encode_fed(codec, message: torch.Tensor, x: torch.Tensor, key: int, residual: torch.Tensor | None) -> None:
+    """Write x into ``message``; with error feedback (``residual``: what the last message of this shard dropped),
+    x + residual, and keep in ``residual`` what this message drops (``cerar.int4.feedback``)."""
+    if residual is None:
+        codec.encode(message, x, key)
+        return
+    residual.add_(x)
+    codec.encode(message, residual, key)
+    sent = torch.empty_like(residual)
+    codec.decode(message, residual.numel(), sent)
+    residual.sub_(sent)
+
+
+def scatter_reduce(
+    rows: torch.Tensor, rounds: _Rounds, codec, key, timer: PhaseTimer, residual: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Shot 1 on ``rows`` [N, s] (module docstring): rank i ends with rows[i] its own shard plus the decoded
+    messages of the others' shard i. ``key(shard, phase)``: each message's dither key; ``residual`` [N, s]: error
+    feedback's (row j != i: what this rank's last message of shard j dropped), or None. Returns the N message
+    buffers (``messages[j]``: the one sent to rank j; ``messages[i]``, free, for shot 2) and the N - 1 received."""
+    ring = rounds.ring
+    N, i, s = ring.size, ring.rank, rows.shape[1]
+    messages = [codec.new_message(s, rows.device) for _ in range(N)]
+    incoming = [codec.new_message(s, rows.device) for _ in range(N - 1)]
+    at = ring.global_rank
+
+    def encode(j: int) -> None:
+        with timer.phase("encode"):
+            fed = None if residual is None else residual[j]
+            _encode_fed(codec, messages[j], rows[j], key(j, PHASE_CONTRIBUTION), fed)
+
+    def accumulate(message: torch.Tensor) -> None:
+        with timer.phase("decode"):
+            codec.decode(message, s, rows[i], add=True)
+
+    posted = []
+    for k in range(1, N):  # every message on the wire before the first is decoded
+        to, frm = (i + k) % N, (i - k) % N
+        rounds.issue(encode, to)
+        what = f"all-to-all step {k}/{N - 1} (to rank {at(to)}, from rank {at(frm)})"
+        posted.append((rounds.post((messages[to], at(to)), (incoming[k - 1], at(frm)), what), what))
+    for k, (handle, what) in enumerate(posted):
+        rounds.arrive(handle, what)
+        rounds.issue(accumulate, incoming[k])
+    return messages + incoming
+
+
+def gather_reduced(
+    rows: torch.Tensor,
+    rounds: _Rounds,
+    codec,
+    key,
+    timer: PhaseTimer,
+    messages: list[torch.Tensor],
+    residual: torch.Tensor | None = None,
+) -> None:
+    """Shot 2 on ``rows`` [N, s] whose row i (this rank's) holds the reduced shard: one message of it, decoded back
+    into row i, and the ring all-gather of the N messages (``messages``, one buffer per shard), each decoded into
+    its row. ``residual`` [N, s]: error feedback's, whose row i is what this rank's last reduced message dropped."""
+    ring = rounds.ring
+    N, i, s = ring.size, ring.rank, rows.shape[1]
+    at = ring.global_rank
+
+    def encode_result() -> None:
+        with timer.phase("encode"):
+            if residual is None:
+                codec.encode(messages[i], rows[i], key(i, PHASE_REDUCED))
+            else:
+                residual[i].add_(rows[i])
+                codec.encode(messages[i], residual[i], key(i, PHASE_REDUCED))
+            codec.decode(messages[i], s, rows[i])  # the bytes every other rank decodes
+            if residual is not None:
+                residual[i].sub_(rows[i])
+
+    def decode(j: int) -> None:
+        with timer.phase("decode"):
+            codec.decode(messages[j], s, rows[j])
+
+    rounds.issue(encode_result)
+    to, frm = at((i + 1) % N), at((i - 1) % N)
+    for k in range(N - 1):  # forwarded verbatim: step k sends shard i - k, receives shard i - k - 1
+        send, recv = (i - k) % N, (i - k - 1) % N
+        what = f"all-gather step {k + 1}/{N - 1} (to rank {to}, from rank {frm})"
+        rounds.arrive(rounds.post((messages[send], to), (messages[recv], frm), what), what)
+        rounds.issue(decode, recv)
+
+
+def divide(timer: PhaseTimer, shard: torch.Tensor, n: int) -> None:
+    """shard /= n: the sum of n contributions made their mean (device work, issued between the shots)."""
+    with timer.phase("decode"):
+        shard.div_(n)
+
+
+def copy_back(timer: PhaseTimer, tensor: torch.Tensor, flat: torch.Tensor) -> None:
+    """The caller's tensor from the padded copy it was reduced in (device work, issued last)."""
+    with timer.phase("decode"):
+        tensor.copy_(flat[: tensor.numel()].view(tensor.shape))
+
+
+def call_stats(rings: list, timer: PhaseTimer, rounds: int, peak_extra_bytes: int) -> AllReduceStats:
+    """A finished call's record: the bytes its ``rings`` (the ``_Ring``s it posted on) counted, its rounds, the
+    seconds of each phase of ``timer``, its peak extra storage."""
+    seconds = timer.totals()
+    return AllReduceStats(
+        bytes_sent=sum(ring.bytes_sent for ring in rings),
+        bytes_received=sum(ring.bytes_received for ring in rings),
+        rounds=rounds,
+        seconds_encode=seconds.get("encode", 0.0),
+        seconds_comm=seconds.get("comm", 0.0),
+        seconds_decode=seconds.get("decode", 0.0),
+        peak_extra_bytes=peak_extra_bytes,
+    )
+
+
+__all__ = [
+    "call_stats",
+    "copy_back",
+    "divide",
+    "PHASE_CONTRIBUTION",
+    "PHASE_NODE",
+    "PHASE_REDUCED",
+    "gather_reduced",
+    "message_key",
+    "next_call",
+    "scatter_reduce",
+]
