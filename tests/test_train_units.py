@@ -443,6 +443,31 @@ def test_a_live_holder_of_the_cache_lock_keeps_its_waiter_past_the_timeout(tmp_p
     assert len(tokens) > 0 and vocab <= 300
 
 
+@pytest.mark.quick
+def test_the_holder_of_the_cache_lock_names_itself_before_its_work_starts(tmp_path, monkeypatch):
+    """The holder writes who it is into the lock file before the work under the lock starts, not only from its
+    heartbeat thread: a holder stopped at once (the pre-flight's peer SIGSTOPped as its build began, under load)
+    otherwise left the file empty, and its waiter said "a process that did not name itself" (seen on a suite run
+    at -n 4, 2026-12-04). The heartbeat thread is held back here, so only the holder's own write can name it."""
+    import os
+    import threading
+
+    from train import data
+
+    class Unstarted(threading.Thread):
+        def start(self):  # the heartbeat never runs
+            pass
+
+        def join(self, timeout=None):
+            pass
+
+    monkeypatch.setattr(data.threading, "Thread", Unstarted)
+    lock = tmp_path / "entry.lock"
+    with data._file_lock(lock, 1.0):
+        words = lock.read_text()
+    assert words.startswith(f"pid {os.getpid()} on host ") and "; beat 0" in words, words
+
+
 # ----------------------------------------------------------------------------- the step
 
 

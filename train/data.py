@@ -198,8 +198,12 @@ def _file_lock(path: Path, timeout_s: float):
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # never truncated by a waiter: the holder's words stay
     try:
         _acquire(fd, path, timeout_s)
+        who = _holder_name()
+        _write_words(fd, who, 0)  # before any work: a holder stopped at once still names itself
         stop = threading.Event()
-        beating = threading.Thread(target=_beat, args=(fd, stop, _beat_s(timeout_s)), name="cache-lock", daemon=True)
+        beating = threading.Thread(
+            target=_beat, args=(fd, who, stop, _beat_s(timeout_s)), name="cache-lock", daemon=True
+        )
         beating.start()
         try:
             yield
@@ -240,20 +244,29 @@ def _acquire(fd: int, path: Path, timeout_s: float) -> None:
         pause = min(2 * pause, _LAST_LOCK_PAUSE_S)
 
 
-def _beat(fd: int, stop: threading.Event, every_s: float) -> None:
-    """The holder's heartbeat: who holds the lock (pid, host, rank, since when) and a count, rewritten in place
-    (written, then cut to its length: a reader never finds it empty) until ``stop``."""
-    since, beats = time.strftime("%Y-%m-%d %H:%M:%S"), 0
+def _holder_name() -> tuple[str, str]:
+    """Who holds the lock (pid, host, rank) and since when, as the heartbeat writes them."""
     rank = os.environ.get("RANK")
     who = f"pid {os.getpid()} on host {socket.gethostname()}" + (f" (rank {rank})" if rank is not None else "")
-    while True:
-        words = f"{who}, holding it since {since}; beat {beats}\n".encode()
-        with contextlib.suppress(OSError):  # a full disk: the waiters see silence and say so
-            os.pwrite(fd, words, 0)
-            os.ftruncate(fd, len(words))
+    return who, time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _write_words(fd: int, holder: tuple[str, str], beats: int) -> None:
+    """The lock file's words, rewritten in place (written, then cut to its length: a reader never finds it empty)."""
+    who, since = holder
+    words = f"{who}, holding it since {since}; beat {beats}\n".encode()
+    with contextlib.suppress(OSError):  # a full disk: the waiters see silence and say so
+        os.pwrite(fd, words, 0)
+        os.ftruncate(fd, len(words))
+
+
+def _beat(fd: int, holder: tuple[str, str], stop: threading.Event, every_s: float) -> None:
+    """The holder's heartbeat: the lock file's words (`_write_words`, beat 0 written by the holder itself before it
+    starts its work) rewritten with a count every ``every_s`` seconds until ``stop``."""
+    beats = 0
+    while not stop.wait(every_s):
         beats += 1
-        if stop.wait(every_s):
-            return
+        _write_words(fd, holder, beats)
 
 
 def _holder_words(fd: int) -> bytes:

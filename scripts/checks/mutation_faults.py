@@ -1424,4 +1424,14 @@ FAULTS = [
         why="the window's error is judged against one step's noise instead of the summed gradient's",
         quick=True,
     ),
+    Fault(
+        name="cache-lock-unnamed-until-the-heartbeat",
+        file="train/data.py",
+        original="        _write_words(fd, who, 0)  # before any work: a holder stopped at once still names itself\n",
+        replacement="",
+        tests=("tests/test_train_units.py -k names_itself",),
+        why="the holder names itself only from its heartbeat thread: stopped before the thread ran, its waiter says "
+        "'a process that did not name itself'",
+        quick=True,
+    ),
 ]
