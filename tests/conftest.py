@@ -16,6 +16,11 @@ from pathlib import Path
 for _pool in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[_pool] = "1"  # whatever the shell set: the suite's time is measured so
 
+# Triton's interpreter for the hand-written kernels (tests/test_triton_kernels.py): Triton reads this when it is first
+# imported (torch.compile may import it in any module), so it is set here, before any test module loads. It changes
+# nothing else on a CPU: cerar.formats offers Triton's kernels on a CPU only when asked (fused.enable(triton=True)).
+os.environ["TRITON_INTERPRET"] = "1"
+
 import pytest  # noqa: E402
 
 

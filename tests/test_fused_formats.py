@@ -70,7 +70,7 @@ def test_the_traced_kernels_write_the_eager_bytes_at_odd_sizes(traced):
     the format's (the float64 reference of tests/test_int8_format.py), and nothing compiles after ``enable``
     (a compile inside a collective would hold the peers past their deadlines)."""
     traced(sample_values=2 * fused.MIN_VALUES)
-    assert sorted(k for k, _, _ in fused.enabled()) == sorted(fused.KERNELS)
+    assert sorted(k for k, _, _ in fused.enabled()) == sorted(fused.COMPILED)
     graphs = counters["stats"]["unique_graphs"]
     sizes = (fused.MIN_VALUES, fused.MIN_VALUES + 1, 2**16 - 3, 2**16 + 3 * B + 5, 2**17 + 37, 2**17 + 9 * B)
     assert_dispatch_writes_the_eager_bytes(sizes)
@@ -86,7 +86,7 @@ def test_the_traced_kernels_pass_enables_check_at_2_24_values(traced):
     its blocks lies within a few units of a rounding boundary; a short last block; 257 dither chunks) and on two
     shorter messages, one a whole number of blocks, every kernel through its dispatch."""
     lines = traced()
-    assert sorted(k for k, _, _ in fused.enabled()) == sorted(fused.KERNELS), lines
+    assert sorted(k for k, _, _ in fused.enabled()) == sorted(fused.COMPILED), lines
     assert f"checked on {fused.SAMPLE_VALUES} values" in lines[0] and fused.SAMPLE_VALUES > 2**24
 
 

@@ -77,10 +77,18 @@ log = logging.getLogger("cerar.formats.fused")
 MIN_VALUES = 2**14
 """Fewest values for which a fused kernel is called: below, the eager passes cost less than the call."""
 
-KERNELS = ("quantize_nearest", "quantize_stochastic", "wire_encode")
-"""Dequantizing is one eager pass already on a device (int8 x scale written into float32,
-``cerar.formats.devices``), and eager's dequantize-and-add is one ``addcmul`` (its rounding the kernel's own):
-neither is fused here (``reports/arithmetic.md``)."""
+KERNELS = ("quantize_nearest", "quantize_stochastic", "wire_encode", "dequantize", "dequantize_add", "wire_decode")
+"""Every operation with a faster variant than its eager form somewhere: ``COMPILED`` ones by ``torch.compile`` (any
+device with a compiler), all of them by hand-written Triton (``cerar.formats.triton_kernels``: CUDA)."""
+
+COMPILED = ("quantize_nearest", "quantize_stochastic", "wire_encode")
+"""The kernels ``torch.compile`` writes (the variant called "fused"). The decoders are one eager pass already on a
+device (int8 x scale and a 16-bit block x 2^-k written into float32, ``cerar.formats.devices``), and eager's
+dequantize-and-add is one ``addcmul`` (its rounding the kernel's own): only Triton's variant of them is offered."""
+
+VARIANTS = ("fused", "triton")
+"""The variants ``enable`` may switch on besides eager: "fused" (``torch.compile``'s kernel, ``COMPILED``) and
+"triton" (``cerar.formats.triton_kernels``)."""
 
 SAMPLE_VALUES = 2**24 + 5 * 128 + 37
 """Values in ``enable``'s check (and timing) sample (``_sample``): 2^24 as in the H200 run that found 6 values
@@ -288,11 +296,62 @@ def _sample(block: int, rounding: str | None, n: int = SAMPLE_VALUES) -> torch.T
     return x
 
 
+def _eager(name: str, rounding_or_dtype=None):
+    """The eager reference of kernel ``name``, with the runner's signature (``_runners``)."""
+    if name.startswith("quantize"):
+        return q8.quantize_eager
+    if name.startswith("dequantize"):
+        add = name == "dequantize_add"
+        return lambda message, s, block, out: q8.dequantize_eager(message, s, block, out, add=add)
+    w = wire.Wire(rounding_or_dtype or "float16")
+    if name == "wire_decode":
+        return w.decode_eager
+    return lambda x, out: (w._encode_host if x.device.type == "cpu" else w.encode_eager)(x, out)
+
+
+def _runners(name: str, block: int, device: torch.device, backend: str, triton: bool) -> dict:
+    """{variant: runner} of kernel ``name`` on ``device`` (``VARIANTS``), each with its eager reference's signature:
+    quantize (message, x, block, rounding, offset); dequantize (message, s, block, out); wire_encode (x, out);
+    wire_decode (message, out). The compiled one compiles at its first call (inside ``enable``'s check)."""
+    runners = {}
+    if name in COMPILED:
+        fn = _compiled_function(name, block, backend)
+        runners["fused"] = (
+            (lambda message, x, block, rounding, offset: _run_quantize(fn, message, x, block, rounding, offset))
+            if name.startswith("quantize")
+            else (lambda x, out: _run_wire(fn, x, out))
+        )
+        runners["fused"].compiled = fn
+    if triton:
+        from cerar.formats import triton_kernels as tk
+
+        if name.startswith("quantize"):
+            runners["triton"] = tk.quantize
+        elif name == "wire_encode":
+            runners["triton"] = tk.wire_encode
+        elif name == "wire_decode":
+            runners["triton"] = tk.wire_decode
+        elif name == "dequantize":
+            runners["triton"] = lambda message, s, block, out: tk.dequantize(message, s, block, out)
+        else:  # the add as one fused multiply-add (CUDA's addcmul), else as a product and a sum: _check keeps one
+            runners["triton"] = [
+                lambda message, s, block, out, fma=fma: tk.dequantize(message, s, block, out, add=True, fma=fma)
+                for fma in (True, False)
+            ]
+    return runners
+
+
+def _differing(want: torch.Tensor, got: torch.Tensor) -> int:
+    """How many elements' bytes differ (compared as integers: a NaN equals its own bits)."""
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[want.element_size()]
+    return int((want.view(as_int) != got.view(as_int)).sum())
+
+
 def _check(name: str, fn, block: int, device, n: int) -> None:
-    """Run the compiled kernel ``fn`` through its dispatch against the eager reference on ``_sample`` (n values)
-    and on two shorter messages (new lengths, one of them a whole number of blocks: whatever a length can make
-    the kernel compile again is compiled here, not in a collective), and raise AssertionError naming the kernel,
-    the message and how many bytes differ, where any does."""
+    """Run ``fn`` (a runner of kernel ``name``: ``_runners``) against the eager reference on ``_sample`` (n values)
+    and on two shorter messages (new lengths, one of them a whole number of blocks: whatever a length can make a
+    compiled kernel compile again is compiled here, not in a collective), and raise AssertionError naming the
+    kernel, the message and how many bytes differ, where any does."""
     sizes = (n, MIN_VALUES + 3 * block + 1, MIN_VALUES + 5 * block)  # a new length, and a whole number of blocks
     if name.startswith("quantize"):
         rounding = name.split("_")[1]
@@ -300,11 +359,26 @@ def _check(name: str, fn, block: int, device, n: int) -> None:
         for s in sizes:
             want, got = q8.new_message(s, block, device), q8.new_message(s, block, device)
             q8.quantize_eager(want, x[:s], block, rounding, _CHECK_KEY)
-            _run_quantize(fn, got, x[:s], block, rounding, _CHECK_KEY)
-            differ = int((want != got).sum())
+            fn(got, x[:s], block, rounding, _CHECK_KEY)
+            differ = _differing(want, got)
             if differ:
-                raise AssertionError(f"the compiled {name} differs from the eager reference in {differ} of "
+                raise AssertionError(f"the {name} kernel differs from the eager reference in {differ} of "
                                      f"{want.numel()} bytes (s={s}, B={block})")  # fmt: skip
+        return
+    if name.startswith("dequantize"):
+        x = _sample(block, "stochastic", n).to(device)
+        base = torch.randn(n, generator=torch.Generator().manual_seed(36)).to(device)
+        eager = _eager(name)
+        for s in sizes:
+            message = q8.new_message(s, block, device)
+            q8.quantize_eager(message, x[:s], block, "stochastic", _CHECK_KEY)
+            want, got = base[:s].clone(), base[:s].clone()
+            eager(message, s, block, want)
+            fn(message, s, block, got)
+            differ = _differing(want, got)
+            if differ:
+                raise AssertionError(f"the {name} kernel differs from the eager reference in {differ} of {s} "
+                                     f"values (B={block})")  # fmt: skip
         return
     x = _sample(block, None, n).to(device)
     for dtype in ("float16", "bfloat16"):  # one graph per wire dtype: both compiled here, not in a collective
@@ -312,11 +386,32 @@ def _check(name: str, fn, block: int, device, n: int) -> None:
         for values in (x, x[: sizes[1]] * 1e-42, x[: sizes[1]] * 1e30):  # k clamped at 126; k near -85
             want, got = w.empty(values.numel(), values), w.empty(values.numel(), values)
             w.encode_eager(values, want)
-            _run_wire(fn, values, got)
-            differ = int((want.view(torch.int16) != got.view(torch.int16)).sum())
+            if name == "wire_decode":
+                want, got, message = torch.empty_like(values), torch.empty_like(values), want
+                w.decode_eager(message, want)
+                fn(message, got)
+            else:
+                fn(values, got)
+            differ = _differing(want, got)
             if differ:
-                raise AssertionError(f"the compiled {name} ({dtype}) differs from the eager reference in {differ} "
+                raise AssertionError(f"the {name} kernel ({dtype}) differs from the eager reference in {differ} "
                                      f"of {values.numel()} values")  # fmt: skip
+
+
+def _checked_runner(name: str, fn, block: int, device, n: int):
+    """``fn`` once it passed ``_check``; for a list of forms (the dequantize-and-add's), the first that passes,
+    else the first form's failure."""
+    if not isinstance(fn, list):
+        _check(name, fn, block, device, n)
+        return fn
+    failure = None
+    for form in fn:
+        try:
+            _check(name, form, block, device, n)
+            return form
+        except AssertionError as error:
+            failure = failure or error
+    raise failure
 
 
 def _synchronize(device: torch.device) -> None:
@@ -340,26 +435,36 @@ def _seconds(calls: dict, device: torch.device) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def _timing(name: str, fn, block: int, device: torch.device, n: int) -> dict:
-    """Fused and eager ``name`` on n values of ``_sample`` against a copy of them: {"fused", "eager"} as multiples
-    of the copy's time, "copy_s", and "chosen" (the faster)."""
+def _timing(name: str, runners: dict, block: int, device: torch.device, n: int) -> dict:
+    """Eager ``name`` and each of its checked ``runners`` on n values of ``_sample`` against a copy of them: each as
+    a multiple of the copy's time, "copy_s", and "chosen" (the fastest)."""
     x = _sample(block, None, n).to(device)
     copy = torch.empty_like(x)
     if name.startswith("quantize"):
         rounding = name.split("_")[1]
         message = q8.new_message(n, block, device)
-        calls = {
-            "fused": lambda: _run_quantize(fn, message, x, block, rounding, _CHECK_KEY),
-            "eager": lambda: q8.quantize_eager(message, x, block, rounding, _CHECK_KEY),
-        }
+        calls = {v: (lambda fn=fn: fn(message, x, block, rounding, _CHECK_KEY)) for v, fn in runners.items()}
+        calls["eager"] = lambda: q8.quantize_eager(message, x, block, rounding, _CHECK_KEY)
+    elif name.startswith("dequantize"):
+        message, out = q8.new_message(n, block, device), torch.zeros_like(x)
+        q8.quantize_eager(message, x, block, "stochastic", _CHECK_KEY)
+        eager = _eager(name)
+        calls = {v: (lambda fn=fn: fn(message, n, block, out)) for v, fn in runners.items()}
+        calls["eager"] = lambda: eager(message, n, block, out)
     else:
         w = wire.Wire("float16")
         message = w.empty(n, x)
-        eager = w._encode_host if device.type == "cpu" else w.encode_eager  # what Wire.encode runs unfused
-        calls = {"fused": lambda: _run_wire(fn, x, message), "eager": lambda: eager(x, message)}
+        w.encode_eager(x, message)
+        if name == "wire_decode":
+            calls = {v: (lambda fn=fn: fn(message, copy)) for v, fn in runners.items()}
+            calls["eager"] = lambda: w.decode_eager(message, copy)
+        else:
+            eager = _eager(name)
+            calls = {v: (lambda fn=fn: fn(x, message)) for v, fn in runners.items()}
+            calls["eager"] = lambda: eager(x, message)
     seconds = _seconds({"copy": lambda: copy.copy_(x), **calls}, device)
     row = {k: seconds[k] / seconds["copy"] for k in calls}
-    row.update(copy_s=seconds["copy"], chosen="fused" if row["fused"] <= row["eager"] else "eager")
+    row.update(copy_s=seconds["copy"], chosen=min(calls, key=lambda k: (row[k], k == "eager")))
     return row
 
 
@@ -372,6 +477,7 @@ def enable(
     backend: str = "inductor",
     pick: str = "faster",
     sample_values: int = SAMPLE_VALUES,
+    triton: bool | None = None,
 ) -> dict[str, float]:
     """Compile ``kernels`` for ``device`` and block size ``block``, check each against its eager reference on
     ``sample_values`` values (``_sample``), and switch it on where it is the faster (``pick="faster"``: both
@@ -381,7 +487,9 @@ def enable(
     logged at WARNING). ``say``: where the lines go (default: this module's logger at INFO where logging shows
     it, else stderr). ``backend``: torch.compile's; "eager" traces the kernels with dynamo but runs torch's own
     operations, in seconds, which the tests use to check the kernels' arithmetic and the dispatch without a C++
-    build."""
+    build. ``triton``: offer the hand-written Triton kernels (``cerar.formats.triton_kernels``); None: where they
+    compile (CUDA with Triton); True: on the CPU too, in Triton's interpreter (the tests). Each variant that passes
+    its check is timed; "chosen" is the fastest of eager and them."""
     say = say or _announce
     device = torch.device(device)
     unknown = [k for k in kernels if k not in KERNELS]
@@ -397,52 +505,69 @@ def enable(
     if not ok:
         say(f"cerar.formats.fused: the eager arithmetic is used ({why})")
         return {}
-    todo = [k for k in kernels if _key(k, device, block) not in _timings]
+    if triton is False:
+        triton_why = "not asked for"
+    else:
+        from cerar.formats import triton_kernels
+
+        triton, triton_why = triton_kernels.usable(device, interpreter=bool(triton))
+        if block > triton_kernels.MAX_BLOCK:
+            triton, triton_why = False, f"B={block} is above its MAX_BLOCK={triton_kernels.MAX_BLOCK}"
+    todo = [k for k in kernels if _key(k, device, block) not in _timings and (triton or k in COMPILED)]
+    without = [k for k in kernels if not triton and k not in COMPILED]
     if not todo:
         return dict.fromkeys(kernels, 0.0)
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "the default inductor cache")
     say(
-        f"cerar.formats.fused: compiling {len(todo)} fused kernels ({', '.join(todo)}) for {device.type}, B={block}, "
-        f"with torch.compile ({backend}): on a small busy CPU minutes the first time (76-519 s measured on 2 cores "
-        f"at load 10-35), seconds once cached in {cache}; then each is checked on {sample_values} values and "
+        f"cerar.formats.fused: compiling {len(todo)} kernels ({', '.join(todo)}) for {device.type}, B={block}, "
+        f"with torch.compile ({backend})" + (" and Triton by hand" if triton else "")
+        + f": on a small busy CPU minutes the first time (76-519 s measured on 2 cores at load 10-35), seconds once "
+        f"cached in {cache}; then each is checked on {sample_values} values and "
         + ("timed against the eager path" if pick == "faster" else "switched on")
-    )
+    )  # fmt: skip
     seconds, said = {}, []
     for name in todo:
         start = time.perf_counter()
-        try:
-            fn = _compiled_function(name, block, backend)
-            _check(name, fn, block, device, sample_values)
-            row = _timing(name, fn, block, device, sample_values) if pick == "faster" else {"chosen": "fused"}
-        except Exception as error:  # compiling is optional: the eager path is always there
-            reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
-            log.warning("cerar.formats.fused: %s stays eager on %s: %s", name, device.type, reason)
-            row = {"chosen": "eager", "failed": reason}
-            fn = None
+        row, passed = {}, {}
+        for variant, fn in _runners(name, block, device, backend, triton).items():
+            try:  # compiling is optional: the eager path is always there
+                passed[variant] = _checked_runner(name, fn, block, device, sample_values)
+            except Exception as error:
+                reason = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
+                log.warning("cerar.formats.fused: the %s %s stays off on %s: %s", variant, name, device.type, reason)
+                row["failed" if variant == "fused" else f"{variant}_failed"] = reason
+        if pick == "faster" and passed:
+            row.update(_timing(name, passed, block, device, sample_values))
+        else:
+            row["chosen"] = next(iter(passed), "eager")
         seconds[name] = time.perf_counter() - start
         with _lock:
             _timings[_key(name, device, block)] = row
-            if fn is not None:
-                _checked[_key(name, device, block)] = fn
-            if row["chosen"] == "fused":
-                _enabled[_key(name, device, block)] = fn
+            _checked[_key(name, device, block)] = passed
+            if row["chosen"] != "eager":
+                _enabled[_key(name, device, block)] = passed[row["chosen"]]
         said.append(_said(name, row, seconds[name]))
+    if without:
+        said.append(f"no kernel for {', '.join(without)} here ({triton_why})")
     timed = f" (x a copy, median of {REPEATS} at {sample_values} values, synchronised)" if pick == "faster" else ""
     say(f"cerar.formats.fused: on {device.type}, B={block}{timed}: " + "; ".join(said))
     return seconds
 
 
 def _said(name: str, row: dict, seconds: float) -> str:
-    if "failed" in row:
-        return f"{name} eager (fused failed: {row['failed']}; {seconds:.1f} s)"
-    if "fused" not in row:
-        return f"{name} fused ({seconds:.1f} s)"
-    other = "eager" if row["chosen"] == "fused" else "fused"
-    return f"{name} {row['chosen']} {row[row['chosen']]:.2f} ({other} {row[other]:.2f}; {seconds:.1f} s)"
+    """One kernel's part of ``enable``'s line: what runs, its time, the others' (or why each variant is off)."""
+    failed = [f"{k.removesuffix('_failed').replace('failed', 'fused')} failed: {v}" for k, v in row.items()
+              if k.endswith("failed")]  # fmt: skip
+    timed = [k for k in ("eager", *VARIANTS) if k in row]
+    if not timed:
+        return f"{name} {row['chosen']} ({'; '.join([*failed, f'{seconds:.1f} s'])})"
+    chosen = row["chosen"]
+    others = [f"{k} {row[k]:.2f}" for k in timed if k != chosen]
+    return f"{name} {chosen} {row[chosen]:.2f} ({', '.join(others + failed)}; {seconds:.1f} s)"
 
 
 def _key(name: str, device, block: int) -> tuple[str, str, int]:
-    return name, torch.device(device).type, 0 if name == "wire_encode" else block
+    return name, torch.device(device).type, 0 if name.startswith("wire") else block
 
 
 def _announce(line: str) -> None:
@@ -470,18 +595,26 @@ def enabled() -> list[tuple[str, str, int]]:
 
 
 def choices() -> dict[tuple[str, str, int], dict]:
-    """What ``enable`` decided per kernel (the keys of ``enabled``): "chosen" ("fused" or "eager"), and where it
-    timed them "fused" and "eager" as multiples of a copy and "copy_s", or "failed" (why the fused one is not
-    used)."""
+    """What ``enable`` decided per kernel (the keys of ``enabled``): "chosen" ("eager", "fused" or "triton"), and
+    where it timed them each checked variant and "eager" as multiples of a copy and "copy_s"; "failed" (why the
+    compiled one is off) or "triton_failed"."""
     with _lock:
         return {k: dict(v) for k, v in sorted(_timings.items())}
 
 
 def checked_kernel(name: str, device, block: int = q8.DEFAULT_BLOCK):
-    """The compiled function of kernel ``name`` that passed ``enable``'s check on ``device`` (also where the eager
+    """The compiled function of kernel ``name`` that passed ``enable``'s check on ``device`` (also where another
     path was chosen: for benchmarks, through ``_run_quantize`` or ``_run_wire``), or None."""
     with _lock:
-        return _checked.get(_key(name, device, block))
+        runner = _checked.get(_key(name, device, block), {}).get("fused")
+    return getattr(runner, "compiled", None)
+
+
+def checked_variants(name: str, device, block: int = q8.DEFAULT_BLOCK) -> dict:
+    """{variant: runner} of kernel ``name`` that passed ``enable``'s check on ``device`` (``_runners`` has the
+    signatures): what a benchmark times beside eager and the chosen path."""
+    with _lock:
+        return dict(_checked.get(_key(name, device, block), {}))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -495,7 +628,7 @@ def quantize(message: torch.Tensor, x: torch.Tensor, block: int, rounding: str, 
     fn = _enabled.get((f"quantize_{rounding}", x.device.type, block))
     if fn is None:
         return False
-    _run_quantize(fn, message, x, block, rounding, offset)
+    fn(message, x, block, rounding, offset)
     return True
 
 
@@ -505,12 +638,34 @@ def wire_encode(block: torch.Tensor, out: torch.Tensor) -> bool:
     fn = _enabled.get(("wire_encode", block.device.type, 0))
     if fn is None:
         return False
-    _run_wire(fn, block, out)
+    fn(block, out)
+    return True
+
+
+def wire_decode(message: torch.Tensor, out: torch.Tensor) -> bool:
+    if out.numel() < MIN_VALUES:
+        return False
+    fn = _enabled.get(("wire_decode", out.device.type, 0))
+    if fn is None:
+        return False
+    fn(message, out)
+    return True
+
+
+def dequantize(message: torch.Tensor, s: int, block: int, out: torch.Tensor, add: bool) -> bool:
+    if s < MIN_VALUES:
+        return False
+    fn = _enabled.get(("dequantize_add" if add else "dequantize", out.device.type, block))
+    if fn is None:
+        return False
+    fn(message, s, block, out)
     return True
 
 
 q8.FUSED_QUANTIZE = quantize  # the formats ask through these; they never import this module
+q8.FUSED_DEQUANTIZE = dequantize
 wire.FUSED_ENCODE = wire_encode
+wire.FUSED_DECODE = wire_decode
 
 __all__ = [
     "KERNELS",
@@ -518,6 +673,7 @@ __all__ = [
     "SAMPLE_VALUES",
     "available",
     "checked_kernel",
+    "checked_variants",
     "choices",
     "disable",
     "enable",

@@ -372,16 +372,25 @@ device wrote the message; None, or False, and the eager path writes it."""
 
 
 def dequantize(message: torch.Tensor, s: int, block: int, out: torch.Tensor, *, add: bool = False) -> None:
-    """x~ = q scale, written into ``out`` (float32, s values, contiguous), or added to it with ``add=True``:
-    13 bytes of traffic per value written (int8 read, float32 written, read and written scaled), 17 added.
-    Eager only (``cerar.formats.fused.KERNELS`` says why)."""
+    """x~ = q scale, written into ``out`` (float32, s values, contiguous), or added to it with ``add=True``
+    (``dequantize_eager`` says how), through the kernel ``cerar.formats.fused`` enabled for out's device where there
+    is one (the same bytes), else eagerly."""
+    if FUSED_DEQUANTIZE is None or not FUSED_DEQUANTIZE(message, s, block, out, add):
+        dequantize_eager(message, s, block, out, add=add)
+
+
+FUSED_DEQUANTIZE = None
+"""The decoder's dispatch, put here by ``cerar.formats.fused`` (as ``FUSED_QUANTIZE``): (message, s, block, out, add)
+-> True when a kernel enabled for out's device wrote ``out``."""
+
+
+def dequantize_eager(message: torch.Tensor, s: int, block: int, out: torch.Tensor, *, add: bool = False) -> None:
+    """``dequantize`` with torch's eager operations, the reference its kernels must match: 13 bytes of traffic per
+    value written on a CPU (int8 read, float32 written, read and written scaled), 17 added."""
     scales, values = parts(message, s, block)
     for rows, which in _rows(out, block):
         q = values[which.start * block : which.start * block + rows.numel()].view(rows.shape)
         dequantize_rows(q, scales[which], rows, add)
-
-
-dequantize_eager = dequantize
 
 
 def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor, add: bool) -> None:

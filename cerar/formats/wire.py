@@ -41,6 +41,10 @@ FUSED_ENCODE = None
 wire, never the other way): (block, out) -> True when a kernel enabled for the block's device wrote the message;
 None, or False, and ``Wire.encode`` writes it."""
 
+FUSED_DECODE = None
+"""The decoder's dispatch, put there by ``cerar.formats.fused`` as ``FUSED_ENCODE``: (message, out) -> True when a
+kernel enabled for out's device wrote ``out``."""
+
 TRANSPORTS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 """The wire dtypes, by the names the trainer's config and the agreement check use."""
 
@@ -172,6 +176,13 @@ class Wire:
         cast_into(block, _power_of_two(k), out[HEADER:])
 
     def decode(self, message: torch.Tensor, out: torch.Tensor) -> None:
+        """out (float32) = message's block times 2^-k: through the kernel of ``cerar.formats.fused`` where it is
+        enabled for out's device (the same bytes), else ``decode_eager``."""
+        if FUSED_DECODE is not None and FUSED_DECODE(message, out):
+            return
+        self.decode_eager(message, out)
+
+    def decode_eager(self, message: torch.Tensor, out: torch.Tensor) -> None:
         """out (float32) = message's block times 2^-k (an exact product of the float32 value). On a device one
         pass, the 16-bit values read and float32 written (2^-k a 1-value float32 tensor, so that the product is
         float32's: a 0-d one would not promote a 16-bit block); on a CPU a cast, then the product (one multiply
