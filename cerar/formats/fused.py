@@ -1,5 +1,10 @@
 """Fused kernels for the per-call arithmetic of the 8-bit format and the 16-bit wire (issues 35 and 52).
 
+Three ways to run each operation, one chosen per device by ``enable``: eager torch (the reference), the kernel
+``torch.compile`` writes from the functions below ("fused", ``COMPILED``), and a hand-written Triton kernel on a GPU
+("triton", ``cerar.formats.triton_kernels``: one pass each, the decoders too). Every variant must write the eager
+bytes on ``enable``'s sample before it is timed; the fastest runs.
+
 Eager torch runs the 8-bit quantizer as separate passes over the data (the absmax, the products, the rounding, the
 clamp, the cast; the dither's sum): on an H200 9x a device copy at nearest rounding and 131x at stochastic (a Python
 loop over 2^16-value pieces, since removed), where one loop reads the float32 values once and writes one byte each.

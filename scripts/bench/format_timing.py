@@ -10,7 +10,8 @@ Rows, per size: a copy (``y.copy_(x)``, 4 bytes read and 4 written per value), t
 (nearest and stochastic), dequantize and dequantize-and-add (``cerar.formats.int8_blocks``) and the 16-bit wire's
 encode and decode in float16 and bfloat16 (``cerar.formats.wire``), each in up to three variants: ``eager`` (the
 reference), ``fused`` (the compiled kernel of ``cerar.formats.fused``, where it compiled and passed its check) and
-``chosen`` (what the formats run once ``fused.enable`` has picked the faster per kernel: the path a collective
+``triton`` (the hand-written Triton kernel of ``cerar.formats.triton_kernels``, on a GPU, where it passed its check)
+and ``chosen`` (what the formats run once ``fused.enable`` has picked the fastest per kernel: the path a collective
 takes). Times: the median of ``reps`` calls after an untimed one, each between CUDA events on a GPU (device
 time, launches included), the thread's CPU time elsewhere (``scripts.checks.gpu.arithmetic._timed``, the GPU
 check's measure) (a dry run; ``reports/arithmetic.md`` is the CPU's
@@ -41,40 +42,52 @@ KEY = 12345
 
 
 def _cases(n: int, block: int, device: torch.device, x: torch.Tensor) -> list[tuple]:
-    """(operation, {variant: fn}, output to compare) for every format at n values."""
-    out = torch.empty_like(x)
-    message = {v: q8.new_message(n, block, device) for v in ("eager", "fused", "chosen")}
-    compiled = {name: fused.checked_kernel(name, device, block) for name in fused.KERNELS}
+    """(operation, {variant: fn}, outputs to compare or None) for every format at n values: eager, every variant
+    that passed ``fused.enable``'s check ("fused": compiled; "triton"), and "chosen" (the public function)."""
     cases = []
     for rounding in ("nearest", "stochastic"):
-        name = f"quantize_{rounding}"
+        message = {v: q8.new_message(n, block, device) for v in ("eager", "chosen", *fused.VARIANTS)}
         variants = {
-            "eager": lambda r=rounding: q8.quantize_eager(message["eager"], x, block, r, KEY),
-            "chosen": lambda r=rounding: q8.quantize_into(message["chosen"], x, block, r, KEY),
+            "eager": lambda r=rounding, m=message: q8.quantize_eager(m["eager"], x, block, r, KEY),
+            "chosen": lambda r=rounding, m=message: q8.quantize_into(m["chosen"], x, block, r, KEY),
         }
-        if compiled[name] is not None:
-            variants["fused"] = lambda r=rounding, fn=compiled[name]: fused._run_quantize(
-                fn, message["fused"], x, block, r, KEY
-            )
+        for variant, fn in fused.checked_variants(f"quantize_{rounding}", device, block).items():
+            variants[variant] = lambda r=rounding, m=message, v=variant, fn=fn: fn(m[v], x, block, r, KEY)
         cases.append((f"int8 quantize, {rounding}", variants, message))
-    q8.quantize_eager(message["eager"], x, block, "stochastic", KEY)
-    cases.append(("int8 dequantize", {"eager": lambda: q8.dequantize(message["eager"], n, block, out)}, None))
-    cases.append(
-        ("int8 dequantize and add", {"eager": lambda: q8.dequantize(message["eager"], n, block, out, add=True)}, None)
-    )
+    message = q8.new_message(n, block, device)
+    q8.quantize_eager(message, x, block, "stochastic", KEY)
+    for name in ("dequantize", "dequantize_add"):
+        add = name == "dequantize_add"
+        out = {v: torch.zeros_like(x) for v in ("eager", "chosen", *fused.VARIANTS)}
+        variants = {
+            "eager": lambda o=out, add=add: q8.dequantize_eager(message, n, block, o["eager"], add=add),
+            "chosen": lambda o=out, add=add: q8.dequantize(message, n, block, o["chosen"], add=add),
+        }
+        for variant, fn in fused.checked_variants(name, device, block).items():
+            variants[variant] = lambda o=out, v=variant, fn=fn: fn(message, n, block, o[v])
+        # the add accumulates over the timed calls: its outputs are not compared (enable's check compared them)
+        cases.append(("int8 dequantize and add" if add else "int8 dequantize", variants, None if add else out))
     for dtype in ("float16", "bfloat16"):
         wire = Wire(dtype)
-        wmessage = {v: wire.empty(n, x) for v in ("eager", "fused", "chosen")}
+        wmessage = {v: wire.empty(n, x) for v in ("eager", "chosen", *fused.VARIANTS)}
         unfused = wire._encode_host if device.type == "cpu" else wire.encode_eager
         variants = {
             "eager": lambda w=wmessage, e=unfused: e(x, w["eager"]),
             "chosen": lambda w=wmessage, wire=wire: wire.encode(x, w["chosen"]),
         }
-        if compiled["wire_encode"] is not None:
-            variants["fused"] = lambda w=wmessage, fn=compiled["wire_encode"]: fused._run_wire(fn, x, w["fused"])
+        for variant, fn in fused.checked_variants("wire_encode", device).items():
+            variants[variant] = lambda w=wmessage, v=variant, fn=fn: fn(x, w[v])
         cases.append((f"wire {dtype} encode", variants, wmessage))
-        decode = {"eager": lambda w=wmessage, wire=wire: wire.decode(w["eager"], out)}
-        cases.append((f"wire {dtype} decode", decode, None))
+        encoded = wire.empty(n, x)
+        unfused(x, encoded)
+        out = {v: torch.empty_like(x) for v in ("eager", "chosen", *fused.VARIANTS)}
+        decode = {
+            "eager": lambda o=out, wire=wire, m=encoded: wire.decode_eager(m, o["eager"]),
+            "chosen": lambda o=out, wire=wire, m=encoded: wire.decode(m, o["chosen"]),
+        }
+        for variant, fn in fused.checked_variants("wire_decode", device).items():
+            decode[variant] = lambda o=out, v=variant, fn=fn, m=encoded: fn(m, o[v])
+        cases.append((f"wire {dtype} decode", decode, out))
     return cases
 
 
@@ -119,7 +132,7 @@ def _rows_at(size: float, device: torch.device, block: int, time_it) -> list[dic
     for operation, variants, messages in _cases(n, block, device, x):
         for variant, fn in variants.items():
             fn()
-            same = True if messages is None else bool(torch.equal(messages[variant], messages["eager"]))
+            same = True if messages is None else fused._differing(messages["eager"], messages[variant]) == 0
             t = time_it(fn)
             rows.append({"MiB": size, "operation": operation, "variant": variant, "ms": 1e3 * t,
                          "x_copy": t / copy_s, "same_bytes": same})  # fmt: skip

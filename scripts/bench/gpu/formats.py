@@ -22,7 +22,7 @@ from scripts.bench.gpu.measure import timed
 SECTION = "formats"
 SIZES_MIB = (64, 256)
 SMALL_SIZES_MIB = (0.25,)
-ESTIMATE_S = 20.0  # one size, both variants, on an H200 (enable compiles in about 11 s the first time)
+ESTIMATE_S = 45.0  # one size, every variant, on an H200 (enable compiled in about 11 s the first time, Triton too now)
 
 
 def _gradient(n: int, block: int, seed: int, device: torch.device) -> torch.Tensor:
