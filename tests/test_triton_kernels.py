@@ -80,7 +80,7 @@ def test_the_decoders_write_the_eager_bytes_and_the_add_rounds_the_product_then_
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_the_wire_kernels_write_the_eager_bytes_for_normal_subnormal_huge_and_zero_blocks(dtype):
-    """k from the message's largest magnitude's bits (an atomic maximum), the values scaled and rounded to 16 bits
+    """k from the bits of the message's larger magnitude (``aminmax``), the values scaled and rounded to 16 bits
     (bfloat16 rounded to nearest even on its bits, as c10 does), and back: byte for byte with ``Wire``'s eager
     encode and decode, for a block of subnormals (k clamped at 126), one with infinities (k of a non-finite
     maximum: 15), one of zeros."""
@@ -95,6 +95,15 @@ def test_the_wire_kernels_write_the_eager_bytes_for_normal_subnormal_huge_and_ze
         w.decode_eager(want, out_want)
         tk.wire_decode(want, out_got)
         assert torch.equal(out_want.view(torch.int32), out_got.view(torch.int32))
+    with_nan = x.clone()
+    with_nan[7] = float("nan")  # k of a NaN maximum: eager's frexp gives exponent 0, so k = 15; the rest finite
+    want, got = w.empty(SHORT, x), w.empty(SHORT, x)
+    w.encode_eager(with_nan, want)
+    tk.wire_encode(with_nan, got)
+    finite = torch.ones(SHORT + 1, dtype=torch.bool)
+    finite[8] = False
+    assert float(got[0]) == float(want[0]) == 15.0
+    assert torch.equal(want.view(torch.int16)[finite], got.view(torch.int16)[finite])
 
 
 def test_enable_times_triton_beside_eager_and_the_formats_dispatch_to_the_kernel_it_chose(monkeypatch):

@@ -70,13 +70,6 @@ def dequantize(q_ptr, scale_ptr, out_ptr, s, nb,
 
 
 @triton.jit
-def absmax_bits(x_ptr, acc_ptr, n, TILE: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * TILE + tl.arange(0, TILE)
-    bits = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(acc_ptr, tl.max(bits, axis=0))
-
-
-@triton.jit
 def to_bfloat16_bits(y):
     """float32 -> bfloat16's bits (int16), rounded to nearest even on the integer bits as c10::BFloat16 does for
     every non-NaN value (Triton's interpreter truncates its own conversion; CUDA's cvt.rn gives the same bits)."""
@@ -86,8 +79,10 @@ def to_bfloat16_bits(y):
 
 
 @triton.jit
-def encode(x_ptr, acc_ptr, out_ptr, n, TILE: tl.constexpr, BF16: tl.constexpr):
-    a = tl.load(acc_ptr)
+def encode(x_ptr, least_ptr, largest_ptr, out_ptr, n, TILE: tl.constexpr, BF16: tl.constexpr):
+    # the larger magnitude of the message's least and largest value (torch.aminmax: a NaN propagates), as bits
+    a = tl.maximum(tl.load(largest_ptr), -tl.load(least_ptr), propagate_nan=tl.PropagateNan.ALL)
+    a = a.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     e = ((a.to(tl.float32, bitcast=True).to(tl.float64).to(tl.int64, bitcast=True) >> 52) & 0x7FF) - 1022
     e = tl.where((a == 0) | (a >= 0x7F800000), 0, e.to(tl.int32))
     k = tl.minimum(tl.maximum(15 - e, -126), 126)
