@@ -260,8 +260,7 @@ def _same_shard_worker(rank, N):
     """Shot 1 of the two-shot skeleton alone, on rows that are the same on every rank: the messages rank 0 receives
     (the same shard 0 from each sender)."""
     from cerar.int4.codecs import Int4Codec
-    from cerar.int4.two_shot import message_key, scatter_reduce
-    from cerar.int8.all_reduce import _PeerRing
+    from cerar.int4.two_shot import _PeerRing, message_key, scatter_reduce
     from cerar.ring.rounds import PhaseTimer
     from cerar.ring.transport import _Rounds
 
