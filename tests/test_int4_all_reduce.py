@@ -29,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 
+from cerar.planning.costmodel import two_tier_features
 from tests.distributed import run_workers
 from tests.test_int4_format import signs
 
@@ -186,6 +187,7 @@ def test_flat_all_reduce_is_within_the_bound_the_same_on_every_rank_and_sends_th
         s = math.ceil(d / N)
         formula = 2 * (N - 1) * (math.ceil(s / 2) + 4 * math.ceil(s / B)) if N > 1 else 0
         assert all(r[d][1] == r[d][2] == r[d][3] == formula for r in results), (d, results[0][d][1:], formula)
+        assert two_tier_features("int4", d, 1, N, block=B, rotate=rotate)[1] == formula  # the cost model's count
     strided = torch.stack([gradient_like(r, 2 * 389).view(389, 2)[:, 0] for r in range(N)])
     check_against_oracle(results[0]["sum, strided"] / N, strided, B, rounding, rotate, 5, "sum, strided")
     for r in results:
@@ -258,8 +260,7 @@ def _same_shard_worker(rank, N):
     """Shot 1 of the two-shot skeleton alone, on rows that are the same on every rank: the messages rank 0 receives
     (the same shard 0 from each sender)."""
     from cerar.int4.codecs import Int4Codec
-    from cerar.int4.two_shot import message_key, scatter_reduce
-    from cerar.int8.all_reduce import _PeerRing
+    from cerar.int4.two_shot import _PeerRing, message_key, scatter_reduce
     from cerar.ring.rounds import PhaseTimer
     from cerar.ring.transport import _Rounds
 

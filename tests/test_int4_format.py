@@ -351,6 +351,44 @@ def test_the_rotation_keeps_small_values_beside_a_spike():
     assert errors[False] == 1.0 and errors[True] < 0.5, errors
 
 
+ROTATION_QUANTIZE_OPERATIONS = 1 + 2 * 7
+"""The operations the rotation adds to a quantization at B = 128: the product by the signs, and each of the log2 B
+stages' sums and differences (one operation each, over every block at once)."""
+ROTATION_DEQUANTIZE_OPERATIONS = 2 + 2 * 7
+"""...and to a dequantization: the stages on the integers, the signs times 1/B (B values), their product."""
+QUANTIZE_OPERATIONS_MOST = 68
+"""A rotated quantization with nearest rounding at B = 128, a short last block included (44 without it), counted:
+at most this many operations whatever the message's length."""
+DEQUANTIZE_OPERATIONS_MOST = 23
+
+
+@pytest.mark.quick
+def test_the_rotation_is_a_fixed_number_of_operations_at_any_length():
+    """Counted on the dispatched operations (tests/test_op_count.py's counter: views and allocations are not
+    operations): rotated less not rotated, at 2^17 + 37 and 2^19 + 37 values, the rotation is 1 + 2 log2 B
+    operations per quantization and 2 + 2 log2 B per dequantization, none of them per block or per chunk of the
+    message; nearest rounding's whole count does not grow with the message. (The stochastic dither still adds a
+    few operations per 2^16 values, a loop the 8-bit format's device form removed: not the rotation's.)"""
+    from tests.test_op_count import OperationCounter
+
+    B = 128
+    counts = {}
+    for s in (2**17 + 37, 2**19 + 37):
+        x, out, message = torch.randn(s), torch.empty(s), q4.new_message(s, B, "cpu")
+        for rotate in (False, True):
+            q4.quantize_eager(message, x, B, "nearest", 0, rotate, 3)  # the signs, built once per seed
+            with OperationCounter() as quantize:
+                q4.quantize_eager(message, x, B, "nearest", 0, rotate, 3)
+            with OperationCounter() as dequantize:
+                q4.dequantize(message, s, B, out, rotate=rotate, seed=3)
+            counts[s, rotate] = (quantize.total, dequantize.total)
+        plain, rotated = counts[s, False], counts[s, True]
+        assert rotated[0] - plain[0] == ROTATION_QUANTIZE_OPERATIONS, counts
+        assert rotated[1] - plain[1] == ROTATION_DEQUANTIZE_OPERATIONS, counts
+        assert rotated[0] <= QUANTIZE_OPERATIONS_MOST and rotated[1] <= DEQUANTIZE_OPERATIONS_MOST, counts
+    assert counts[2**17 + 37, True] == counts[2**19 + 37, True], counts
+
+
 # ------------------------------------------------------------------------------------------------
 # Arguments and the fused path's hook
 # ------------------------------------------------------------------------------------------------

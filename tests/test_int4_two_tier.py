@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from cerar.planning.costmodel import two_tier_features
 from tests.distributed import run_workers
 from tests.test_int4_all_reduce import U, check_against_oracle, gradient_like
 
@@ -160,6 +161,8 @@ def test_two_tiers_2x2_are_within_the_bound_the_same_on_every_rank_and_send_the_
         formula = {"intra_node": inside, "inter_node": between}
         for r in results:
             assert r[d][1] == r[d][3] == formula and r[d][2] == sum(formula.values()), (d, r[d][1:], formula)
+        priced = two_tier_features("hier_int4", d, 2, G, nics_per_node=G, block=B, intra=intra, intra_block=B8)
+        assert (priced[1], priced[3]) == (inside, between), (d, priced)  # the cost model's count, one NIC a rail
     if intra == "int8":
         check_8_bit_node(results, N, rounding)
     rails = results[0]["rails"]

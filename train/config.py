@@ -292,6 +292,7 @@ HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int8")
 # The 4-bit all-reduce (cerar.int4, issue 54): int4 flat, hier_int4 on the two tiers (8 or 32 bits inside a node)
 INT4_KINDS = ("int4", "hier_int4")
 INT4_FIELDS = ("rotate", "intra")  # in a run's identity only for the 4-bit kinds (older runs' identities unchanged)
+INT4_DEFAULTS = {"rotate": True, "intra": "int8"}  # AggregatorConfig's: aggregator=auto's identity names the others
 INTRA_METHODS = ("exact", "int8")  # cerar.int4.two_tier.INTRA_METHODS
 QUANTIZED_KINDS = (*QUANTIZED_KINDS, *INT4_KINDS)  # aggregator.block: values per scale of their messages too
 AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, *INT4_KINDS)
@@ -302,7 +303,8 @@ NOT_TRAINING_AGGREGATOR_FIELDS = ("feedback_window",)  # what a run records of i
 # aggregator=auto (issue 28): chooses among the others from measured noise and measured links
 AUTO_KIND = "auto"
 # in a run's identity only for aggregator=auto
-FAMILIES = ("ring16", "int8", "cerar", "cerar16", "hier_ring16", "hier_int8", "hier_cerar", "hier_cerar16")
+FAMILIES = ("ring16", "int8", "cerar", "cerar16", "hier_ring16", "hier_int8", "hier_cerar", "hier_cerar16", "int4",
+            "hier_int4")
 """What aggregator.auto_aggregators may keep: the cost model's names of aggregator=auto's candidate families
 (train/aggregation/auto_choice.py builds them; the exact ones are always kept)."""
 
@@ -460,16 +462,17 @@ def _require_zstandard_for(d) -> None:
         ) from None
 
 
-def _validate_int4(a) -> None:
+def _validate_int4(a, who: str = "") -> None:
     """aggregator.rotate needs a block that is a power of two (the fast transform); aggregator.intra one of
-    INTRA_METHODS (hier_int4 only)."""
-    _require(isinstance(a.rotate, bool), f"aggregator.rotate={a.rotate!r} must be true or false")
+    INTRA_METHODS (hier_int4, and auto's hier_int4 candidate). `who`: the error's prefix (auto's candidates)."""
+    _require(isinstance(a.rotate, bool), f"{who}aggregator.rotate={a.rotate!r} must be true or false")
     _require(
         not a.rotate or a.block & (a.block - 1) == 0,
-        f"aggregator.block={a.block} must be a power of two to be rotated (aggregator.rotate=false for another size)",
+        f"{who}aggregator.block={a.block} must be a power of two to be rotated (aggregator.rotate=false for another "
+        "size)",
     )
-    if a.kind == "hier_int4":
-        _one_of(a.intra, INTRA_METHODS, "aggregator.intra")
+    if a.kind in ("hier_int4", AUTO_KIND):
+        _one_of(a.intra, INTRA_METHODS, f"{who}aggregator.intra")
 
 
 def _validate_feedback(cfg) -> None:
@@ -579,6 +582,8 @@ def _validate_auto_aggregator(cfg) -> None:
             _require(
                 family in FAMILIES, f"aggregator.auto_aggregators holds {family!r}: not one of {', '.join(FAMILIES)}"
             )
+    if a.auto_aggregators is None or set(a.auto_aggregators) & set(INT4_KINDS):  # its 4-bit candidates' format
+        _validate_int4(a, "aggregator=auto's 4-bit candidates: ")
     _require(a.auto_trials >= 0, f"aggregator.auto_trials={a.auto_trials} must be >= 0 (0: the cost model decides)")
     _require(a.auto_trial_calls >= 1, f"aggregator.auto_trial_calls={a.auto_trial_calls} must be >= 1")
     for key, value in a.auto_links.items():  # the schema rejects unknown keys
@@ -706,8 +711,10 @@ def training_identity(cfg, world_size: int) -> dict:
             if section == "aggregator" and key in AUTO_FIELDS and not chooses:
                 continue
             if section == "aggregator" and key in INT4_FIELDS and cfg.aggregator.kind not in INT4_KINDS:
-                continue  # absent from the identities of the other kinds (and of runs from before issue 54)
-            if section == "aggregator" and key == "intra" and cfg.aggregator.kind != "hier_int4":
+                if not chooses or value == INT4_DEFAULTS[key]:
+                    continue  # absent from the other kinds' identities (and from runs before issue 54); auto's
+                    # only where its 4-bit candidates differ from the default (older auto runs' unchanged)
+            elif section == "aggregator" and key == "intra" and cfg.aggregator.kind != "hier_int4":
                 continue  # the flat int4 has no tier inside a node
             unfed = key == "error_feedback" and not value  # feedback only when on (older runs' identities unchanged)
             if section == "aggregator" and (key in NOT_TRAINING_AGGREGATOR_FIELDS or unfed):

@@ -39,16 +39,9 @@ import torch
 from cerar.formats.int4_blocks import DEFAULT_BLOCK, DEFAULT_ROTATE, DEFAULT_ROUNDING, check_format, message_bytes
 from cerar.int4.codecs import Int4Codec
 from cerar.int4.feedback import ErrorFeedback
-from cerar.int4.two_shot import call_stats, copy_back, divide, gather_reduced, message_key, next_call, scatter_reduce
-from cerar.int8.all_reduce import _PeerRing, check_quantized_call
-from cerar.ring.checks import check_agreement
-from cerar.ring.protocol import AllReduceStats, as_equal_shards
-from cerar.ring.rounds import PhaseTimer
-from cerar.ring.transport import _bytes, _Rounds
-
-INT4_PROTOCOL_VERSION = 1
-"""Bumped whenever the rounds, the shard assignment, the keys or the format change: ranks of different versions
-refuse to mix."""
+from cerar.int4.two_shot import INT4_PROTOCOL_VERSION, two_shot_all_reduce
+from cerar.int8.all_reduce import check_quantized_call
+from cerar.ring.protocol import AllReduceStats
 
 
 def check_int4_call(tensor, op: str, block, rounding, rotate, seed, operation: str) -> Int4Codec:
@@ -90,52 +83,6 @@ def int4_all_reduce(
     codec = check_int4_call(tensor, op, block, rounding, rotate, seed, operation)
     return two_shot_all_reduce(tensor, codec, group, op, timeout, seed=seed, timed=timed, feedback=feedback,
                                operation=operation)  # fmt: skip
-
-
-def two_shot_all_reduce(
-    tensor: torch.Tensor, codec, group, op: str, timeout, *, seed: int, timed: bool, feedback=None,
-    feedback_name: str = "flat", operation: str = "cerar.int4.two_shot_all_reduce",
-) -> AllReduceStats:  # fmt: skip
-    """The flat two-shot call of any codec (``cerar.int4.codecs``: the 4-bit format, or the 8-bit one where a caller
-    wants its error fed back), arguments checked by the caller. ``feedback``: the residuals are kept under
-    ``feedback_name`` (the padded [N, s] shards of this call's tensor)."""
-    ring = _PeerRing.of(group, timeout, operation)
-    N, d = ring.size, tensor.numel()
-    check_agreement(
-        ring,
-        {
-            "N": N,
-            "int4 protocol version": INT4_PROTOCOL_VERSION,
-            **codec.agreement(),
-            "op": op,
-            "tensor length d": d,
-            "dtype": str(tensor.dtype),
-            "error feedback": feedback is not None,
-        },
-    )
-    call = next_call()
-    stats = AllReduceStats(rounds=2 * (N - 1) if N > 1 else 0)
-    if N == 1 or d == 0:
-        return stats
-    timer = PhaseTimer(tensor.device, enabled=timed)
-    flat, in_place = as_equal_shards(tensor, N)
-    rows = flat.view(N, -1)
-    residual = None if feedback is None else feedback.rows(feedback_name, N, rows.shape[1], flat)
-    sender = ring.global_rank(ring.rank)
-
-    def key(shard: int, phase: int) -> int:
-        return message_key(seed, call, sender, shard, phase)
-
-    with torch.no_grad():
-        rounds = _Rounds(ring, timer)
-        buffers = scatter_reduce(rows, rounds, codec, key, timer, residual)
-        if op == "avg":
-            rounds.issue(divide, timer, rows[ring.rank], N)
-        gather_reduced(rows, rounds, codec, key, timer, buffers[:N], residual)
-        if not in_place:
-            rounds.issue(copy_back, timer, tensor, flat)
-        rounds.finish()
-    return call_stats([ring], timer, stats.rounds, _bytes(*buffers) + (0 if in_place else _bytes(flat)))
 
 
 __all__ = ["INT4_PROTOCOL_VERSION", "check_int4_call", "int4_all_reduce", "int4_bytes_sent", "two_shot_all_reduce"]

@@ -12,6 +12,7 @@ import torch
 
 from cerar.formats import int4_blocks as q4
 from cerar.formats import int8_blocks as q8
+from cerar.int4.two_shot import message_key
 
 
 class Int4Codec:
@@ -27,6 +28,11 @@ class Int4Codec:
 
     def message_bytes(self, s: int) -> int:
         return q4.message_bytes(s, self.block)
+
+    @staticmethod
+    def key(seed: int, call: int, sender: int, shard: int, phase: int) -> int:
+        """A message's dither key: the 4-bit format's hash (``cerar.int4.two_shot.message_key``)."""
+        return message_key(seed, call, sender, shard, phase)
 
     def new_message(self, s: int, device) -> torch.Tensor:
         return q4.new_message(s, self.block, device)
@@ -58,6 +64,12 @@ class Int8Codec:
 
     def message_bytes(self, s: int) -> int:
         return q8.message_bytes(s, self.block)
+
+    @staticmethod
+    def key(seed: int, call: int, sender: int, shard: int, phase: int) -> int:
+        """A message's dither key: the 8-bit format's hash (``cerar.formats.int8_blocks.dither_key``) of the same
+        words, phase 0 a contribution and 1 a reduced shard, as ``cerar.int8.all_reduce`` has always keyed them."""
+        return q8.dither_key(seed, call, sender, shard, phase)
 
     def new_message(self, s: int, device) -> torch.Tensor:
         return q8.new_message(s, self.block, device)

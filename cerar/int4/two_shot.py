@@ -9,23 +9,31 @@ For N ranks, rank j owning shard j of ``rows`` [N, s]:
    decodes it back into its own shard (so that it holds what every other rank will), and the N messages go round
    a ring all-gather verbatim, each rank decoding the same bytes: every rank ends with the same result, bit for bit.
 
-This is the 8-bit all-reduce's form (``cerar.int8.all_reduce``, whose rounds are written for its format alone; a
-later refactor can run it on this skeleton with ``Int8Codec``). The rounds run on cerar's ring plumbing
-(``cerar.ring.transport._Rounds``: ``batch_isend_irecv`` batches, per-round deadlines, the gloo and NCCL contracts)
-over the all-to-all's peer ring (``cerar.int8.all_reduce._PeerRing``). Each message's dither key is the caller's
-``key(shard, phase)``; ``next_call`` numbers the calls, one count with the 8-bit all-reduce's
-(``cerar.int8.all_reduce.dither_calls``), which the trainer sets at a run's start and keeps in its checkpoints.
+``two_shot_all_reduce`` is the flat call of both shots for any codec: the 4-bit all-reduce
+(``cerar.int4.all_reduce``), the 8-bit one (``cerar.int8.all_reduce``, with ``Int8Codec``) and either fed back. The
+rounds run on cerar's ring plumbing (``cerar.ring.transport._Rounds``: ``batch_isend_irecv`` batches, per-round
+deadlines, the gloo and NCCL contracts) over the all-to-all's peer ring (``_PeerRing``). Each message's dither key is
+the caller's ``key(shard, phase)`` (the flat call's: its codec's hash of the seed, the call, the sender's global rank,
+the shard and the phase); ``next_call`` numbers the calls, one count for every quantized all-reduce of the process
+(``dither_calls``), which the trainer sets at a run's start and keeps in its checkpoints.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
+import torch.distributed as dist
 
 from cerar.formats.int4_blocks import dither_key
-from cerar.int8.all_reduce import dither_calls, set_dither_calls
-from cerar.ring.protocol import AllReduceStats
+from cerar.ring.checks import check_agreement
+from cerar.ring.protocol import AllReduceStats, as_equal_shards
 from cerar.ring.rounds import PhaseTimer
-from cerar.ring.transport import _Rounds
+from cerar.ring.transport import _bytes, _Ring, _Rounds
+
+INT4_PROTOCOL_VERSION = 1
+"""Bumped whenever the 4-bit calls' rounds, the shard assignment, the keys or the format change: ranks of different
+versions refuse to mix (the 8-bit call names its own: ``cerar.int8.all_reduce.QUANTIZED_PROTOCOL_VERSION``)."""
 
 PHASE_CONTRIBUTION = 0
 """The key's phase of a contribution's message (shot 1)."""
@@ -35,17 +43,62 @@ PHASE_NODE = 2
 """The key's phase of a contribution inside a node (the two-tier call's 8-bit reduce-scatter)."""
 
 
+_calls = {"count": 0}
+"""This process's count of quantized all-reduces (8- and 4-bit, flat and on two tiers): a key of each message's
+dither, so that stochastic rounding draws a new dither every call and the same sequence of calls gives the same
+bytes. Every rank makes the same calls, so every rank holds the same count; a trainer resets it at the start of a
+run and keeps it in its checkpoints (`dither_calls`, `set_dither_calls`), so that a run repeats its bytes whatever
+the process ran before it and a resumed run continues the dither of the run it resumes."""
+
+
+def dither_calls() -> int:
+    """How many quantized all-reduces this process has made since the count was last set: the next call's key."""
+    return _calls["count"]
+
+
+def set_dither_calls(count: int) -> None:
+    """Continue the count from ``count`` (0 at the start of a run; a checkpoint's count when resuming)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise ValueError(f"set_dither_calls: count must be an integer >= 0, got {count!r}")
+    _calls["count"] = count
+
+
 def next_call() -> int:
-    """This call's number in the process's count of quantized all-reduces (shared with the 8-bit all-reduce), and
-    the count moved on: every rank makes the same calls, so every rank numbers them alike."""
+    """This call's number in the process's count of quantized all-reduces, and the count moved on: every rank makes
+    the same calls, so every rank numbers them alike."""
     call = dither_calls()
     set_dither_calls(call + 1)
     return call
 
 
+class _PeerRing(_Ring):
+    """cerar's ring plumbing with the peers of each post chosen by the caller: ``post((send, to_rank),
+    (recv, from_rank))`` with global ranks (the all-to-all steps send to rank i + k, not to the next rank).
+    The failure messages name the peers through each round's ``what``, which the caller writes."""
+
+    def global_rank(self, group_rank: int) -> int:
+        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    @property
+    def peers(self) -> str:
+        return ""  # each round's description names its own peers
+
+    def post(self, send, recv) -> list:
+        (send_tensor, to_rank), (recv_tensor, from_rank) = send, recv
+        return self.post_between(send_tensor, to_rank, recv_tensor, from_rank)
+
+    def complete(self, works: list, what: str) -> None:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        if len(works) == 2:  # one work per op, in the order posted: the send, then the receive
+            self.await_works(works[1:], f"{what}: receive", "", deadline)
+            self.await_works(works[:1], f"{what}: send", "", deadline)
+        else:
+            self.await_works(works, f"{what}: receive and send", "", deadline)
+
+
 def message_key(seed: int, call: int, sender: int, shard: int, phase: int) -> int:
-    """The dither key of one message: a hash of the seed, the call, the sender's global rank (distinct on every
-    rail of a two-tier call), the shard and the phase."""
+    """The dither key of one 4-bit message (``Int4Codec.key``): a hash of the seed, the call, the sender's global
+    rank (distinct on every rail of a two-tier call), the shard and the phase."""
     return dither_key(seed, call, sender, shard, phase)
 
 
@@ -148,6 +201,55 @@ def copy_back(timer: PhaseTimer, tensor: torch.Tensor, flat: torch.Tensor) -> No
         tensor.copy_(flat[: tensor.numel()].view(tensor.shape))
 
 
+def two_shot_all_reduce(
+    tensor: torch.Tensor, codec, group, op: str, timeout, *, seed: int, timed: bool, feedback=None,
+    feedback_name: str = "flat", operation: str = "cerar.int4.two_shot_all_reduce", protocol: dict | None = None,
+) -> AllReduceStats:  # fmt: skip
+    """The flat two-shot call of any codec (``cerar.int4.codecs``: the 4-bit format, the 8-bit one), arguments checked
+    by the caller: shot 1, the mean's division (``op="avg"``), shot 2, the copy back into a tensor that was not
+    already N equal shards. Each message keyed by ``codec.key(seed, call, sender's global rank, shard, phase)``.
+    ``feedback``: the residuals are kept under ``feedback_name`` (the padded [N, s] shards of this call's tensor).
+    ``protocol``: the version field(s) the ranks agree on with the format, the op and d (default: the 4-bit
+    calls' ``INT4_PROTOCOL_VERSION``)."""
+    ring = _PeerRing.of(group, timeout, operation)
+    N, d = ring.size, tensor.numel()
+    check_agreement(
+        ring,
+        {
+            "N": N,
+            **({"int4 protocol version": INT4_PROTOCOL_VERSION} if protocol is None else protocol),
+            **codec.agreement(),
+            "op": op,
+            "tensor length d": d,
+            "dtype": str(tensor.dtype),
+            "error feedback": feedback is not None,
+        },
+    )
+    call = next_call()
+    stats = AllReduceStats(rounds=2 * (N - 1) if N > 1 else 0)
+    if N == 1 or d == 0:
+        return stats
+    timer = PhaseTimer(tensor.device, enabled=timed)
+    flat, in_place = as_equal_shards(tensor, N)
+    rows = flat.view(N, -1)
+    residual = None if feedback is None else feedback.rows(feedback_name, N, rows.shape[1], flat)
+    sender = ring.global_rank(ring.rank)
+
+    def key(shard: int, phase: int) -> int:
+        return codec.key(seed, call, sender, shard, phase)
+
+    with torch.no_grad():
+        rounds = _Rounds(ring, timer)
+        buffers = scatter_reduce(rows, rounds, codec, key, timer, residual)
+        if op == "avg":
+            rounds.issue(divide, timer, rows[ring.rank], N)
+        gather_reduced(rows, rounds, codec, key, timer, buffers[:N], residual)
+        if not in_place:
+            rounds.issue(copy_back, timer, tensor, flat)
+        rounds.finish()
+    return call_stats([ring], timer, stats.rounds, _bytes(*buffers) + (0 if in_place else _bytes(flat)))
+
+
 def call_stats(rings: list, timer: PhaseTimer, rounds: int, peak_extra_bytes: int) -> AllReduceStats:
     """A finished call's record: the bytes its ``rings`` (the ``_Ring``s it posted on) counted, its rounds, the
     seconds of each phase of ``timer``, its peak extra storage."""
@@ -164,8 +266,10 @@ def call_stats(rings: list, timer: PhaseTimer, rounds: int, peak_extra_bytes: in
 
 
 __all__ = [
+    "INT4_PROTOCOL_VERSION",
     "call_stats",
     "copy_back",
+    "dither_calls",
     "divide",
     "PHASE_CONTRIBUTION",
     "PHASE_NODE",
@@ -174,4 +278,6 @@ __all__ = [
     "message_key",
     "next_call",
     "scatter_reduce",
+    "set_dither_calls",
+    "two_shot_all_reduce",
 ]

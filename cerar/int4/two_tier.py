@@ -38,8 +38,16 @@ from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups
 from cerar.int4.all_reduce import INT4_PROTOCOL_VERSION, check_int4_call, int4_bytes_sent, two_shot_all_reduce
 from cerar.int4.codecs import Int8Codec
 from cerar.int4.feedback import ErrorFeedback
-from cerar.int4.two_shot import PHASE_NODE, call_stats, copy_back, divide, message_key, next_call, scatter_reduce
-from cerar.int8.all_reduce import _PeerRing
+from cerar.int4.two_shot import (
+    PHASE_NODE,
+    _PeerRing,
+    call_stats,
+    copy_back,
+    divide,
+    message_key,
+    next_call,
+    scatter_reduce,
+)
 from cerar.ring.checks import check_agreement
 from cerar.ring.protocol import AllReduceStats, as_equal_shards
 from cerar.ring.rounds import PhaseTimer

@@ -687,41 +687,148 @@ def int8_message_bytes(s, block: int = INT8_BLOCK):
     return np.asarray(s) + 4 * _ceil(s, block)
 
 
-def int8_rail_terms(s, n: int, block: int = INT8_BLOCK) -> tuple[int, np.ndarray, np.ndarray]:
-    """(rounds, bytes one rank sends, bytes its arithmetic moves) of ``quantized_all_reduce`` of s values
-    over n ranks (shards of ceil(s/n)): n-1 shards quantized and sent, n-1 received dequantized and added,
-    the reduced shard quantized, n messages dequantized after the all-gather."""
+def quantized_rail_terms(s, n: int, message_bytes, quantize: float, dequantize_add: float,
+                         dequantize: float) -> tuple[int, np.ndarray, np.ndarray]:  # fmt: skip
+    """(rounds, bytes one rank sends, bytes its arithmetic moves) of a two-shot quantized all-reduce of s values
+    over n ranks (shards of ceil(s/n); ``cerar.int8.all_reduce``, ``cerar.int4.two_shot``): n-1 shards quantized
+    and sent, n-1 received dequantized and added, the reduced shard quantized, n messages dequantized after the
+    all-gather (its own decoded back, the n-1 received). ``message_bytes(shard)``: one message's bytes;
+    ``quantize``, ``dequantize_add``, ``dequantize``: the format's memory traffic per value."""
     shard = _ceil(s, n)
     if n == 1:
         return 0, 0 * shard, 0 * shard
-    moved = shard * ((n - 1) * (INT8_QUANTIZE_BYTES + INT8_DEQUANTIZE_ADD_BYTES) + INT8_QUANTIZE_BYTES
-                     + n * INT8_DEQUANTIZE_BYTES)  # fmt: skip
-    return 2 * (n - 1), 2 * (n - 1) * int8_message_bytes(shard, block), moved
+    moved = shard * ((n - 1) * (quantize + dequantize_add) + quantize + n * dequantize)
+    return 2 * (n - 1), 2 * (n - 1) * message_bytes(shard), moved
 
 
-def int8_two_tier_features(aggregator: str, d, n: int, G: int, nics_per_node: int = 1, block: int = INT8_BLOCK):
-    """``TWO_TIER_TERMS`` of ``hier_int8`` and ``int8`` (``two_tier_features`` calls it).
+def int8_rail_terms(s, n: int, block: int = INT8_BLOCK) -> tuple[int, np.ndarray, np.ndarray]:
+    """``quantized_rail_terms`` of ``quantized_all_reduce`` (8-bit messages of ``block`` values per scale)."""
+    return quantized_rail_terms(s, n, lambda shard: int8_message_bytes(shard, block), INT8_QUANTIZE_BYTES,
+                                INT8_DEQUANTIZE_ADD_BYTES, INT8_DEQUANTIZE_BYTES)  # fmt: skip
 
-    ``hier_int8``: inside the node as ``hier_ring`` in fp32 (2 (G-1) rounds, 2 (G-1) s x 4 bytes, the
-    reduce-scatter's adds), on each rail ``int8_rail_terms`` of the shard s = ceil(d/G), the ceil(G / NICs)
-    rails that share a NIC adding up there. ``int8`` (flat, N = n G ranks, message m of ceil(d/N) values):
-    2 (N-1) rounds; on a node's NIC, the all-to-all's G (N - G) messages that leave the node (over
-    ceil(G / NICs) ... shared as the rails are) plus the node-major ring all-gather's N - 1 that cross
-    to the next node; on one node everything counts as the intra tier."""
+
+def quantized_two_tier_features(flat: bool, d, n: int, G: int, nics_per_node: int, rail, message_bytes,
+                                intra=None) -> np.ndarray:  # fmt: skip
+    """``TWO_TIER_TERMS`` of a quantized all-reduce, flat (``flat``) or on two tiers, from its format's
+    ``rail(s, n)`` (``quantized_rail_terms`` of s values over n ranks) and ``message_bytes(s)``.
+
+    Two tiers: inside the node ``intra(s)`` (rounds, bytes sent, bytes moved) of the shard s = ceil(d/G); None:
+    as ``hier_ring`` in fp32 (2 (G-1) rounds, 2 (G-1) s x 4 bytes, the reduce-scatter's adds); on each rail
+    ``rail`` of the shard, the ceil(G / NICs) rails that share a NIC adding up there. Flat (N = n G ranks,
+    message m of ceil(d/N) values): 2 (N-1) rounds; on a node's NIC, the all-to-all's G (N - G) messages that
+    leave the node (over ceil(G / NICs) ... shared as the rails are) plus the node-major ring all-gather's N - 1
+    that cross to the next node; on one node everything counts as the intra tier."""
     d = np.asarray(d)
-    if aggregator == "int8":
+    if flat:
         N = n * G
-        rounds, sent, moved = int8_rail_terms(d, N, block)
+        rounds, sent, moved = rail(d, N)
         if n == 1:
             return np.array([rounds, sent, 0, 0, moved], dtype=float)
-        message = int8_message_bytes(_ceil(d, N), block)
+        message = message_bytes(_ceil(d, N))
         link = -(-G // nics_per_node) * (N - G) * message + (N - 1) * message
         return np.array([0, 0, rounds, link, moved], dtype=float)
     s = _ceil(d, G)
-    rounds, sent, moved = int8_rail_terms(s, n, block)
+    rounds, sent, moved = rail(s, n)
     sharing = -(-G // nics_per_node)
-    intra_moved = 3 * (G - 1) * s * 4
-    return np.array([2 * (G - 1), 2 * (G - 1) * s * 4, rounds, sent * sharing, intra_moved + moved], dtype=float)
+    intra_rounds, intra_sent, intra_moved = (2 * (G - 1), 2 * (G - 1) * s * 4, 3 * (G - 1) * s * 4) if intra is None \
+        else intra(s)  # fmt: skip
+    return np.array([intra_rounds, intra_sent, rounds, sent * sharing, intra_moved + moved], dtype=float)
+
+
+def int8_two_tier_features(aggregator: str, d, n: int, G: int, nics_per_node: int = 1, block: int = INT8_BLOCK):
+    """``TWO_TIER_TERMS`` of ``hier_int8`` (the exact fp32 tier inside the node, ``int8_rail_terms`` on the rails)
+    and ``int8`` (flat) (``quantized_two_tier_features``; ``two_tier_features`` calls it)."""
+    return quantized_two_tier_features(aggregator == "int8", d, n, G, nics_per_node,
+                                       lambda s, ranks: int8_rail_terms(s, ranks, block),
+                                       lambda s: int8_message_bytes(s, block))  # fmt: skip
+
+
+# issue 54: the 4-bit all-reduce (cerar.int4.all_reduce; cerar.int4.two_tier), priced by its bytes (two values a
+# byte and a float32 scale per block, cerar.formats.int4_blocks) and by its eager format's passes, the rotation's
+# log2 B stages included
+TWO_TIER_AGGREGATORS = (*TWO_TIER_AGGREGATORS, "int4", "hier_int4")
+"""``int4``: the 4-bit all-reduce flat over all n G ranks; ``hier_int4``: the 8-bit (``intra="int8"``, the
+trainer's default) or exact fp32 (``intra="exact"``) reduce-scatter inside the node, the 4-bit all-reduce on the
+rails, the exact all-gather inside the node."""
+INT4_BLOCK = 128
+"""Values per float32 scale (``cerar.formats.int4_blocks.DEFAULT_BLOCK``)."""
+INT4_QUANTIZE_BYTES = 56.5
+"""Memory traffic per value quantized by the eager 4-bit format (``cerar.formats.int4_blocks.quantize_eager``), not
+rotated, rounded to nearest: copied into the work buffer (read 4, write 4), the block's largest and least value
+(4 + 4), times the inverse scale (4 + 4), rounded (4 + 4), clamped (4 + 4), offset by 8 (4 + 4), each pair of
+nibbles summed (read 2 + 2, write 2) and stored as a byte (read 2, write 1/2)."""
+INT4_DITHER_BYTES = 44
+"""Stochastic rounding's extra traffic per value: the dither built from its table (the int32 table read and the
+sum written, masked, made float32, scaled: 4 x (4 + 4)), added (4 + 4 + 4) and floored (4 + 4) where nearest
+rounding rounds (4 + 4)."""
+INT4_STAGE_BYTES = 12
+"""Per value and stage of the rotation's fast Walsh-Hadamard transform (``fwht_``): the sums and the differences,
+each reading two halves and writing one (2 + 2 + 2, twice); a block of B takes log2 B stages."""
+INT4_SIGNS_BYTES = 8
+"""Per value, the product by the rotation's signs (read 4, write 4): on quantizing it writes the work buffer
+in place of the copy; on dequantizing it is one more pass."""
+INT4_DEQUANTIZE_BYTES = 23
+"""Per value dequantized into place, not rotated: the nibbles unpacked (the bytes read 1/2 and masked or shifted
+into 1/2, then read 1/2 and written as float32 4, twice: 7), the offset taken off (4 + 4), times the scale into
+place (read 4, write 4)."""
+INT4_DEQUANTIZE_ADD_BYTES = 27
+"""Per value dequantized and added, not rotated: as ``INT4_DEQUANTIZE_BYTES``, the product added to its target
+(read 4 + 4, write 4)."""
+
+
+def int4_message_bytes(s, block: int = INT4_BLOCK):
+    """Bytes of one 4-bit message of s values: ceil(s/2) bytes of values and 4 per block's float32 scale
+    (``cerar.formats.int4_blocks.message_bytes``)."""
+    return _ceil(s, 2) + 4 * _ceil(s, block)
+
+
+def int4_value_bytes(block: int = INT4_BLOCK, rotate: bool = True, rounding: str = "stochastic") -> dict[str, float]:
+    """The eager 4-bit format's memory traffic per value (exact where B divides the values; a short last block is
+    copied, not rotated): ``quantize``, ``dequantize`` (into place) and ``dequantize_add``. Rotated, quantizing
+    adds log2 B stages (the signs' product replaces the copy) and dequantizing log2 B stages and the signs'
+    product; ``rounding`` "stochastic" (the all-reduce's default) adds the dither's traffic."""
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
+    if rotate and (not isinstance(block, (int, np.integer)) or block < 1 or block & (block - 1)):
+        raise ValueError(f"a rotated block must be a power of two, got {block!r}")
+    stages = INT4_STAGE_BYTES * int(math.log2(block)) if rotate else 0
+    undo = stages + (INT4_SIGNS_BYTES if rotate else 0)
+    return {
+        "quantize": INT4_QUANTIZE_BYTES + (INT4_DITHER_BYTES if rounding == "stochastic" else 0) + stages,
+        "dequantize": INT4_DEQUANTIZE_BYTES + undo,
+        "dequantize_add": INT4_DEQUANTIZE_ADD_BYTES + undo,
+    }
+
+
+def int4_rail_terms(s, n: int, block: int = INT4_BLOCK, rotate: bool = True) -> tuple[int, np.ndarray, np.ndarray]:
+    """``quantized_rail_terms`` of ``int4_all_reduce`` (4-bit messages, stochastic rounding, rotated unless
+    ``rotate`` is false)."""
+    value = int4_value_bytes(block, rotate)
+    return quantized_rail_terms(s, n, lambda shard: int4_message_bytes(shard, block), value["quantize"],
+                                value["dequantize_add"], value["dequantize"])  # fmt: skip
+
+
+def int4_two_tier_features(
+    aggregator: str, d, n: int, G: int, nics_per_node: int = 1, block: int = INT4_BLOCK, rotate: bool = True,
+    intra: str = "int8", intra_block: int = INT8_BLOCK,
+) -> np.ndarray:  # fmt: skip
+    """``TWO_TIER_TERMS`` of ``int4`` (flat) and ``hier_int4`` (``quantized_two_tier_features``;
+    ``two_tier_features`` calls it). Inside the node of ``hier_int4``, ``intra="exact"`` as ``hier_int8``;
+    ``intra="int8"`` (``cerar.int4.two_tier``): 2 (G-1) rounds, the 8-bit reduce-scatter's G-1 messages of s values
+    (``intra_block`` per scale) and the exact all-gather's (G-1) s x 4 bytes; G-1 shards quantized and G-1
+    messages dequantized and added, at the 8-bit format's prices."""
+    if intra not in ("exact", "int8"):
+        raise ValueError(f"intra must be 'exact' or 'int8' (inside a node), got {intra!r}")
+    G1 = G - 1
+
+    def inside(s):
+        return (2 * G1, G1 * int8_message_bytes(s, intra_block) + G1 * s * 4,
+                G1 * s * (INT8_QUANTIZE_BYTES + INT8_DEQUANTIZE_ADD_BYTES))  # fmt: skip
+
+    return quantized_two_tier_features(aggregator == "int4", d, n, G, nics_per_node,
+                                       lambda s, ranks: int4_rail_terms(s, ranks, block, rotate),
+                                       lambda s: int4_message_bytes(s, block),
+                                       inside if intra == "int8" else None)  # fmt: skip
 
 
 TWO_TIER_TERMS = ("rounds_intra", "bytes_intra", "rounds_inter", "bytes_inter_link", "bytes_moved")
@@ -743,6 +850,9 @@ def two_tier_features(
     storage: str = DEFAULT_STORAGE,
     coded_on_two_nodes: bool = False,
     block: int = INT8_BLOCK,
+    rotate: bool = True,
+    intra: str = "int8",
+    intra_block: int = INT8_BLOCK,
 ) -> np.ndarray:
     """Regressors ``TWO_TIER_TERMS`` of one all-reduce of d values on n nodes of G ranks, per rank:
 
@@ -753,6 +863,10 @@ def two_tier_features(
       times the ceil(G / nics_per_node) rails that share one NIC;
     - ``bytes_moved``: the memory traffic of the arithmetic (the reduce-scatter adds, the rail's
       additions or CERAR's ``cerar_arithmetic`` on the shard, the casts of ``hier_ring16``).
+
+    The quantized ones (``int8``, ``hier_int8``, ``int4``, ``hier_int4``) take their format's ``block`` (values
+    per scale); the 4-bit ones also ``rotate`` and, ``hier_int4``, ``intra`` ("int8" or "exact") and
+    ``intra_block`` (``int4_two_tier_features``).
 
     As ``cerar.hierarchical``: ``hier_cerar`` on two nodes runs the exact ring unless
     ``coded_on_two_nodes``; on one node nothing crosses; with G = 1 it is the flat call. A flat ring
@@ -768,6 +882,9 @@ def two_tier_features(
     _check_storage(storage)
     if aggregator in ("hier_int8", "int8"):  # issue 25; ``block``: values per scale
         return int8_two_tier_features(aggregator, d, nodes, local_size, nics_per_node, block)
+    if aggregator in ("hier_int4", "int4"):  # issue 54; ``rotate``, ``intra``, ``intra_block``: the 4-bit ones'
+        return int4_two_tier_features(aggregator, d, nodes, local_size, nics_per_node, block, rotate, intra,
+                                      intra_block)  # fmt: skip
     d = np.asarray(d)
     n, G = nodes, local_size
     if aggregator in FLAT_AGGREGATORS:
@@ -844,17 +961,18 @@ class TwoTierCluster:
         return np.array([self.intra.alpha, 1 / self.intra.bandwidth, self.inter.alpha, 1 / self.inter.bandwidth,
                          1 / self.memory_bandwidth])  # fmt: skip
 
-    def terms(self, aggregator: str, d, c: int | None = None, itemsize: int = 4) -> np.ndarray:
-        """Seconds per term of ``TWO_TIER_TERMS`` (their sum is ``time``)."""
+    def terms(self, aggregator: str, d, c: int | None = None, itemsize: int = 4, **quantized) -> np.ndarray:
+        """Seconds per term of ``TWO_TIER_TERMS`` (their sum is ``time``). ``quantized``: the quantized
+        aggregators' format (``two_tier_features``' block, rotate, intra, intra_block)."""
         x = two_tier_features(aggregator, d, self.nodes, self.local_size, c, itemsize, self.nics_per_node,
-                              self.storage)  # fmt: skip
+                              self.storage, **quantized)  # fmt: skip
         return self.coef * x
 
-    def time(self, aggregator: str, d, c: int | None = None, itemsize: int = 4) -> float:
+    def time(self, aggregator: str, d, c: int | None = None, itemsize: int = 4, **quantized) -> float:
         """Seconds of one all-reduce. A flat ring's round lasts as long as its slower hop: the sum of
         ``terms`` when that is the one between nodes (the lab's case, and the fit's), the intra tier's
-        rate otherwise (a PCIe node with a fast network)."""
-        t = self.terms(aggregator, d, c, itemsize)
+        rate otherwise (a PCIe node with a fast network). ``quantized`` as for ``terms``."""
+        t = self.terms(aggregator, d, c, itemsize, **quantized)
         if aggregator in FLAT_AGGREGATORS and self.nodes > 1:
             x = two_tier_features(aggregator, d, self.nodes, self.local_size, c, itemsize, self.nics_per_node,
                                   self.storage)  # fmt: skip

@@ -12,11 +12,11 @@ work, wall-clock intervals of a millisecond mostly measure who else was schedule
 the slices another process took (their traffic through the shared cache and memory still shows).
 
 Rows: the 8-bit format's quantize (nearest and stochastic), dequantize and dequantize-add
-(``cerar.formats.int8_blocks``), the 16-bit wire's encode, decode and round trip (``cerar.formats.wire``), one rank's
-CERAR
-arithmetic per round (``cerar.ring.rounds``, N=4, c=8, over float32 and float16 messages: the encoding and
-decoding products and the per-round additions, plus the wire's casts), the exact ring's addition and the
-two tiers' divide and copy. Variants: ``before`` (the eager code as of commit f2c0f42, kept here),
+(``cerar.formats.int8_blocks``), the 4-bit format's with and without its rotation, and the rotation alone
+(``scripts/bench/int4_arithmetic.py``), the 16-bit wire's encode, decode and round trip (``cerar.formats.wire``),
+one rank's CERAR arithmetic per round (``cerar.ring.rounds``, N=4, c=8, over float32 and float16 messages: the
+encoding and decoding products and the per-round additions, plus the wire's casts), the exact ring's addition and
+the two tiers' divide and copy. Variants: ``before`` (the eager code as of commit f2c0f42, kept here),
 ``eager`` (today's eager reference) and ``fused`` (``cerar.formats.fused``, torch.compile). Every fused row is
 first checked byte for byte against the eager one.
 
@@ -333,7 +333,7 @@ def traffic_of(case: Case) -> float | None:
     counter = Traffic(least=64)
     with counter:
         case.count()
-    values = 64 * 128 if case.family == "int8" else 2**13
+    values = 64 * 128 if case.family in ("int8", "int4") else 2**13
     return counter.bytes / values
 
 
@@ -370,7 +370,10 @@ def main() -> None:
         t0 = time.perf_counter()
         compile_seconds = fused.enable("cpu", args.block, say=lambda line: (print(line), said.append(line)))
         compile_seconds["total"] = time.perf_counter() - t0
-    cases = int8_cases(n, args.block, not args.no_fused) + wire_cases(n, not args.no_fused)
+    from scripts.bench.int4_arithmetic import int4_cases
+
+    cases = int8_cases(n, args.block, not args.no_fused) + int4_cases(n, args.block, Case)
+    cases += wire_cases(n, not args.no_fused)
     more, rounds = cerar_cases(n)
     cases += more + ring_cases(n)
     with torch.no_grad():
@@ -492,6 +495,9 @@ def write_md(args, table, n, copy_ms, copy_gpu_us, before, after, compile_second
         + ".",
         "",
     ]
+    from scripts.bench.int4_arithmetic import rotation_line
+
+    lines += rotation_line(table)
     Path(args.md).parent.mkdir(parents=True, exist_ok=True)
     Path(args.md).write_text("\n".join(lines))
 

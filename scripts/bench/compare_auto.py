@@ -61,7 +61,8 @@ def candidate_overrides(cand) -> list[str]:
     """The fixed run of one auto candidate (train.aggregation.auto_choice.Candidate): its aggregator, c and
     transport."""
     kind = {"nccl": "nccl", "fp16": "fp16", "bf16": "bf16", "int8": "int8", "cerar": "cerar",
-            "hier_ring": "hier_ring", "hier_cerar": "hier_cerar", "hier_int8": "hier_int8"}[cand.kind]  # fmt: skip
+            "hier_ring": "hier_ring", "hier_cerar": "hier_cerar", "hier_int8": "hier_int8", "int4": "int4",
+            "hier_int4": "hier_int4"}[cand.kind]  # fmt: skip
     out = [f"aggregator={kind}"]
     if cand.c is not None:
         out.append(f"c={cand.c}")

@@ -80,6 +80,11 @@ def build_candidate(cand: Candidate, cfg, world_size: int, layout, flat_group) -
                                           describe=False, equilibrate=a.equilibrate)  # fmt: skip
     if cand.kind == "hier_int8":
         return agg.HierarchicalQuantizedAggregator(world_size, timeout, layout, int(a.block), describe=False)
+    if cand.kind == "int4":  # never fed back: error feedback stays outside auto (docs/int4.md)
+        return agg.Int4Aggregator(world_size, timeout, int(a.block), bool(a.rotate), group=flat_group)
+    if cand.kind == "hier_int4":
+        return agg.HierarchicalInt4Aggregator(world_size, timeout, layout, int(a.block), bool(a.rotate), str(a.intra),
+                                              describe=False)  # fmt: skip
     raise ValueError(f"aggregator=auto: no builder for candidate kind {cand.kind!r}")
 
 
@@ -322,9 +327,7 @@ class AutoAggregator(Aggregator):
             else:
                 timings = measure_links(self.groups, d, device, self.timeout)
                 cluster, self.links = cluster_from_timings(self.layout, timings)
-            self.choice.seconds = {
-                name: cluster.time(cand.model, d, cand.c) for name, cand in self.choice.candidates.items()
-            }
+            self.choice.seconds = {name: cand.price(cluster, d) for name, cand in self.choice.candidates.items()}
         except (LinkProbeError, ValueError) as err:
             self.fallback = f"aggregator=auto: no link measurement ({err}); aggregating exactly ({EXACT}) throughout"
             self.choice.seconds = {}

@@ -1,16 +1,19 @@
 """aggregator=auto, the decision: the fastest aggregation whose error fits the run's own noise.
 
 The candidates (`candidates`) are every aggregator that can run on the layout: flat, torch's all-reduce
-(`nccl`, exact), its 16-bit all-reduce (`fp16`, `bf16`), the 8-bit all-reduce (`int8`) and CERAR at the c
-values c=auto would consider, over float32 messages (`cerar-c<c>`) and over float16 ones where the code is
-admissible (`cerar16-c<c>`); on n >= 2 nodes of G >= 2 ranks also the two-tier ones: the exact hierarchy
-(`hier_ring`), over float16 messages (`hier_fp16`), with int8 between the nodes (`hier_int8`) and, on n >= 3
-nodes (on two, the code sends the exact ring's bytes), CERAR between them (`hier_cerar-c<c>`,
-`hier_cerar16-c<c>`).
+(`nccl`, exact), its 16-bit all-reduce (`fp16`, `bf16`), the 8-bit and 4-bit all-reduces (`int8`, `int4`) and
+CERAR at the c values c=auto would consider, over float32 messages (`cerar-c<c>`) and over float16 ones where the
+code is admissible (`cerar16-c<c>`); on n >= 2 nodes of G >= 2 ranks also the two-tier ones: the exact hierarchy
+(`hier_ring`), over float16 messages (`hier_fp16`), with int8 between the nodes (`hier_int8`), the 8/4 hierarchy
+(`hier_int4`: aggregator.intra inside the nodes, 4 bits between them) and, on n >= 3 nodes (on two, the code sends
+the exact ring's bytes), CERAR between them (`hier_cerar-c<c>`, `hier_cerar16-c<c>`). The 4-bit ones take the
+config's `block` and `rotate` (and `intra`); error feedback is never a candidate's (its error is judged over a
+window of steps, not one check's call: docs/int4.md).
 
 Each candidate carries its cost model name (`cerar.planning.costmodel.two_tier_features`) and the layout of its
 arithmetic (`parts`, `pieces`, `unit`: the values that a call mixes or scales together), which is what a
-sample of its error must keep (train/auto_measure.py).
+sample of its error must keep (train/aggregation/auto_aggregator.py `measure_candidate`), and the keywords its
+cost model entry takes (`quantized`: the formats' block, rotation and tier inside a node).
 
 The schedule (`AutoChoice`), as c=auto's: until `warmup_steps` the run aggregates exactly (`nccl`); at that
 step every candidate is measured (error and its standard error, on the step's own gradients) and priced
@@ -51,7 +54,8 @@ class Candidate:
     two-tier ring over float16 (`hier_fp16`), and CERAR over float16 where aggregator.equilibrate is off (with it,
     every tensor's root mean square is near 1, and the scale moves only values below 2^-29 of a message's largest,
     by at most 2^-39 of that largest: far below any tensor's own rounding unless one value is some 2^29 times its
-    tensor's root mean square)."""
+    tensor's root mean square). `quantized`: the cost model's keywords for a quantized candidate's format
+    (`cerar.planning.costmodel.two_tier_features`: block, rotate, intra, intra_block), as (key, value) pairs."""
 
     name: str
     kind: str
@@ -63,6 +67,11 @@ class Candidate:
     pieces: int = 1
     unit: int = 1
     whole: bool = False
+    quantized: tuple = ()
+
+    def price(self, cluster, d: int) -> float:
+        """Predicted seconds of one call on d values on `cluster` (`cerar.planning.costmodel.TwoTierCluster`)."""
+        return cluster.time(self.model, d, self.c, **dict(self.quantized))
 
 
 def _cerar_codes(N: int, a, transport: str) -> dict[int, object]:
@@ -91,15 +100,22 @@ def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
     """name -> Candidate for N = nodes x local_size ranks and aggregator config `a` (construction, eps,
     kappa_max, block, auto_aggregators: the kinds to keep, null: all)."""
     block = int(a.block)
+    keep = a.auto_aggregators
+
+    def kept(family: str) -> bool:  # CERAR's codes are built only for a family kept (seconds each, the first time)
+        return keep is None or family in keep
+
     unequilibrated = not getattr(a, "equilibrate", True)  # CERAR's float16 messages then carry raw magnitudes
+    four = (("block", block), ("rotate", bool(getattr(a, "rotate", True))))  # the 4-bit format, as configured
     pool = [
         Candidate(EXACT, "nccl", "ring", exact=True),
         Candidate("fp16", "fp16", "ring16"),
         Candidate("bf16", "bf16", "ring16"),
-        Candidate("int8", "int8", "int8", pieces=N, unit=block),
+        Candidate("int8", "int8", "int8", pieces=N, unit=block, quantized=(("block", block),)),
+        Candidate("int4", "int4", "int4", pieces=N, unit=block, quantized=four),
     ]
     for transport, family in (("float32", "cerar"), ("float16", "cerar16")):
-        for c in sorted(_cerar_codes(N, a, transport)):
+        for c in sorted(_cerar_codes(N, a, transport)) if kept(family) else ():
             whole = transport == "float16" and unequilibrated
             pool.append(Candidate(f"{family}-c{c}", "cerar", family, c, transport, pieces=c, whole=whole))
     n, G = nodes, local_size
@@ -107,15 +123,17 @@ def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
         pool += [
             Candidate("hier_ring", "hier_ring", "hier_ring", exact=True),
             Candidate("hier_fp16", "hier_ring", "hier_ring16", transport="float16", whole=True),
-            Candidate("hier_int8", "hier_int8", "hier_int8", parts=G, pieces=n, unit=block),
+            Candidate("hier_int8", "hier_int8", "hier_int8", parts=G, pieces=n, unit=block,
+                      quantized=(("block", block),)),
+            Candidate("hier_int4", "hier_int4", "hier_int4", parts=G, pieces=n, unit=block,
+                      quantized=(*four, ("intra", str(getattr(a, "intra", "int8"))), ("intra_block", block))),
         ]
         if n >= 3:
             for transport, family in (("float32", "hier_cerar"), ("float16", "hier_cerar16")):
-                for c in sorted(_cerar_codes(n, a, transport)):
+                for c in sorted(_cerar_codes(n, a, transport)) if kept(family) else ():
                     whole = transport == "float16" and unequilibrated
                     pool.append(Candidate(f"{family}-c{c}", "hier_cerar", family, c, transport, parts=G, pieces=c,
                                           whole=whole))  # fmt: skip
-    keep = a.auto_aggregators
     if keep is not None:
         unknown = sorted(set(keep) - set(FAMILIES))
         if unknown:
@@ -140,6 +158,17 @@ def fastest_within(seconds: dict[str, float], bound: dict[str, float], allowed: 
     if fits:
         return min(fits, key=lambda name: (seconds[name], error(name), name))
     return min(bound, key=lambda name: (error(name), seconds[name], name))
+
+
+def refusals(measured: dict[str, tuple[float, float]], allowed: float, tensors: dict[str, str]) -> dict[str, str]:
+    """name -> why, for each measured candidate whose bound (rho + SIGMAS se) exceeds `allowed`: its figures and
+    the tensor that set them."""
+    out = {}
+    for name, (error, se) in sorted(measured.items()):
+        if not error + SIGMAS * se <= allowed:
+            where = f" on tensor {tensors[name]}" if name in tensors else ""
+            out[name] = f"error/noise {error:.3g} + {SIGMAS:g} x {se:.3g} > budget {allowed:g}{where}"
+    return out
 
 
 def worst_tensors(record: dict) -> str:
@@ -233,7 +262,8 @@ class AutoChoice:
         """Take a check's numbers (per candidate: its worst tensor's error against that tensor's noise, rho, and
         its standard error; train/aggregation/tensor_errors.py) and return the decision record, switching `choice`
         when it
-        says so: a candidate fits when rho + SIGMAS se <= budget. `noise` (the whole gradient's relative noise)
+        says so: a candidate fits when rho + SIGMAS se <= budget; the record's `refused` says, for each one that
+        does not, its figures and its worst tensor. `noise` (the whole gradient's relative noise)
         and `worst_tensors` (the tensor that set each rho) are recorded, not decided on. When the choice may
         move and `time_calls` is given, it is called with `shortlist` and returns each one's measured seconds
         per call (the same on every rank); the fastest measured is taken. Evidence that is not a number (nan: a
@@ -248,7 +278,7 @@ class AutoChoice:
             record = {"step": step, "noise": noise, "allowed": allowed,
                       "errors": {name: measured[name][0] for name in sorted(measured)},
                       "standard_errors": {name: measured[name][1] for name in sorted(measured)},
-                      "worst_tensors": tensors, "before": before, "choice": before,
+                      "worst_tensors": tensors, "refused": {}, "before": before, "choice": before,
                       "predicted_s": self.seconds[before], "timed_s": {},
                       "reason": f"evidence not finite: keeps {before}, checks again at step {step + 1}"}  # fmt: skip
             self.decisions.append(record)
@@ -280,6 +310,7 @@ class AutoChoice:
             "errors": {name: measured[name][0] for name in sorted(measured)},
             "standard_errors": {name: measured[name][1] for name in sorted(measured)},
             "worst_tensors": tensors,
+            "refused": refusals(measured, allowed, tensors),
             "before": before,
             "choice": self.choice,
             "predicted_s": self.seconds[self.choice],
