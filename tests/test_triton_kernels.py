@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from cerar.formats import fused
+from cerar.formats import int4_blocks as q4
 from cerar.formats import int8_blocks as q8
 from cerar.formats import triton_kernels as tk
 from cerar.formats.wire import Wire
@@ -160,6 +161,74 @@ def test_a_kernel_that_misrounds_stays_off_and_the_next_form_is_tried():
         fused._checked_runner("dequantize", [off_by_one_unit, off_by_one_unit], 128, "cpu", 2 * fused.MIN_VALUES)
 
 
+@pytest.mark.parametrize("rotate", [True, False])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_the_4_bit_kernel_rotates_rounds_and_packs_the_eager_bytes(rounding, rotate):
+    """The 4-bit format in one kernel: random signs and the Walsh-Hadamard stages in the format's order on the full
+    blocks (the short last one as it is), the scale as the CPU's quotient absmax / 7, the dither hashed per chunk and
+    position, two nibbles a byte (an odd length: the last high nibble 0); byte for byte with ``quantize_eager`` over
+    two dither chunks. CUDA's eager scale is a product by float32's 1/7 (a CPU scalar divisor): that form writes
+    other bytes here, and ``enable`` keeps whichever is eager's on the device."""
+    n = N + 1  # odd
+    x = fused._sample(128, None, n)
+    want, got = q4.new_message(n, 128, "cpu"), q4.new_message(n, 128, "cpu")
+    q4.quantize_eager(want, x, 128, rounding, 12345, rotate, 7)
+    tk.quantize4(got, x, 128, rounding, 12345, rotate, 7, reciprocal=False)
+    assert torch.equal(want, got), f"{int((want != got).sum())} of {want.numel()} bytes differ"
+    tk.quantize4(got, x, 128, rounding, 12345, rotate, 7, reciprocal=True)
+    assert not torch.equal(want, got)  # the other form is another rounding of the scale, seen here
+    tk.quantize4(got, x, 128, rounding, 12345, rotate, 8, reciprocal=False)
+    assert torch.equal(want, got) != rotate  # the rotation's seed moves the bytes only where blocks are rotated
+
+
+@pytest.mark.parametrize("rotate", [True, False])
+def test_the_4_bit_decoder_unrotates_and_scales_as_eager_and_adds_the_product_then_the_sum(rotate):
+    """Unpacked, un-rotated ((sigma / B) (H q): exact) and scaled: eager's float32 bytes; added, fl(out + fl(x~))
+    against torch's two operations (the one-rounding add is CUDA's and the CPU's addcmul: checked by enable on the
+    device, as for the 8-bit decoder)."""
+    x = fused._sample(128, None, SHORT)
+    message = q4.new_message(SHORT, 128, "cpu")
+    q4.quantize_eager(message, x, 128, "stochastic", 3, rotate, 7)
+    want, got = torch.empty(SHORT), torch.full((SHORT,), 7.0)
+    q4.dequantize_eager(message, SHORT, 128, want, rotate=rotate, seed=7)
+    tk.dequantize4(message, SHORT, 128, got, False, rotate, 7)
+    assert torch.equal(want.view(torch.int32), got.view(torch.int32))
+    base = torch.randn(SHORT, generator=torch.Generator().manual_seed(2))
+    added = base.clone()
+    tk.dequantize4(message, SHORT, 128, added, True, rotate, 7, fma=False)
+    assert torch.equal((base + want).view(torch.int32), added.view(torch.int32))
+    tk.dequantize4(message, SHORT, 128, got, False, rotate, 8)  # another seed: another rotation back
+    assert torch.equal(want, got) != rotate
+
+
+def test_the_4_bit_formats_dispatch_to_the_kernels_enable_chose(monkeypatch):
+    """``enable`` checks the 4-bit kernels (each form) against eager, rotated and not, and switches on the one whose
+    bytes are eager's where it is the fastest; ``int4_blocks.quantize_into`` and ``dequantize`` then run it."""
+    monkeypatch.setattr(fused, "_seconds", lambda calls, device: {k: 1.0 if k in ("copy", "triton") else 3.0
+                                                                  for k in calls})  # fmt: skip
+    lines: list[str] = []
+    fused.enable("cpu", 128, kernels=("int4_quantize_stochastic", "int4_dequantize"), backend="eager",
+                 say=lines.append, sample_values=2 * fused.MIN_VALUES, triton=True)  # fmt: skip
+    assert [k for k, _, _ in fused.enabled()] == ["int4_dequantize", "int4_quantize_stochastic"], lines
+    calls = []
+    for name in ("quantize4", "dequantize4"):
+        real = getattr(tk, name)
+        monkeypatch.setattr(tk, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
+    fused.disable()
+    fused.enable("cpu", 128, kernels=("int4_quantize_stochastic", "int4_dequantize"), backend="eager",
+                 say=lines.append, sample_values=2 * fused.MIN_VALUES, triton=True)  # fmt: skip
+    calls.clear()
+    x = fused._sample(128, None, N)
+    message, want = q4.new_message(N, 128, "cpu"), q4.new_message(N, 128, "cpu")
+    q4.quantize_into(message, x, 128, "stochastic", 5, True, 7)
+    q4.quantize_eager(want, x, 128, "stochastic", 5, True, 7)
+    out = torch.empty(N)
+    q4.dequantize(message, N, 128, out, rotate=True, seed=7)
+    assert calls == ["quantize4", "dequantize4"] and torch.equal(message, want)
+
+
 def test_blocks_above_a_tile_are_refused_by_name():
     with pytest.raises(ValueError, match="block 8192 is above MAX_BLOCK=4096"):
         tk.quantize(q8.new_message(9000, 8192, "cpu"), torch.ones(9000), 8192, "nearest", 0)
+    with pytest.raises(ValueError, match="the 4-bit kernels take a power of two 2..4096 as block, got 100"):
+        tk.quantize4(q4.new_message(900, 100, "cpu"), torch.ones(900), 100, "nearest", 0, False, 0, reciprocal=False)

@@ -65,6 +65,7 @@ at 256), as a reduction left unsplit on a few of the GPU's blocks would; the abs
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import statistics
@@ -74,6 +75,7 @@ import time
 
 import torch
 
+from cerar.formats import int4_blocks as q4
 from cerar.formats import int8_blocks as q8
 from cerar.formats import wire
 
@@ -82,7 +84,8 @@ log = logging.getLogger("cerar.formats.fused")
 MIN_VALUES = 2**14
 """Fewest values for which a fused kernel is called: below, the eager passes cost less than the call."""
 
-KERNELS = ("quantize_nearest", "quantize_stochastic", "wire_encode", "dequantize", "dequantize_add", "wire_decode")
+KERNELS = ("quantize_nearest", "quantize_stochastic", "wire_encode", "dequantize", "dequantize_add", "wire_decode",
+           "int4_quantize_nearest", "int4_quantize_stochastic", "int4_dequantize", "int4_dequantize_add")
 """Every operation with a faster variant than its eager form somewhere: ``COMPILED`` ones by ``torch.compile`` (any
 device with a compiler), all of them by hand-written Triton (``cerar.formats.triton_kernels``: CUDA)."""
 
@@ -94,6 +97,9 @@ dequantize-and-add is one ``addcmul`` (its rounding the kernel's own): only Trit
 VARIANTS = ("fused", "triton")
 """The variants ``enable`` may switch on besides eager: "fused" (``torch.compile``'s kernel, ``COMPILED``) and
 "triton" (``cerar.formats.triton_kernels``)."""
+
+INT4_SEED = 7
+"""The rotation's seed of ``enable``'s 4-bit check and timing messages."""
 
 SAMPLE_VALUES = 2**24 + 5 * 128 + 37
 """Values in ``enable``'s check (and timing) sample (``_sample``): 2^24 as in the H200 run that found 6 values
@@ -303,6 +309,13 @@ def _sample(block: int, rounding: str | None, n: int = SAMPLE_VALUES) -> torch.T
 
 def _eager(name: str, rounding_or_dtype=None):
     """The eager reference of kernel ``name``, with the runner's signature (``_runners``)."""
+    if name.startswith("int4_quantize"):
+        return q4.quantize_eager
+    if name.startswith("int4_dequantize"):
+        add = name == "int4_dequantize_add"
+        return lambda message, s, block, out, rotate, seed: q4.dequantize_eager(
+            message, s, block, out, add=add, rotate=rotate, seed=seed
+        )
     if name.startswith("quantize"):
         return q8.quantize_eager
     if name.startswith("dequantize"):
@@ -330,7 +343,19 @@ def _runners(name: str, block: int, device: torch.device, backend: str, triton: 
     if triton:
         from cerar.formats import triton_kernels as tk
 
-        if name.startswith("quantize"):
+        if name.startswith("int4") and block & (block - 1):
+            pass  # the 4-bit kernels take whole pairs of a power-of-two block (triton_kernels._tiling4)
+        elif name.startswith("int4_quantize"):  # the scale as the CPU's quotient, else as CUDA's reciprocal product
+            runners["triton"] = [functools.partial(tk.quantize4, reciprocal=r) for r in (False, True)]
+        elif name.startswith("int4_dequantize"):
+            add = name == "int4_dequantize_add"
+            runners["triton"] = [
+                lambda message, s, block, out, rotate, seed, fma=fma: tk.dequantize4(
+                    message, s, block, out, add, rotate, seed, fma=fma
+                )
+                for fma in ((True, False) if add else (True,))
+            ]
+        elif name.startswith("quantize"):
             runners["triton"] = tk.quantize
         elif name == "wire_encode":
             runners["triton"] = tk.wire_encode
@@ -358,6 +383,9 @@ def _check(name: str, fn, block: int, device, n: int) -> None:
     compiled kernel compile again is compiled here, not in a collective), and raise AssertionError naming the
     kernel, the message and how many bytes differ, where any does."""
     sizes = (n, MIN_VALUES + 3 * block + 1, MIN_VALUES + 5 * block)  # a new length, and a whole number of blocks
+    if name.startswith("int4"):
+        _check4(name, fn, block, device, sizes)
+        return
     if name.startswith("quantize"):
         rounding = name.split("_")[1]
         x = _sample(block, rounding, n).to(device)
@@ -403,6 +431,29 @@ def _check(name: str, fn, block: int, device, n: int) -> None:
                                      f"of {values.numel()} values")  # fmt: skip
 
 
+def _check4(name: str, fn, block: int, device, sizes) -> None:
+    """``_check`` for the 4-bit kernels: rotated and not, on ``_sample``'s values (their blocks decades apart)."""
+    x = _sample(block, None, sizes[0]).to(device)
+    base = torch.randn(sizes[0], generator=torch.Generator().manual_seed(36)).to(device)
+    for rotate in (True, False):
+        for s in sizes:
+            if name.startswith("int4_quantize"):
+                rounding = name.rsplit("_", 1)[1]
+                want, got = q4.new_message(s, block, device), q4.new_message(s, block, device)
+                q4.quantize_eager(want, x[:s], block, rounding, _CHECK_KEY, rotate, INT4_SEED)
+                fn(got, x[:s], block, rounding, _CHECK_KEY, rotate, INT4_SEED)
+            else:
+                message = q4.new_message(s, block, device)
+                q4.quantize_eager(message, x[:s], block, "stochastic", _CHECK_KEY, rotate, INT4_SEED)
+                want, got = base[:s].clone(), base[:s].clone()
+                _eager(name)(message, s, block, want, rotate, INT4_SEED)
+                fn(message, s, block, got, rotate, INT4_SEED)
+            differ = _differing(want, got)
+            if differ:
+                raise AssertionError(f"the {name} kernel differs from the eager reference in {differ} of "
+                                     f"{want.numel()} (s={s}, B={block}, rotate={rotate})")  # fmt: skip
+
+
 def _checked_runner(name: str, fn, block: int, device, n: int):
     """``fn`` once it passed ``_check``; for a list of forms (the dequantize-and-add's), the first that passes,
     else the first form's failure."""
@@ -445,7 +496,19 @@ def _timing(name: str, runners: dict, block: int, device: torch.device, n: int) 
     a multiple of the copy's time, "copy_s", and "chosen" (the fastest)."""
     x = _sample(block, None, n).to(device)
     copy = torch.empty_like(x)
-    if name.startswith("quantize"):
+    if name.startswith("int4_quantize"):
+        rounding = name.rsplit("_", 1)[1]
+        message = q4.new_message(n, block, device)
+        calls = {v: (lambda fn=fn: fn(message, x, block, rounding, _CHECK_KEY, True, INT4_SEED))
+                 for v, fn in runners.items()}  # fmt: skip
+        calls["eager"] = lambda: q4.quantize_eager(message, x, block, rounding, _CHECK_KEY, True, INT4_SEED)
+    elif name.startswith("int4_dequantize"):
+        message, out = q4.new_message(n, block, device), torch.zeros_like(x)
+        q4.quantize_eager(message, x, block, "stochastic", _CHECK_KEY, True, INT4_SEED)
+        eager = _eager(name)
+        calls = {v: (lambda fn=fn: fn(message, n, block, out, True, INT4_SEED)) for v, fn in runners.items()}
+        calls["eager"] = lambda: eager(message, n, block, out, True, INT4_SEED)
+    elif name.startswith("quantize"):
         rounding = name.split("_")[1]
         message = q8.new_message(n, block, device)
         calls = {v: (lambda fn=fn: fn(message, x, block, rounding, _CHECK_KEY)) for v, fn in runners.items()}
@@ -667,7 +730,29 @@ def dequantize(message: torch.Tensor, s: int, block: int, out: torch.Tensor, add
     return True
 
 
+def quantize4(message, x, block: int, rounding: str, key: int, rotate: bool, seed: int) -> bool:
+    if x.numel() < MIN_VALUES:
+        return False
+    fn = _enabled.get((f"int4_quantize_{rounding}", x.device.type, block))
+    if fn is None:
+        return False
+    fn(message, x, block, rounding, key, rotate, seed)
+    return True
+
+
+def dequantize4(message, s: int, block: int, out, add: bool, rotate: bool, seed: int) -> bool:
+    if s < MIN_VALUES:
+        return False
+    fn = _enabled.get(("int4_dequantize_add" if add else "int4_dequantize", out.device.type, block))
+    if fn is None:
+        return False
+    fn(message, s, block, out, rotate, seed)
+    return True
+
+
 q8.FUSED_QUANTIZE = quantize  # the formats ask through these; they never import this module
+q4.FUSED_QUANTIZE = quantize4
+q4.FUSED_DEQUANTIZE = dequantize4
 q8.FUSED_DEQUANTIZE = dequantize
 wire.FUSED_ENCODE = wire_encode
 wire.FUSED_DECODE = wire_decode

@@ -100,6 +100,7 @@ __all__ = [
     "ROUNDINGS",
     "check_format",
     "dequantize",
+    "dequantize_eager",
     "dither",
     "dither_key",
     "error_bound",
@@ -401,8 +402,30 @@ def dequantize(
     rotate: bool = DEFAULT_ROTATE,
     seed: int = 0,
 ) -> None:
-    """x~ written into ``out`` (float32, s values, contiguous), or added to it with ``add=True``: q scale per block,
-    or, for a rotated block, ((sigma / B) (H q)) scale (exact but for the product by the scale)."""
+    """x~ written into ``out`` (float32, s values, contiguous), or added to it with ``add=True``
+    (``dequantize_eager`` says how), through the kernel ``cerar.formats.fused`` enabled for out's device where there
+    is one (the same bytes), else eagerly."""
+    if FUSED_DEQUANTIZE is None or not FUSED_DEQUANTIZE(message, s, block, out, add, rotate, seed):
+        dequantize_eager(message, s, block, out, add=add, rotate=rotate, seed=seed)
+
+
+FUSED_DEQUANTIZE = None
+"""The 4-bit decoder's dispatch, for ``cerar.formats.fused`` to set (as ``FUSED_QUANTIZE``): (message, s, block,
+out, add, rotate, seed) -> True when a kernel enabled for out's device wrote ``out``."""
+
+
+def dequantize_eager(
+    message: torch.Tensor,
+    s: int,
+    block: int,
+    out: torch.Tensor,
+    *,
+    add: bool = False,
+    rotate: bool = DEFAULT_ROTATE,
+    seed: int = 0,
+) -> None:
+    """``dequantize`` with torch's eager operations, the reference its kernels must match: q scale per block, or,
+    for a rotated block, ((sigma / B) (H q)) scale (exact but for the product by the scale)."""
     scales, packed = parts(message, s, block)
     q = unpack(packed, s)
     rotated = _split(s, block, rotate)

@@ -42,6 +42,7 @@ import os
 
 import torch
 
+from cerar.formats import int4_blocks as q4
 from cerar.formats import int8_blocks as q8
 from cerar.formats import wire
 
@@ -79,7 +80,8 @@ def _kernels() -> dict[str, object]:
     if not _KERNELS:
         from cerar.formats import triton_source as src
 
-        _KERNELS.update(quantize=src.quantize, dequantize=src.dequantize, encode=src.encode, decode=src.decode)
+        _KERNELS.update(quantize=src.quantize, dequantize=src.dequantize, encode=src.encode, decode=src.decode,
+                        quantize4=src.quantize4, dequantize4=src.dequantize4)  # fmt: skip
     return _KERNELS
 
 
@@ -142,6 +144,47 @@ def wire_decode(message: torch.Tensor, out: torch.Tensor) -> None:
     _kernels()["decode"][(_cdiv(n, TILE),)](message, out, n, TILE=TILE, BF16=bf16, **LAUNCH)
 
 
+def _tiling4(block: int) -> tuple[int, int]:
+    """(ROWS, log2 B) for the 4-bit kernels: B a power of two from 2 to ``MAX_BLOCK`` (rotated or not: whole pairs
+    and whole blocks per tile), else ValueError naming it."""
+    if block < 2 or block > MAX_BLOCK or block & (block - 1):
+        raise ValueError(f"cerar.formats.triton_kernels: the 4-bit kernels take a power of two 2..{MAX_BLOCK} as "
+                         f"block, got {block}")  # fmt: skip
+    return max(1, TILE // block), block.bit_length() - 1
+
+
+def quantize4(message, x, block: int, rounding: str, key: int, rotate: bool, seed: int, *, reciprocal: bool):
+    """``message`` = x in the 4-bit format (``int4_blocks.quantize_eager``'s bytes), one kernel: the rotation of the
+    full blocks, the scale, the rounding (the dither hashed in the kernel from the message's key) and the packing.
+    ``reciprocal``: the scale as absmax times float32's 1/7 (CUDA's eager ``x / 7``), else the IEEE quotient (the
+    CPU's); ``enable`` keeps the form whose bytes are eager's on the device."""
+    s = x.numel()
+    nb = q8.blocks(s, block)
+    scales, packed = q4.parts(message, s, block)
+    rows, log2b = _tiling4(block)
+    signs = q4.rotation_signs(seed, block, x.device)
+    chain = q4._hash32(0x6A09E667 ^ q4._hash32(int(key) & 0xFFFFFFFF))  # dither_key's first link: chunk_key's base
+    _kernels()["quantize4"][(_cdiv(nb, rows),)](
+        x, signs, scales, packed, s, nb, s // block if rotate else 0, chain,
+        B=block, ROWS=rows, LOG2B=log2b, ROTATE=rotate, STOCHASTIC=rounding == "stochastic", RECIPROCAL=reciprocal,
+        **LAUNCH,
+    )  # fmt: skip
+
+
+def dequantize4(message, s: int, block: int, out, add: bool, rotate: bool, seed: int, *, fma: bool = True):
+    """out (float32, s values) = (or +=, ``add``) the decoded 4-bit message (``int4_blocks.dequantize``'s bytes),
+    one kernel; ``fma``: the add as one fused multiply-add (else a product, then a sum)."""
+    nb = q8.blocks(s, block)
+    scales, packed = q4.parts(message, s, block)
+    rows, log2b = _tiling4(block)
+    signs = q4.rotation_signs(seed, block, out.device)
+    _kernels()["dequantize4"][(_cdiv(nb, rows),)](
+        packed, signs, scales, out, s, nb, s // block if rotate else 0,
+        B=block, ROWS=rows, LOG2B=log2b, ROTATE=rotate, ADD=add, FMA=fma, **LAUNCH,
+    )  # fmt: skip
+
+
+assert q4.QMAX == 7 and q4.NIBBLE_OFFSET == 8 and q4.DITHER_PERIOD == 2**16  # the 4-bit constants the kernels hold
 assert wire.HEADER == 1 and wire.TARGET_EXPONENT == 15 and wire.K_LIMIT == 126  # the constants the kernels hold
 assert q8.QMAX == 127 and q8.TINY_SCALE == 2.0**-126 and q8.PRESCALE == 2.0**64 and q8.DITHER_LEVELS == 2**16
 assert q8.DITHER_CHUNKS == 2**16 and q8.DITHER_PERIOD == 2**16

@@ -112,3 +112,88 @@ def decode(message_ptr, out_ptr, n, TILE: tl.constexpr, BF16: tl.constexpr):
         v = tl.load(message_ptr + 1 + offs, mask=offs < n, other=0.0).to(tl.float32)
     power = ((127 - k) << 23).to(tl.float32, bitcast=True)
     tl.store(out_ptr + offs, v * power, mask=offs < n)
+
+
+# ------------------------------------------------------------------------------------------------
+# The 4-bit format (cerar.formats.int4_blocks): rotation, rounding, packing in one kernel; the decoder likewise
+# ------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def hash32(h):
+    """``int4_blocks._hash32`` on uint32 (the products wrap mod 2^32 as its masks do)."""
+    h = (h ^ (h >> 16)) * 0x21F0AAAD
+    h = (h ^ (h >> 15)) * 0x735A2D97
+    return h ^ (h >> 15)
+
+
+@triton.jit
+def fwht(y, ROWS: tl.constexpr, B: tl.constexpr, LOG2B: tl.constexpr):
+    """``int4_blocks.fwht_`` on each row of y [ROWS, B]: stage h = 1, 2, ..., B/2 takes each pair (a, b) = (v[i],
+    v[i + h]) of a group of 2h values to (a + b, a - b), in that order (the format's)."""
+    for i in tl.static_range(LOG2B):
+        v = tl.permute(tl.reshape(y, (ROWS, B // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
+        a, b = tl.split(v)
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, B))
+    return y
+
+
+@triton.jit
+def quantize4(x_ptr, signs_ptr, scale_ptr, packed_ptr, s, nb, full_rows, chain,
+              B: tl.constexpr, ROWS: tl.constexpr, LOG2B: tl.constexpr, ROTATE: tl.constexpr,
+              STOCHASTIC: tl.constexpr, RECIPROCAL: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, B)
+    pos = rows[:, None].to(tl.int64) * B + cols[None, :]
+    x = tl.load(x_ptr + pos, mask=pos < s, other=0.0)
+    if ROTATE:  # full blocks only: the short last block is sent as it is
+        y = fwht(x * tl.load(signs_ptr + cols)[None, :], ROWS, B, LOG2B)
+        x = tl.where((rows < full_rows)[:, None], y, x)
+    absmax = tl.max(tl.abs(x), axis=1)
+    bad = tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1) > 0
+    if RECIPROCAL:  # noqa: SIM108  CUDA eager x / 7: times float32 1/7 (div_true_kernel_cuda, CPU scalar)
+        scale = absmax * 0.14285714285714285
+    else:  # the IEEE quotient (the CPU's), from float64
+        scale = (absmax.to(tl.float64) / 7.0).to(tl.float32)
+    scale = tl.where(bad, float("nan"), scale)
+    p = tl.where((scale < 1.1754943508222875e-38) & (scale > 0), 18446744073709551616.0, 1.0)
+    inverse = tl.where(scale * p > 0, (1.0 / (scale * p).to(tl.float64)).to(tl.float32), 0.0)
+    r = (x * p[:, None]) * inverse[:, None]
+    if STOCHASTIC:  # u of position pos: its chunk's key (offset, shift) from the message's chain, then the table
+        chunk = (pos >> 16).to(tl.uint32)
+        key = hash32(chain.to(tl.uint32) ^ hash32(chunk))
+        entry = ((pos & 0xFFFF).to(tl.uint32) + (key >> 16)) & 0xFFFF
+        u = ((hash32(entry) + key) & 0xFFFF).to(tl.float32) * 0.0000152587890625
+        q = tl.floor(r + u)
+    else:
+        q = (r + 12582912.0) - 12582912.0
+    nibble = tl.minimum(tl.maximum(q, -7.0), 7.0) + 8.0
+    low, high = tl.split(tl.reshape(nibble, (ROWS, B // 2, 2)))
+    pair = rows[:, None].to(tl.int64) * (B // 2) + tl.arange(0, B // 2)[None, :]
+    high = tl.where(2 * pair + 1 < s, high, 0.0)  # an odd s: the last byte's high nibble is 0
+    tl.store(packed_ptr + pair, (low + 16.0 * high).to(tl.uint8), mask=2 * pair < s)
+    tl.store(scale_ptr + rows, scale, mask=rows < nb)
+
+
+@triton.jit
+def dequantize4(packed_ptr, signs_ptr, scale_ptr, out_ptr, s, nb, full_rows,
+                B: tl.constexpr, ROWS: tl.constexpr, LOG2B: tl.constexpr, ROTATE: tl.constexpr,
+                ADD: tl.constexpr, FMA: tl.constexpr):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    pair = rows[:, None].to(tl.int64) * (B // 2) + tl.arange(0, B // 2)[None, :]
+    byte = tl.load(packed_ptr + pair, mask=2 * pair < s, other=0x88).to(tl.int32)
+    q = tl.reshape(tl.join(byte & 15, byte >> 4), (ROWS, B)).to(tl.float32) - 8.0
+    if ROTATE:  # (sigma / B) (H q): exact (integers, then +-2^-m)
+        y = fwht(q, ROWS, B, LOG2B) * (tl.load(signs_ptr + tl.arange(0, B)) * (1.0 / B))[None, :]
+        q = tl.where((rows < full_rows)[:, None], y, q)
+    scale = tl.load(scale_ptr + rows, mask=rows < nb, other=0.0)[:, None]
+    pos = rows[:, None].to(tl.int64) * B + tl.arange(0, B)[None, :]
+    if ADD:
+        out = tl.load(out_ptr + pos, mask=pos < s, other=0.0)
+        if FMA:  # noqa: SIM108 (Triton's if on a constexpr: one form compiled)
+            y = tl.fma(q, scale, out)
+        else:
+            y = out + q * scale
+    else:
+        y = q * scale
+    tl.store(out_ptr + pos, y, mask=pos < s)
