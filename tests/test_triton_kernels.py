@@ -169,7 +169,7 @@ def test_the_4_bit_kernel_rotates_rounds_and_packs_the_eager_bytes(rounding, rot
     position, two nibbles a byte (an odd length: the last high nibble 0); byte for byte with ``quantize_eager`` over
     two dither chunks. CUDA's eager scale is a product by float32's 1/7 (a CPU scalar divisor): that form writes
     other bytes here, and ``enable`` keeps whichever is eager's on the device."""
-    n = N + 1  # odd
+    n = N  # odd: the last byte has one value
     x = fused._sample(128, None, n)
     want, got = q4.new_message(n, 128, "cpu"), q4.new_message(n, 128, "cpu")
     q4.quantize_eager(want, x, 128, rounding, 12345, rotate, 7)

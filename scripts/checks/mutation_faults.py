@@ -1445,8 +1445,8 @@ FAULTS = [
     Fault(
         name="triton-nearest-floors",
         file="cerar/formats/triton_source.py",
-        original="        q = (r + 12582912.0) - 12582912.0",
-        replacement="        q = tl.floor(r)",
+        original="        q = (r + 12582912.0) - 12582912.0\n    q = tl.minimum(tl.maximum(q, -127.0), 127.0)",
+        replacement="        q = tl.floor(r)\n    q = tl.minimum(tl.maximum(q, -127.0), 127.0)",
         tests=("tests/test_triton_kernels.py -k quantizer",),
         why="the Triton quantizer rounds down instead of to nearest even",
     ),
