@@ -7,7 +7,8 @@
     rows = formats_against_copy("cuda", mib=(64, 256))
 
 Rows, per size: a copy (``y.copy_(x)``, 4 bytes read and 4 written per value), then the 8-bit format's quantize
-(nearest and stochastic), dequantize and dequantize-and-add (``cerar.formats.int8_blocks``) and the 16-bit wire's
+(nearest and stochastic), dequantize and dequantize-and-add (``cerar.formats.int8_blocks``), the same of the 4-bit
+format rotated (``cerar.formats.int4_blocks``) and the 16-bit wire's
 encode and decode in float16 and bfloat16 (``cerar.formats.wire``), each in up to three variants: ``eager`` (the
 reference), ``fused`` (the compiled kernel of ``cerar.formats.fused``, where it compiled and passed its check) and
 ``triton`` (the hand-written Triton kernel of ``cerar.formats.triton_kernels``, on a GPU, where it passed its check)
@@ -33,6 +34,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from cerar.formats import fused  # noqa: E402
+from cerar.formats import int4_blocks as q4  # noqa: E402
 from cerar.formats import int8_blocks as q8  # noqa: E402
 from cerar.formats.wire import Wire  # noqa: E402
 from scripts.checks.gpu.arithmetic import _timed  # noqa: E402
@@ -67,6 +69,28 @@ def _cases(n: int, block: int, device: torch.device, x: torch.Tensor) -> list[tu
             variants[variant] = lambda o=out, v=variant, fn=fn: fn(message, n, block, o[v])
         # the add accumulates over the timed calls: its outputs are not compared (enable's check compared them)
         cases.append(("int8 dequantize and add" if add else "int8 dequantize", variants, None if add else out))
+    for rounding in ("nearest", "stochastic"):  # the 4-bit format, rotated (its default)
+        m4 = {v: q4.new_message(n, block, device) for v in ("eager", "chosen", *fused.VARIANTS)}
+        variants = {
+            "eager": lambda r=rounding, m=m4: q4.quantize_eager(m["eager"], x, block, r, KEY, True, 7),
+            "chosen": lambda r=rounding, m=m4: q4.quantize_into(m["chosen"], x, block, r, KEY, True, 7),
+        }
+        for variant, fn in fused.checked_variants(f"int4_quantize_{rounding}", device, block).items():
+            variants[variant] = lambda r=rounding, m=m4, v=variant, fn=fn: fn(m[v], x, block, r, KEY, True, 7)
+        cases.append((f"int4 quantize, {rounding}, rotated", variants, m4))
+    m4 = q4.new_message(n, block, device)
+    q4.quantize_eager(m4, x, block, "stochastic", KEY, True, 7)
+    for name in ("int4_dequantize", "int4_dequantize_add"):
+        add = name.endswith("add")
+        out = {v: torch.zeros_like(x) for v in ("eager", "chosen", *fused.VARIANTS)}
+        variants = {
+            "eager": lambda o=out, add=add: q4.dequantize_eager(m4, n, block, o["eager"], add=add, rotate=True, seed=7),
+            "chosen": lambda o=out, add=add: q4.dequantize(m4, n, block, o["chosen"], add=add, rotate=True, seed=7),
+        }
+        for variant, fn in fused.checked_variants(name, device, block).items():
+            variants[variant] = lambda o=out, v=variant, fn=fn: fn(m4, n, block, o[v], True, 7)
+        cases.append(("int4 dequantize and add, rotated" if add else "int4 dequantize, rotated", variants,
+                      None if add else out))  # fmt: skip
     for dtype in ("float16", "bfloat16"):
         wire = Wire(dtype)
         wmessage = {v: wire.empty(n, x) for v in ("eager", "chosen", *fused.VARIANTS)}
