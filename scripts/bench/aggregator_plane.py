@@ -9,13 +9,17 @@ The model (model=tiny on the embedded corpus, as in scripts/studies/run_fidelity
 all-reduce; every `--every` steps each rank's real gradient g_r is averaged by every flat aggregator
 (nccl, ring, fp16, bf16, CERAR per construction and c, the 8-bit int8 at block sizes 64, 128, 256 and
 hier_int8 on nodes of 2 ranks, the exact ring and CERAR over float16/bfloat16 messages, the 16-bit exact
-hierarchy on nodes of 2 ranks) from the same starting point, and the result
+hierarchy on nodes of 2 ranks, the 4-bit int4 rotated or not and hier_int4 with 8-bit or exact sums inside a
+node) from the same starting point, and the result
 is compared with the exact mean g_bar: error = max over ranks of ||g_hat_r - g_bar|| / ||g_bar||, and per
 parameter tensor, as Adam sees it (train/aggregation/tensor_errors.py): each tensor's error against its own SGD noise,
 rho_t = ||g_hat_r,t - g_bar_t|| / sigma_t, worst rank.
 PowerSGD exists only as a DDP hook with error feedback, so it is measured in a second pass that
 trains with it, comparing the hook's result with an exact all-reduce of the same step's gradients.
 Bytes are what the aggregator reports having sent for the whole gradient (d values).
+
+``--only LABEL,...`` measures a subset (issue 54's 4-bit rows: ``--only nccl,int8_b128,hier_int8_g2,int4_b128,
+int4_b128_unrotated,hier_int4_g2,hier_int4_g2_exact_inside --csv reports/data/aggregator_plane_int4.csv``).
 
 Writes ``reports/data/aggregator_plane.csv`` (one row per aggregator; `tensor_error_to_noise_*` its worst tensor's
 rho, `worst_tensor` which) and ``reports/data/aggregator_plane_tensors.csv`` (one row per aggregator and tensor:
@@ -72,6 +76,14 @@ FLAT_SETTINGS += [
     ],
     *[(f"{kind}_g2", [f"aggregator={kind}", "aggregator.local_size=2"]) for kind in ("hier_fp16", "hier_bf16")],
 ]
+# issue 54: the 4-bit all-reduce (cerar.int4): rotated (its default) and not, stochastic (default) and nearest, and
+# two tiers of 2 ranks per node with 8-bit or exact sums inside a node and 4 bits between nodes
+FLAT_SETTINGS += [
+    ("int4_b128", ["aggregator=int4"]),
+    ("int4_b128_unrotated", ["aggregator=int4", "aggregator.rotate=false"]),
+    ("hier_int4_g2", ["aggregator=hier_int4", "aggregator.local_size=2"]),
+    ("hier_int4_g2_exact_inside", ["aggregator=hier_int4", "aggregator.local_size=2", "aggregator.intra=exact"]),
+]
 COLUMNS = ["aggregator", "bytes_per_call", "bytes_ratio_to_fp32_ring", "error_median", "error_max", "calls",
            "tensor_error_to_noise_median", "tensor_error_to_noise_max", "worst_tensor"]  # fmt: skip
 TENSOR_COLUMNS = ["aggregator", "tensor", "values", "error_to_noise_median", "error_to_noise_max"]
@@ -112,7 +124,7 @@ def flat_gradient(model) -> torch.Tensor:
     return torch.cat([p.grad.reshape(-1) for p in model.parameters()])
 
 
-def measure_flat(steps: int, every: int) -> tuple[dict[str, list], dict[str, int]]:
+def measure_flat(steps: int, every: int, only=None) -> tuple[dict[str, list], dict[str, int]]:
     """Train with exact all-reduce; every `every` steps run every flat aggregator on the same gradients."""
     from train.aggregation.build import build_aggregator
     from train.aggregation.tensor_errors import TensorLayout
@@ -128,7 +140,7 @@ def measure_flat(steps: int, every: int) -> tuple[dict[str, list], dict[str, int
     data = build_data(cfg, rank, N)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.model.lr, weight_decay=cfg.model.weight_decay)
     aggregators = []
-    for label, overrides in FLAT_SETTINGS:
+    for label, overrides in [(label, o) for label, o in FLAT_SETTINGS if not only or label in only]:
         try:
             aggregator = build_aggregator(compose(overrides), N)
         except ValueError as err:  # a code that cannot meet kappa_max at this (N, c): not on the plane
@@ -235,12 +247,18 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=10)
     ap.add_argument("--csv", type=Path, default=ROOT / "reports" / "data" / "aggregator_plane.csv")
+    ap.add_argument("--only", default="", help="comma-separated labels: measure only these (PowerSGD's pass skipped)")
     args = ap.parse_args(argv)
+    only = [label for label in args.only.split(",") if label]
+    unknown = sorted(set(only) - {label for label, _ in FLAT_SETTINGS})
+    if unknown:
+        ap.error(f"--only: unknown labels {unknown}; the labels are {[label for label, _ in FLAT_SETTINGS]}")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     dist.init_process_group("gloo")
     try:
-        results, sizes = measure_flat(args.steps, args.every)
-        results["powersgd"] = measure_powersgd(args.steps, args.every)
+        results, sizes = measure_flat(args.steps, args.every, only)
+        if not only:
+            results["powersgd"] = measure_powersgd(args.steps, args.every)
         if dist.get_rank() == 0:
             write_csvs(results, sizes, args.csv, args.csv.with_name(args.csv.stem + "_tensors.csv"))
     finally:
