@@ -25,6 +25,10 @@ HIERARCHICAL = ("hier_ring", "hier_cerar", "hier_ring16")
 # issue 25: the 8-bit all-reduce (cerar.int8.all_reduce): int8 flat, hier_int8 on the two tiers (int8 on the rails)
 AGGREGATORS = (*AGGREGATORS, "int8", "hier_int8")
 HIERARCHICAL = (*HIERARCHICAL, "hier_int8")
+# issue 54: the 4-bit all-reduce (cerar.int4): int4 flat, hier_int4 (8-bit sums inside a host) and hier_int4_exact
+# (exact sums inside), 4 bits on the rails; rotated, stochastic, B = --int8-block
+AGGREGATORS = (*AGGREGATORS, "int4", "hier_int4", "hier_int4_exact")
+HIERARCHICAL = (*HIERARCHICAL, "hier_int4", "hier_int4_exact")
 EXTRA_COLUMNS = [*EXTRA_COLUMNS, "int8_block", "transport", "fused"]  # issue 35: the compiled kernels on
 EXTRA_COLUMNS = [*EXTRA_COLUMNS, "nic_tcp_retransmitted_segments"]  # in the lab: counted again in nic_tx_bytes*
 DEFAULT_CSV = ROOT / "reports" / "data" / "allreduce.csv"
@@ -74,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="hier_cerar: c values, e.g. 8,16 (default: --c-mult times the number of hosts)")  # fmt: skip
     ap.add_argument("--half-dtype", choices=["float16", "bfloat16"], default="float16",
                     help="hier_ring16: the 16-bit message type (default float16, as torch's fp16 hook)")  # fmt: skip
-    ap.add_argument("--int8-block", type=int, default=128, help="int8/hier_int8: values per float32 scale")
+    ap.add_argument("--int8-block", type=int, default=128,
+                    help="int8/hier_int8/int4/hier_int4: values per float32 scale")  # fmt: skip
     ap.add_argument("--cerar-transport", choices=["float32", "float16", "bfloat16"], default="float32",
                     help="cerar/hier_cerar: the dtype their messages travel in (cerar.formats.wire; 16 bits: kappa_max "
                          "defaults to cerar.default_kappa_max of it), recorded in the transport column")  # fmt: skip

@@ -67,7 +67,7 @@ def worker(args) -> int:
         configs.append(("hier_ring", "", None, None, None, None))
     if "hier_ring16" in args.aggregators:
         configs.append(("hier_ring16", "", None, None, None, None))
-    for agg in ("int8", "hier_int8"):  # issue 25
+    for agg in ("int8", "hier_int8", "int4", "hier_int4", "hier_int4_exact"):  # issues 25 and 54
         if agg in args.aggregators:
             configs.append((agg, "", None, None, None, None))
     coded = [("cerar", N, [k * N for k in args.c_mult])] if "cerar" in args.aggregators else []
@@ -112,6 +112,14 @@ def worker(args) -> int:
             if agg == "int8":
                 return quantized_all_reduce(buf, op="sum", timeout=ct, block=args.int8_block)
             return hierarchical_quantized_all_reduce(buf, tiers, op="sum", timeout=ct, block=args.int8_block)
+        if agg in ("int4", "hier_int4", "hier_int4_exact"):  # issue 54: the sum, rotated, stochastic
+            int4 = library_module("cerar.int4.all_reduce")
+            if agg == "int4":
+                return int4.int4_all_reduce(buf, op="sum", timeout=ct, block=args.int8_block)
+            two_tier = library_module("cerar.int4.two_tier")
+            intra = "exact" if agg == "hier_int4_exact" else "int8"
+            return two_tier.hierarchical_int4_all_reduce(buf, tiers, op="sum", timeout=ct, block=args.int8_block,
+                                                         intra=intra)  # fmt: skip
         rounds.PIPELINE_MAX_CHUNKS = chunks
         kw = {} if storage is None else {"storage": storage}  # None: the library's default (older versions: no knob)
         if args.cerar_transport != "float32":
@@ -206,7 +214,7 @@ def worker(args) -> int:
                 if agg in ("cerar", "hier_cerar"):
                     row["storage"] = storage or _default_storage()
                     row["transport"] = args.cerar_transport
-                if agg in ("int8", "hier_int8"):
+                if agg in ("int8", "hier_int8", "int4", "hier_int4", "hier_int4_exact"):
                     row["int8_block"] = args.int8_block
                 row["fused"] = fused_on
                 if nics:
