@@ -163,6 +163,7 @@ def _timed(fn, device: torch.device, reps: int = 7) -> float:
 
 def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
     from cerar.formats import fused
+    from cerar.formats import int4_blocks as q4
     from cerar.formats import int8_blocks as q8
     from cerar.formats.wire import Wire
 
@@ -191,6 +192,8 @@ def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
     base = torch.randn(n, generator=g).to(device)
     message = q8.new_message(n, B, device)
     q8.quantize_eager(message, x, B, "stochastic", 12345)
+    message4 = q4.new_message(n, B, device)
+    q4.quantize_eager(message4, x, B, "stochastic", 12345, True, 7)
     wires = {dtype: Wire(dtype) for dtype in ("float16", "bfloat16")}
     encoded = {dtype: w.empty(n, x) for dtype, w in wires.items()}
     for dtype, w in wires.items():
@@ -207,6 +210,15 @@ def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
             yield (name, f"int8 {name.replace('_', ' and ')}",
                    lambda out, add=add: q8.dequantize_eager(message, n, B, out, add=add),
                    lambda fn, out: fn(message, n, B, out), lambda: base.clone())
+        for rounding in ("nearest", "stochastic"):  # the 4-bit format, rotated (its default)
+            yield (f"int4_quantize_{rounding}", f"int4 quantize, {rounding}, rotated",
+                   lambda out, r=rounding: q4.quantize_eager(out, x, B, r, 12345, True, 7),
+                   lambda fn, out, r=rounding: fn(out, x, B, r, 12345, True, 7), lambda: q4.new_message(n, B, device))
+        for name in ("int4_dequantize", "int4_dequantize_add"):
+            add = name.endswith("add")
+            yield (name, f"int4 {'dequantize and add' if add else 'dequantize'}, rotated",
+                   lambda out, add=add: q4.dequantize_eager(message4, n, B, out, add=add, rotate=True, seed=7),
+                   lambda fn, out: fn(message4, n, B, out, True, 7), lambda: base.clone())
         for dtype, w in wires.items():
             yield ("wire_encode", f"wire encode, {dtype}", lambda out, w=w: w.encode_eager(x, out),
                    lambda fn, out: fn(x, out), lambda w=w: w.empty(n, x))
