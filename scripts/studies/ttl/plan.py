@@ -65,6 +65,7 @@ def plan(args, settings: list[Setting]) -> list[Planned]:
         for setting in settings:
             # nccl always belongs: every ratio is against its run of the same seed, the target its mean
             names = [n for n in setting.aggregators if args.aggregators is None or n in args.aggregators or n == "nccl"]
+            names += [n for n in args.aggregators or [] if n not in names]  # named outside the list (issue 54: int4)
             for name in order(names, setting, seed, args.order, args.order_seed):
                 row = rows.get((*setting.row_key(), str(setting.steps), name, str(seed)))
                 run_dir = args.runs / setting.key / f"{name}_s{seed}"

@@ -56,6 +56,9 @@ AGGREGATORS: dict[str, list[str]] = {
     "hier_int8": ["aggregator=hier_int8"],
     "hier_cerar_c16": ["aggregator=hier_cerar", "c=16"],  # c = 4n between n = 4 hosts, as the paper's c = 4N
     "hier_cerar16_c8": ["aggregator=hier_cerar", "c=8", "aggregator.transport=float16"],  # c = 2n, fp16 messages
+    # issue 54: 4 bits (rotated, stochastic), without and with error feedback, every tensor's error logged
+    "int4": ["aggregator=int4", "trainer.measure_error_every=10"],
+    "int4_ef": ["aggregator=int4", "aggregator.error_feedback=true", "trainer.measure_error_every=1"],
 }
 
 FLAT = ["nccl", "fp16", "bf16", "int8", "cerar_c16", "cerar_cauto", "cerar16_c5", "cerar16_c8", "auto"]
