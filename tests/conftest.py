@@ -66,16 +66,6 @@ def token_cache_for_every_launch(cache_dir):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def tests_forkserver():
-    """This worker's forkserver started first, with the tests' preload (tests/distributed.py `start_forkserver`):
-    not the GPU check's shorter one, whichever module runs first."""
-    from tests.distributed import start_forkserver
-
-    start_forkserver()
-    yield
-
-
-@pytest.fixture(scope="session", autouse=True)
 def eager_arithmetic():
     """The suite's runs use the eager arithmetic (CERAR_FUSED=0, inherited by spawned ranks): inductor's C++ build of
     the fused kernels takes minutes on a 2-core machine, per fresh cache. The fused kernels are held to the eager

@@ -24,9 +24,10 @@ def _preloaded(rank, world_size):  # noqa: ARG001  run_workers passes them
 @pytest.mark.quick
 def test_every_launch_forks_from_the_tests_forkserver_even_after_the_gpu_checks_context():
     """A process has one forkserver, and its preload is the one set when it starts. The GPU check's
-    ``cases.context()`` sets a shorter one (torch and cerar); the suite starts each worker's server first with its
-    own (tests/conftest.py ``tests_forkserver``), so a rank launched after the GPU check's tests still finds
-    transformers and train/ imported (otherwise each rank imports them again: about 3 s of a core)."""
+    ``cases.context()`` sets a shorter one (torch and cerar); every launch of the tests sets the tests' own again
+    before it starts the server (tests/distributed.py ``start_forkserver``), so a rank launched after the GPU
+    check's context still finds transformers and train/ imported (otherwise each rank imports them again: about
+    3 s of a core). Where a GPU check case starts the server itself: tests/test_gpu_check.py."""
     from scripts.checks.gpu import cases
     from tests.distributed import _PRELOAD, run_workers
 
