@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 # One compute thread per process, set before anything imports torch or numpy (they size their thread pools when
@@ -156,6 +157,18 @@ LAST_MODULES = ("test_stall_phases",)
 load beside them. At the end of the suite, with the other workers on their last short modules, its fixture took
 39-63 s; started beside time_to_loss's torchrun launches and train_units (2026-12-04, twice), 168 s and 196 s,
 and the suite 8 min 50 s and 8 min 53 s against 6 min 26 s."""
+
+
+IMPORTED_LATE = ("transformers", "torch._dynamo")
+"""Modules the test modules import inside the tests that need them, never at collection: each pytest process (every
+xdist worker, every run of the mutation check) collects them, and importing these took about 6 s of a core per
+collection (17.3 -> 10.4 s with test_compiled_step's and test_fused_formats' imports moved into their tests,
+2026-12-04). tests/test_suite_threads.py holds it."""
+
+
+def pytest_collection_finish(session):
+    """Record which of ``IMPORTED_LATE`` the collection imported (read by tests/test_suite_threads.py)."""
+    session.config.imported_at_collection = [name for name in IMPORTED_LATE if name in sys.modules]
 
 
 def pytest_collection_modifyitems(config, items):

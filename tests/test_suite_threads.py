@@ -34,3 +34,12 @@ def test_every_launch_forks_from_the_tests_forkserver_even_after_the_gpu_checks_
     cases.context()
     (modules,) = run_workers(_preloaded, 1)
     assert modules == _PRELOAD, sorted(set(_PRELOAD) - set(modules))
+
+
+@pytest.mark.quick
+def test_collecting_the_test_modules_imports_neither_transformers_nor_dynamo(request):
+    """Every pytest process collects the test modules (each of the suite's workers, each run of the mutation check):
+    a module that imports transformers' GPTNeoX (train.model) or torch._dynamo at its top costs every collection
+    seconds of a core (tests/conftest.py ``IMPORTED_LATE``). Meaningful where the whole folder is collected (the
+    suite, the quick tier)."""
+    assert request.config.imported_at_collection == [], request.config.imported_at_collection
