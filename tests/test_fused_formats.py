@@ -62,7 +62,6 @@ def assert_dispatch_writes_the_eager_bytes(sizes) -> None:
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (s, dtype)
 
 
-@pytest.mark.quick
 def test_the_traced_kernels_write_the_eager_bytes_at_odd_sizes(traced):
     """Sizes at and above the dispatch's threshold, with short last blocks and without, across dither chunks (2^16
     values): the fused path (one kernel per message, the last block padded inside it) writes the eager bytes, and

@@ -182,7 +182,6 @@ def _preloaded(rank, world_size):  # noqa: ARG001  run_workers passes them
     return preloaded_here()
 
 
-@pytest.mark.quick
 def test_a_launch_after_a_gpu_check_case_forks_from_the_tests_forkserver(tmp_path):
     """A GPU check case run in this process (its context's shorter preload: torch and cerar), then a rank
     launched as the other modules launch theirs: the rank finds the tests' whole preload imported, since this

@@ -21,7 +21,6 @@ def _preloaded(rank, world_size):  # noqa: ARG001  run_workers passes them
     return preloaded_here()
 
 
-@pytest.mark.quick
 def test_every_launch_forks_from_the_tests_forkserver_even_after_the_gpu_checks_context():
     """A process has one forkserver, and its preload is the one set when it starts. The GPU check's
     ``cases.context()`` sets a shorter one (torch and cerar); every launch of the tests sets the tests' own again
