@@ -139,17 +139,19 @@ HEAVIEST_MODULES = (
     "test_reliability",
     "test_train_runs",
     "test_gpu_check",
+    "test_bench_two_tier",
+    "test_auto_aggregator",
+    "test_auto_c",
     "test_hierarchical_training",
     "test_netlab",
-    "test_protocol",
-    "test_bench_two_tier",
 )
-"""The modules that take longest (measured with ``pytest --durations=0``, 50-170 s each on a 2-core machine),
-heaviest first. Each module is one unit of work for pytest-xdist (``--dist loadfile --no-loadscope-reorder``,
-pyproject.toml), handed out in collection order: starting these first and ending on the many short modules
-lets the three workers finish together (within 20 s of each other on 2026-12-03, docs/testing.md). Not listed on
-purpose: test_stall_phases (55 s, its cases wait out deadlines): started among the heavy modules it took 295 s and
-the suite 9 min 6 s (2026-12-04); it goes last (``LAST_MODULES``)."""
+"""The modules that take longest (per-module sums of ``pytest --durations=0`` on a fresh clone of 10dc426, three
+workers, 2026-12-04: 65-250 s each), heaviest first; test_protocol (33 s there) left the list, test_auto_aggregator
+(76 s) and test_auto_c (74 s) joined it. Each module is one unit of work for pytest-xdist (``--dist loadfile
+--no-loadscope-reorder``, pyproject.toml), handed out in collection order: starting these first and ending on the
+many short modules lets the three workers finish together (within 20 s of each other on 2026-12-03,
+docs/testing.md). Not listed on purpose: test_stall_phases (55 s, its cases wait out deadlines): started among the
+heavy modules it took 295 s and the suite 9 min 6 s (2026-12-04); it goes last (``LAST_MODULES``)."""
 
 
 LAST_MODULES = ("test_stall_phases",)
