@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 # One compute thread per process, set before anything imports torch or numpy (they size their thread pools when
@@ -68,16 +69,6 @@ def token_cache_for_every_launch(cache_dir):
     none reads or writes the user's ~/.cache/cerar-pythia. A test that needs another folder sets its own."""
     with _environment_variable("CERAR_PYTHIA_CACHE", str(cache_dir)):
         yield
-
-
-@pytest.fixture(scope="session", autouse=True)
-def tests_forkserver():
-    """This worker's forkserver started first, with the tests' preload (tests/distributed.py `start_forkserver`):
-    not the GPU check's shorter one, whichever module runs first."""
-    from tests.distributed import start_forkserver
-
-    start_forkserver()
-    yield
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -153,17 +144,19 @@ HEAVIEST_MODULES = (
     "test_reliability",
     "test_train_runs",
     "test_gpu_check",
+    "test_bench_two_tier",
+    "test_auto_aggregator",
+    "test_auto_c",
     "test_hierarchical_training",
     "test_netlab",
-    "test_protocol",
-    "test_bench_two_tier",
 )
-"""The modules that take longest (measured with ``pytest --durations=0``, 50-170 s each on a 2-core machine),
-heaviest first. Each module is one unit of work for pytest-xdist (``--dist loadfile --no-loadscope-reorder``,
-pyproject.toml), handed out in collection order: starting these first and ending on the many short modules
-lets the three workers finish together (within 20 s of each other on 2026-12-03, docs/testing.md). Not listed on
-purpose: test_stall_phases (55 s, its cases wait out deadlines): started among the heavy modules it took 295 s and
-the suite 9 min 6 s (2026-12-04); it goes last (``LAST_MODULES``)."""
+"""The modules that take longest (per-module sums of ``pytest --durations=0`` on a fresh clone of 10dc426, three
+workers, 2026-12-04: 65-250 s each), heaviest first; test_protocol (33 s there) left the list, test_auto_aggregator
+(76 s) and test_auto_c (74 s) joined it. Each module is one unit of work for pytest-xdist (``--dist loadfile
+--no-loadscope-reorder``, pyproject.toml), handed out in collection order: starting these first and ending on the
+many short modules lets the three workers finish together (within 20 s of each other on 2026-12-03,
+docs/testing.md). Not listed on purpose: test_stall_phases (55 s, its cases wait out deadlines): started among the
+heavy modules it took 295 s and the suite 9 min 6 s (2026-12-04); it goes last (``LAST_MODULES``)."""
 
 
 LAST_MODULES = ("test_stall_phases",)
@@ -171,6 +164,18 @@ LAST_MODULES = ("test_stall_phases",)
 load beside them. At the end of the suite, with the other workers on their last short modules, its fixture took
 39-63 s; started beside time_to_loss's torchrun launches and train_units (2026-12-04, twice), 168 s and 196 s,
 and the suite 8 min 50 s and 8 min 53 s against 6 min 26 s."""
+
+
+IMPORTED_LATE = ("transformers", "torch._dynamo")
+"""Modules the test modules import inside the tests that need them, never at collection: each pytest process (every
+xdist worker, every run of the mutation check) collects them, and importing these took about 6 s of a core per
+collection (17.3 -> 10.4 s with test_compiled_step's and test_fused_formats' imports moved into their tests,
+2026-12-04). tests/test_suite_threads.py holds it."""
+
+
+def pytest_collection_finish(session):
+    """Record which of ``IMPORTED_LATE`` the collection imported (read by tests/test_suite_threads.py)."""
+    session.config.imported_at_collection = [name for name in IMPORTED_LATE if name in sys.modules]
 
 
 def pytest_collection_modifyitems(config, items):

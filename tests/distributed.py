@@ -48,16 +48,20 @@ _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(_PRELOAD)
 
 
-def start_forkserver() -> None:
-    """Start this process's forkserver now, with the preload above. A process has one forkserver, whatever
-    context asks for it, and the preload is the one set when it starts: the GPU check's ``cases.context()`` sets
-    a shorter one (torch and cerar), so where tests/test_gpu_check.py started it first, every later launch on that
-    pytest worker imported transformers and train/ again in each rank, about 3 s of a core per process (the stall
-    cases' fixture took 112-158 s instead of 35-54 s). tests/conftest.py calls this as each worker's session
-    starts."""
+def start_forkserver():
+    """Start this process's forkserver, with the preload above, unless it runs; returns its context. A process
+    has one forkserver, whatever context asks for it, and the preload is the one set when it starts: the GPU
+    check's ``cases.context()`` sets a shorter one (torch and cerar), so where a GPU check case started it first,
+    every later launch on that pytest worker imported transformers and train/ again in each rank, about 3 s of a
+    core per process (the stall cases' fixture took 112-158 s instead of 35-54 s). Every launch here starts it
+    through this call, the preload set again first; tests/test_gpu_check.py calls it before its cases run. Started
+    on first use, not with each session: the preload's imports take about 8 s of a core, which a pytest run of unit
+    tests alone (each fault of scripts/checks/mutation.py) would pay for nothing."""
     import multiprocessing.forkserver
 
+    _CONTEXT.set_forkserver_preload(_PRELOAD)
     multiprocessing.forkserver.ensure_running()
+    return _CONTEXT
 
 
 def preloaded_here() -> list[str]:
@@ -190,12 +194,13 @@ def run_workers(
     expect = set(range(world_size)) - exits if expect is None else set(expect)
     if store is None:
         store = held_store()
-    results = _CONTEXT.Queue()
+    context = start_forkserver()
+    results = context.Queue()
     logs = tempfile.TemporaryDirectory(prefix="run-workers-")
     outputs = [(f"{logs.name}/{rank}.out", f"{logs.name}/{rank}.err") for rank in range(world_size)]
     environ = dict(os.environ)
     processes = [
-        _CONTEXT.Process(
+        context.Process(
             target=_entry,
             args=(fn, rank, world_size, store.port, args, results, group_timeout_s, contract, environ, *outputs[rank]),
             daemon=True,
@@ -273,7 +278,7 @@ def _script_entry(script: str, argv: list[str], environ: dict, cwd: str, out_pat
 def _script_process(script, argv: list[str], environ: dict, cwd, out_path, err_path):
     """The forkserver's process (not yet started) that runs ``script`` as ``__main__`` in ``environ``
     (``_script_entry``), its stdout and stderr in those files: one rank of a launch, or a ScriptProcess."""
-    return _CONTEXT.Process(
+    return start_forkserver().Process(
         target=_script_entry, args=(str(script), list(argv), environ, str(cwd), str(out_path), str(err_path))
     )
 

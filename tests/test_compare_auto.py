@@ -8,12 +8,9 @@ train/main.py would, and the aggregator that config builds is compared with the 
 
 from __future__ import annotations
 
-import pytest
-
 from tests.runs import composed
 
 
-@pytest.mark.quick
 def test_each_fixed_run_is_the_candidate_auto_measured():
     from scripts.bench.compare_auto import candidate_overrides
     from train.aggregation.auto_choice import candidates

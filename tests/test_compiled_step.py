@@ -23,19 +23,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.runs import composed, in_process_trainer
 from train import compiling, distributed
 from train.metrics import parameter_sha256
-from train.model import (
-    WINDOW_ATTENTION,
-    adamw_implementation,
-    build_model,
-    build_optimizer,
-    load_optimizer_state,
-)
+
+# train.model (transformers' GPTNeoX, dynamo) is imported in the tests that use it: seconds per pytest process at
+# collection otherwise, also for runs that select none of these tests
 
 # ----------------------------------------------------------------------------- AdamW's kernels
 
 
 @pytest.mark.quick
 def test_adamw_is_fused_on_cuda_and_foreach_elsewhere():
+    from train.model import adamw_implementation, build_model, build_optimizer
+
     assert adamw_implementation("cuda") == {"fused": True}
     assert adamw_implementation(torch.device("cuda", 3)) == {"fused": True}
     assert adamw_implementation("cpu") == {"foreach": True}
@@ -48,6 +46,8 @@ def test_adamw_is_fused_on_cuda_and_foreach_elsewhere():
 
 def _stepped(implementation: dict, steps: int, seed: int = 0):
     """The tiny model and its AdamW (``implementation``: its kernels) after ``steps`` steps on seeded batches."""
+    from train.model import build_model
+
     m = composed("model=tiny").model
     torch.manual_seed(seed)
     model = build_model(m)
@@ -66,6 +66,8 @@ def test_a_checkpoint_keeps_the_loading_runs_adamw_kernels():
     """A GPU's checkpoint (fused) resumed on a CPU (foreach), and the other way: the loading run keeps its own kernels
     (load_state_dict alone would take the writer's), the moments and step counts arrive unchanged, and each step
     count lives where its kernel reads it (fused: beside the parameter; foreach: on the host)."""
+    from train.model import load_optimizer_state
+
     _, fused = _stepped({"fused": True}, steps=2)  # torch's fused AdamW runs on the CPU too: the GPU's kernel choice
     _, foreach = _stepped({"foreach": True}, steps=0, seed=1)
     load_optimizer_state(foreach, fused.state_dict())
@@ -83,6 +85,8 @@ def test_a_checkpoint_keeps_the_loading_runs_adamw_kernels():
 
 def test_a_resumed_adamw_continues_as_the_uninterrupted_one():
     """The state the loader restores is all AdamW needs: one more step from it equals one more step of the original."""
+    from train.model import load_optimizer_state
+
     model, optimizer = _stepped({"foreach": True}, steps=2)
     written = io.BytesIO()  # as a checkpoint holds them: copies (load_state_dict keeps the tensors it is given)
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, written)
@@ -133,6 +137,8 @@ class HostReads(TorchDispatchMode):
 
 
 def _tiny(seed: int = 0):
+    from train.model import build_model
+
     torch.manual_seed(seed)
     return build_model(composed("model=tiny").model)
 
@@ -141,6 +147,8 @@ def _tiny(seed: int = 0):
 def test_the_model_attends_causally_with_the_logits_of_hfs_sdpa_and_no_host_read():
     """HF's own mask preparation reads a device value every forward (its packed-sequence check: a sync on a GPU); the
     model's attention (train.model.attend_whole_windows) builds no mask and gives HF's SDPA logits bit for bit."""
+    from train.model import WINDOW_ATTENTION
+
     model, reference = _tiny(), _tiny()
     assert model.config._attn_implementation == WINDOW_ATTENTION
     reference.set_attn_implementation("sdpa")
@@ -310,6 +318,8 @@ def test_deterministic_runs_get_inductors_deterministic_mode():
 def test_resume_across_compile_on_and_off_ends_where_the_uninterrupted_run_does(corpus, tmp_path):
     """A checkpoint written by a compiled run holds the eager model's keys (nn.Module.compile in place: no _orig_mod.)
     and resumes without compiling to the uninterrupted compiled run's parameters, and the other way round."""
+    from train.model import build_model
+
     with trainer_of(corpus, tmp_path / "full", "trainer.max_steps=4", *EAGER_COMPILE) as trainer:
         trainer.fit()
         uninterrupted = parameter_sha256(trainer.model)

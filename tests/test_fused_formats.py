@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from cerar.formats import devices, fused
 from cerar.formats import int8_blocks as q8
@@ -63,12 +62,13 @@ def assert_dispatch_writes_the_eager_bytes(sizes) -> None:
             assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (s, dtype)
 
 
-@pytest.mark.quick
 def test_the_traced_kernels_write_the_eager_bytes_at_odd_sizes(traced):
     """Sizes at and above the dispatch's threshold, with short last blocks and without, across dither chunks (2^16
     values): the fused path (one kernel per message, the last block padded inside it) writes the eager bytes, and
     the format's (the float64 reference of tests/test_int8_format.py), and nothing compiles after ``enable``
     (a compile inside a collective would hold the peers past their deadlines)."""
+    from torch._dynamo.utils import counters  # dynamo: seconds to import, not at collection
+
     traced(sample_values=2 * fused.MIN_VALUES)
     assert sorted(k for k, _, _ in fused.enabled()) == sorted(fused.COMPILED)
     graphs = counters["stats"]["unique_graphs"]

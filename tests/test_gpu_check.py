@@ -15,7 +15,15 @@ import cerar
 from scripts.checks.gpu import runner
 from scripts.checks.gpu.cases import Case, Context, Needs, run_case
 from scripts.checks.gpu.judge import judge_coded, judge_sum, resolve_device
-from tests.distributed import run_workers
+from tests.distributed import _PRELOAD, run_workers, start_forkserver
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tests_forkserver_first():
+    """This module runs the GPU check's cases in this process (``run_case``), from the check's own context, whose
+    preload is shorter than the tests': the first to start a process's one forkserver sets its preload for every
+    later launch on this pytest worker, so the tests' starts first (tests/distributed.py ``start_forkserver``)."""
+    start_forkserver()
 
 
 def gpu_check(tmp_path, *extra, timeout=1500):
@@ -162,6 +170,27 @@ def test_a_hang_or_an_abort_stays_in_its_case_and_is_recorded(tmp_path):
     assert hung.status == "FAIL" and "deadline" in hung.reason and 1.0 <= hung.seconds < 300
     aborted = run_case(Case("test", "abort", "tests.test_gpu_check:aborts", needs=Needs()), tmp_path)
     assert aborted.status == "FAIL" and aborted.exit == -6 and aborted.reason == "exit status -6, expected 0"
+
+
+def passes(out):  # noqa: ARG001
+    return {"status": "PASS"}
+
+
+def _preloaded(rank, world_size):  # noqa: ARG001  run_workers passes them
+    from tests.distributed import preloaded_here
+
+    return preloaded_here()
+
+
+def test_a_launch_after_a_gpu_check_case_forks_from_the_tests_forkserver(tmp_path):
+    """A GPU check case run in this process (its context's shorter preload: torch and cerar), then a rank
+    launched as the other modules launch theirs: the rank finds the tests' whole preload imported, since this
+    module starts the tests' forkserver before any case (``tests_forkserver_first``). Without that, the case would
+    start it with its own preload, and each later rank on this worker would import transformers and train/ again
+    (about 3 s of a core each)."""
+    assert run_case(Case("test", "passes", "tests.test_gpu_check:passes", needs=Needs()), tmp_path).status == "PASS"
+    (modules,) = run_workers(_preloaded, 1)
+    assert modules == _PRELOAD, sorted(set(_PRELOAD) - set(modules))
 
 
 def writes_half_a_result(out):

@@ -149,11 +149,11 @@ def test_the_sweeps_process_group_is_started_and_torn_down_under_the_host_watchd
     """A hang inside the sweep's start of the process group (its deadline: the group's timeout + T, gloo's T here)
     or inside its teardown (T) ends the process with exit 3 and the watchdog's line naming the phase, at the
     deadline (before, neither was watched: the sweep hung)."""
-    from tests.distributed import _CONTEXT
+    from tests.distributed import start_forkserver
 
     err, stalled = tmp_path / "stderr", tmp_path / "stalled"
     args = (str(tmp_path / "out"), str(cache_dir), dict(os.environ), str(err), str(stalled))
-    process = _CONTEXT.Process(target=_sweep_stalled_in, args=(call, *args))
+    process = start_forkserver().Process(target=_sweep_stalled_in, args=(call, *args))
     process.start()
     process.join(120)
     ended = time.time()

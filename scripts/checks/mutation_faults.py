@@ -59,7 +59,6 @@ FAULTS = [
         replacement="        return max(fits)",
         tests=("tests/test_auto_c.py::test_choose_c_takes_the_fewest_bytes_where_padding_makes_them_rise_with_c",),
         why="takes the largest c that fits, not the fewest bytes (padding at small d: c=15 sends fewer than c=16)",
-        quick=True,
     ),
     Fault(
         name="recheck-ignores-budget",
@@ -126,7 +125,6 @@ FAULTS = [
         replacement="                    y.add_(self.U[new - 1]).sub_(self.U[old - 1])",
         tests=("tests/test_op_count.py -k each_round",),
         why="a round's injection and addition as two elementwise passes again (the same values, twice the kernels)",
-        quick=True,
     ),
     Fault(
         name="cuda-two-chunks",
@@ -135,7 +133,6 @@ FAULTS = [
         replacement="CUDA_PIPELINE_MAX_CHUNKS = 2\n",
         tests=("tests/test_costmodel_chunk.py -k mirrors",),
         why="CUDA cuts blocks in two again: twice the posts and launches per round of an eager call, host-bound",
-        quick=True,
     ),
     Fault(
         name="captured-call-polls",
@@ -172,7 +169,6 @@ FAULTS = [
         replacement="",
         tests=("tests/test_protocol.py::test_bad_input_gets_a_clear_error_on_every_rank[gloo]",),
         why="ranks of different tensor lengths are no longer refused by name: with the same m they sum garbage",
-        quick=True,
     ),
     Fault(
         name="stale-agreement-cache",
@@ -217,7 +213,6 @@ FAULTS = [
         replacement="    _require(ck.write_timeout_s >= 0,",
         tests=("tests/test_reliability.py::test_the_checkpoint_wait_defaults_to_1800_s_and_must_be_positive",),
         why="checkpoint.write_timeout_s=0 is accepted: every checkpoint barrier would fail at once",
-        quick=True,
     ),
     Fault(
         name="sum-rounding-bound-too-loose",
@@ -226,7 +221,6 @@ FAULTS = [
         replacement="    bound = ((N - 1) * N + 1) * unit_roundoff(dtype)",
         tests=("tests/test_precision.py -k rounding_bound",),
         why="the exact sum's rounding bound grows with N^2, not N^1.5",
-        quick=True,
     ),
     Fault(
         name="tf32-guard-dropped",
@@ -261,7 +255,6 @@ FAULTS = [
         replacement="        pass",
         tests=("tests/test_cerar_16bit.py -k scale_keeps_tiny",),
         why="16-bit messages arrive still multiplied by their power-of-two scale 2^k",
-        quick=True,
     ),
     # --- issues 33 and 35: the 8-bit format's fixes, the fused kernels, the wire's k found on the host ---
     Fault(
@@ -280,7 +273,6 @@ FAULTS = [
         replacement="        ratio.round_()",
         tests=("tests/test_int8_format.py -k unbiased",),
         why="stochastic rounding rounds r + u to nearest: every value biased by half a step",
-        quick=True,
     ),
     Fault(
         name="int8-dither-key-ignored",
@@ -289,7 +281,6 @@ FAULTS = [
         replacement="    key = 0",
         tests=("tests/test_int8_format.py -k unbiased",),
         why="every message takes the same dither: a fixed rounding per position, biased like nearest's",
-        quick=True,
     ),
     Fault(
         name="int8-dither-same-every-call",
@@ -315,7 +306,6 @@ FAULTS = [
         replacement="        _CHUNK_TABLE.extend([0] * DITHER_CHUNKS)",
         tests=("tests/test_int8_format.py -k independent",),
         why="every 2^16 values of a message repeat the first 2^16's dither (issue 51): their errors are one error twice",
-        quick=True,
     ),
     Fault(
         name="int8-rails-share-the-dither-key",
@@ -332,7 +322,6 @@ FAULTS = [
         replacement="    if False:\n        ratio.add_(dither(",
         tests=("tests/test_int8_format.py -k same_operations",),
         why="on a GPU the dither is added in a Python loop, one addition per 2^16 values (131x a copy on the H200)",
-        quick=True,
     ),
     Fault(
         name="wire-device-decode-in-16-bits",
@@ -350,7 +339,6 @@ FAULTS = [
         replacement='chosen=next(k for k in calls if k != "eager")',
         tests=("tests/test_fused_formats.py -k faster",),
         why="enable switches a fused kernel on where eager is faster (the H200's encode: 19.8x a copy against 4.2x)",
-        quick=True,
     ),
     Fault(
         name="fused-lengths-compile-again",
@@ -359,7 +347,6 @@ FAULTS = [
         replacement="        pass",
         tests=("tests/test_fused_formats.py -k odd_sizes",),
         why="each new message length compiles the kernel again, inside a collective, past the peers' deadlines",
-        quick=True,
     ),
     Fault(
         name="fused-dither-one-chunk",
@@ -368,7 +355,6 @@ FAULTS = [
         replacement="        index = (shifts[row // K * 0] + (row % K) * block)",
         tests=("tests/test_fused_formats.py -k odd_sizes",),
         why="the fused stochastic kernel reads every chunk's dither from the first chunk's shift: not the eager bytes",
-        quick=True,
     ),
     Fault(
         name="fused-check-sample-random-only",
@@ -402,7 +388,6 @@ FAULTS = [
         replacement="        per_kappa = rounding_bound(code, dtype, wire) / max(float(code.kappa), 1.0)",
         tests=("tests/test_wire_rounding.py",),
         why="the 16-bit rule judges the worst-case bound (15-20x the rounding) and refuses the codes with the least total error",
-        quick=True,
     ),
     Fault(
         name="blocking-wait-let-through",
@@ -446,7 +431,6 @@ FAULTS = [
             "tests/test_auto_aggregator.py::test_prices_follow_the_links_so_the_choice_moves_where_they_differ",
         ),
         why="auto takes the most accurate candidate that fits, not the fastest",
-        quick=True,
     ),
     Fault(
         name="ddp-rebuild-left-to-forward",
@@ -535,7 +519,6 @@ FAULTS = [
         replacement='            "eval": 4 * T,\n',
         tests=("tests/test_host_watchdog.py -k deadline_the_failures_doc",),
         why="an evaluation of many micro-batches gets one micro-batch's 4T: a slow, live evaluation is ended",
-        quick=True,
     ),
     Fault(
         name="watchdog-checkpoint-deadline-no-T",
@@ -544,7 +527,6 @@ FAULTS = [
         replacement='            "checkpoint": self.write_timeout_s,\n',
         tests=("tests/test_host_watchdog.py -k deadline_the_failures_doc",),
         why="a checkpoint's writer is ended at the write's timeout, when the others' wait for it ends too",
-        quick=True,
     ),
     Fault(
         name="watchdog-group-deadline-no-T",
@@ -570,7 +552,6 @@ FAULTS = [
         replacement="EXIT_WAIT_S = ABORT_WAIT_S + 100.0\n",
         tests=("tests/test_host_watchdog.py -k deadline_the_failures_doc",),
         why="the way out's timer waits 110 s, not the documented 20 s, for a way out that hangs",
-        quick=True,
     ),
     Fault(
         name="exit-timer-unarmed",
@@ -639,7 +620,6 @@ FAULTS = [
             "tests/test_auto_aggregator.py::test_every_rank_measures_and_decides_from_the_same_numbers",
         ),
         why="the candidates are timed and the timings ignored: the model's fastest is taken even where it is slow",
-        quick=True,
     ),
     Fault(
         name="auto-trial-own-clock",
@@ -658,7 +638,6 @@ FAULTS = [
             "tests/test_auto_aggregator.py::test_the_fastest_that_fits_is_taken_and_only_more_accurate_ones_replace_it",
         ),
         why="a choice that exceeded the budget is not excluded: later checks measure it again and may return to it",
-        quick=True,
     ),
     Fault(
         name="auto-probe-without-bytes",
@@ -667,7 +646,6 @@ FAULTS = [
         replacement="    if False:\n        raise LinkProbeError",
         tests=("tests/test_auto_aggregator.py -k describes_no_link",),
         why="timings with no bandwidth term are taken as an infinitely fast link instead of refused",
-        quick=True,
     ),
     Fault(
         name="auto-local-timings",
@@ -684,7 +662,6 @@ FAULTS = [
         replacement="    return 2 * (spread.cpu() / (N * (N - 1))).sqrt()",
         tests=("tests/test_tensor_errors.py -k hides", "tests/test_auto_c.py -k first_choice"),
         why="each tensor's noise is read twice its size: twice the error is let through, per tensor",
-        quick=True,
     ),
     Fault(
         name="tensor-sample-by-count-only",
@@ -711,7 +688,6 @@ FAULTS = [
         replacement="            work = dist.barrier(group=group, async_op=True)",
         tests=("tests/test_low_precision.py -k errs_within",),
         why="each rank scales a tensor by its own power of two: the all-reduce sums unlike values",
-        quick=True,
     ),
     Fault(
         name="cast-headroom-lost",
@@ -720,7 +696,6 @@ FAULTS = [
         replacement="CAST_TOP = 17\n",
         tests=("tests/test_low_precision.py -k errs_within",),
         why="the N scaled contributions may sum past fp16's 65504: the all-reduce overflows to inf",
-        quick=True,
     ),
     Fault(
         name="cast-one-scale-flat",
@@ -738,7 +713,6 @@ FAULTS = [
         replacement="    return state.submit(bucket.buffer(), None)\n",
         tests=("tests/test_low_precision.py -k hook",),
         why="the 16-bit hook scales the bucket by one power of two: a tensor 1e-10 below the largest underflows",
-        quick=True,
     ),
     Fault(
         name="equilibrate-skipped-flat",
@@ -747,7 +721,6 @@ FAULTS = [
         replacement="        if True:\n            stats, agreed = self.keeping_zero_tensors(flat, run, self.group)\n",
         tests=("tests/test_equilibrate.py -k errs_within",),
         why="aggregator=cerar codes the raw gradient: a tensor 100x below its column-mates takes 100x its own error",
-        quick=True,
     ),
     Fault(
         name="equilibrate-skipped-hook",
@@ -756,7 +729,6 @@ FAULTS = [
         replacement="        if False:\n            return equilibrated(",
         tests=("tests/test_equilibrate.py -k hooks",),
         why="the CERAR hook codes the raw bucket: a tensor 100x below its column-mates takes 100x its own error",
-        quick=True,
     ),
     # --- issue 51: the numbers the choosers read ---
     Fault(
@@ -839,7 +811,6 @@ FAULTS = [
         tests=("tests/test_tensor_errors.py -k heavy_unit",),
         why="a tensor of 17-64 units with one heavy unit expects 16-17 units, not k = 32 (the units drawn with "
         "certainty give their surplus to nobody)",
-        quick=True,
     ),
     Fault(
         name="message-scaled-sampled",
@@ -867,7 +838,6 @@ FAULTS = [
         tests=("tests/test_precision.py -k swamps",),
         why="the 16-bit rule compares a code's expected rounding with the ring's worst-case bound, 15x its rounding: "
         "bf16 at N=8, c=9 admits kappa_max 64 (3.7x the code's own error)",
-        quick=True,
     ),
     Fault(
         name="admission-ring-constant",
@@ -876,7 +846,6 @@ FAULTS = [
         replacement="    return 2 * ROUNDING_RMS_PER_UNIT * unit_roundoff(wire) * math.sqrt((N + 1) / 2)",
         tests=("tests/test_precision.py -k rules_ring_rounding",),
         why="the ring's modelled rounding is twice what a 16-bit ring rounds: the rule admits codes that round more",
-        quick=True,
     ),
     Fault(
         name="replicas-never-differ",
@@ -924,7 +893,6 @@ FAULTS = [
         tests=("tests/test_nccl_contract.py -k trainers_wait",),
         why="the trainer polls gloo's works every 0.2 ms instead of blocking in wait(timeout), a tenth of a core "
         "taken from the peers it waits for",
-        quick=True,
     ),
     # --- issue 53: the time-to-loss study's metric, plan and report; auto's schedule and first check ---
     Fault(
@@ -943,7 +911,6 @@ FAULTS = [
         replacement="    quantile = 1.959964",
         tests=("tests/test_time_to_loss.py::test_the_end_states_interval_is_students_t_on_n_minus_1_degrees",),
         why="the end state's interval uses the normal quantile, too narrow for 3 seeds (1.96 against t's 4.30)",
-        quick=True,
     ),
     Fault(
         name="ttl-load-guard-drops-zero",
@@ -952,7 +919,6 @@ FAULTS = [
         replacement="    return bool(loads) and min(loads) > 0 and max(loads) > LOAD_MIX * min(loads)",
         tests=("tests/test_time_to_loss.py::test_a_load_of_zero_keeps_the_load_caveat",),
         why="issue 53's load guard: one run at load 0.00 drops the setting's load caveat",
-        quick=True,
     ),
     Fault(
         name="ttl-shuffle-once-per-setting",
@@ -961,7 +927,6 @@ FAULTS = [
         replacement='        random.Random(f"{order_seed}/{setting.key}").shuffle(out)',
         tests=("tests/test_time_to_loss.py::test_the_aggregators_run_interleaved_rotated_or_shuffled_by_seed", "tests/test_time_to_loss.py::test_issue_53s_plans_dry_run"),
         why="the shuffled order is the same at every seed: not re-randomized",
-        quick=True,
     ),
     Fault(
         name="ttl-stale-rows-kept",
@@ -970,7 +935,6 @@ FAULTS = [
         replacement="                differs = None",
         tests=("tests/test_time_to_loss.py::test_stale_rows_are_retired_disclosed_and_rerun",),
         why="--retire-stale keeps rows of other code: a setting's rows stay from several commits",
-        quick=True,
     ),
     Fault(
         name="ttl-replacement-undisclosed",
@@ -979,7 +943,6 @@ FAULTS = [
         replacement="",
         tests=("tests/test_time_to_loss.py::test_stale_rows_are_retired_disclosed_and_rerun",),
         why="a retired row vanishes from the CSV without a record in the retired CSV the report discloses",
-        quick=True,
     ),
     Fault(
         name="ttl-launch-report-circle",
@@ -997,7 +960,6 @@ FAULTS = [
         replacement="        if self.last_step is not None and step > self.last_step:",
         tests=("tests/test_auto_aggregator.py::test_the_last_step_is_never_checked",),
         why="aggregator=auto checks at the run's last step: seconds spent to change at most one aggregation",
-        quick=True,
     ),
     Fault(
         name="sample-grid-pads-copy",
@@ -1006,7 +968,6 @@ FAULTS = [
         replacement="    return pad(x, (0, extra))",
         tests=("tests/test_tensor_errors.py::test_a_draw_given_its_probabilities_is_the_same_draw_and_the_grid_copies_nothing_it_need_not",),
         why="the sample grid copies the gradient for every pad of width 0 (three copies per layout at a check)",
-        quick=True,
     ),
     # --- issue 51: the token cache's lock, the logger's start and close ---
     Fault(
@@ -1016,7 +977,6 @@ FAULTS = [
         replacement="            fcntl.flock(fd, fcntl.LOCK_EX)\n",
         tests=("tests/test_train_units.py -k silent_holder_of_the_cache_lock",),
         why="a waiter blocks in flock for ever behind a holder that is stopped (the job hangs with no line)",
-        quick=True,
     ),
     Fault(
         name="cache-lock-deadline-from-the-start",
@@ -1026,7 +986,6 @@ FAULTS = [
         tests=("tests/test_train_units.py -k live_holder_of_the_cache_lock",),
         why="the lock's deadline counts from the start of the wait, not from the holder's last sign of life: a live "
         "rank building a large cache ends its waiters (and the job, which restarts and builds it again)",
-        quick=True,
     ),
     Fault(
         name="logger-start-deadline-a-year",
@@ -1035,7 +994,6 @@ FAULTS = [
         replacement="        seconds, what = 365 * 24 * 3600.0, ",
         tests=("tests/test_train_units.py -k w_and_b_start_past_its_deadline",),
         why="W&B's start is waited for a year: an init that never answers holds rank 0, and the job, with no line",
-        quick=True,
     ),
     Fault(
         name="logger-close-deadline-a-year",
@@ -1151,7 +1109,6 @@ FAULTS = [
         tests=("tests/test_compiled_step.py -k 'reads_the_host_once and fp32-eager'",),
         why="grad_norm read with .item() at the end of every step: on a GPU the host waits for the optimizer before it "
         "queues the next step",
-        quick=True,
     ),
     Fault(
         name="flag-and-loss-read-apart",
@@ -1160,7 +1117,6 @@ FAULTS = [
         replacement="        nonfinite, loss_sum = float(pair[0]), float(pair[1])\n",
         tests=("tests/test_compiled_step.py -k 'reads_the_host_once and fp32-eager'",),
         why="the non-finite flag and the train loss read as two scalars: two syncs per step on a GPU instead of one",
-        quick=True,
     ),
     Fault(
         name="log-line-written-at-once",
@@ -1178,7 +1134,6 @@ FAULTS = [
         tests=("tests/test_compiled_step.py -k 'attends_causally or (reads_the_host_once and fp32-eager)'",),
         why="HF's own sdpa: its mask preparation reads a device value in every forward (a sync per micro-batch on a "
         "GPU) and, compiled, keeps SDPA off flash attention",
-        quick=True,
     ),
     Fault(
         name="whole-model-compiled",
@@ -1229,7 +1184,6 @@ FAULTS = [
         replacement="        pass\n",
         tests=("tests/test_compiled_step.py -k loading_runs_adamw_kernels",),
         why="a checkpoint written on a GPU makes a CPU run fused, and one written on a CPU keeps a GPU run foreach",
-        quick=True,
     ),
     Fault(
         name="adamw-foreach-on-cuda",
@@ -1238,7 +1192,6 @@ FAULTS = [
         replacement='    return {"foreach": True}\n',
         tests=("tests/test_compiled_step.py -k fused_on_cuda",),
         why="CUDA runs AdamW's multi-tensor kernels (several passes, the step counts read on the host), not the fused one",
-        quick=True,
     ),
     Fault(
         name="compile-on-cpu-by-default",
@@ -1247,7 +1200,6 @@ FAULTS = [
         replacement="        return True\n",
         tests=("tests/test_compiled_step.py -k defaults_to_cuda_only",),
         why="trainer.compile=null compiles on a CPU too: minutes of inductor's C++ build before a CPU run's first step",
-        quick=True,
     ),
     # --- issue 51 item 7's gap: the DDP hooks without equilibration ---
     Fault(
@@ -1294,7 +1246,6 @@ FAULTS = [
         tests=("tests/test_int4_format.py -k 'share or chunks'",),
         why="positions p and p + 2^16 of a 4-bit message take the same dither (the 8-bit table's flaw): their errors "
         "are equal where their values are",
-        quick=True,
     ),
     Fault(
         name="int4-butterfly-sign",
@@ -1312,7 +1263,6 @@ FAULTS = [
         replacement="        work.add_(0.5)",
         tests=("tests/test_int4_format.py -k unbiased",),
         why="stochastic rounding becomes rounding half up: a bias that does not average out over calls",
-        quick=True,
     ),
     Fault(
         name="int4-rotation-ignores-seed",
@@ -1321,7 +1271,6 @@ FAULTS = [
         replacement="        key = dither_key(0, ROTATION_TAG)",
         tests=("tests/test_int4_format.py -k rotation_is_derived",),
         why="the rotation's signs no longer follow the seed the ranks agree on",
-        quick=True,
     ),
     Fault(
         name="int4-non-finite-scale-kept",
@@ -1330,7 +1279,6 @@ FAULTS = [
         replacement="    return scale",
         tests=("tests/test_int4_format.py -k byte_for_byte",),
         why="a block holding an infinity keeps an infinite scale: some of its values decode to finite numbers",
-        quick=True,
     ),
     Fault(
         name="int4-message-short",
@@ -1339,7 +1287,6 @@ FAULTS = [
         replacement="    return SCALE_BYTES * blocks(s, block) + s // 2",
         tests=("tests/test_int4_format.py -k byte_for_byte",),
         why="a message of an odd number of values loses its last nibble",
-        quick=True,
     ),
     Fault(
         name="int4-owner-keeps-unrounded-sum",
@@ -1389,7 +1336,6 @@ FAULTS = [
         replacement="        True,",
         tests=("tests/test_int4_training.py -k options",),
         why="a rotated block that is not a power of two passes the config's check and fails inside the first collective",
-        quick=True,
     ),
     Fault(
         name="int4-feedback-contribution-forgotten",
@@ -1422,7 +1368,6 @@ FAULTS = [
         replacement="        self.noise_squared = noise.square()",
         tests=("tests/test_int4_feedback.py -k window",),
         why="the window's error is judged against one step's noise instead of the summed gradient's",
-        quick=True,
     ),
     Fault(
         name="cache-lock-unnamed-until-the-heartbeat",
