@@ -1436,7 +1436,6 @@ FAULTS = [
         replacement="    moved = shard * ((n - 1) * (quantize + dequantize_add) + quantize + (n - 1) * dequantize)",
         tests=("tests/test_costmodel_int4.py -k priced_by_its_steps",),
         why="the two shots priced without the owner decoding its own reduced message back into place",
-        quick=True,
     ),
     Fault(
         name="int4-cost-rails-share-no-nic",
@@ -1445,7 +1444,6 @@ FAULTS = [
         replacement="    return np.array([intra_rounds, intra_sent, rounds, sent, intra_moved + moved], dtype=float)",
         tests=("tests/test_costmodel_int4.py -k two_tier_8_4",),
         why="the rails of a node priced as if each had a NIC of its own where they share one",
-        quick=True,
     ),
     Fault(
         name="int4-auto-priced-as-int8",
@@ -1488,7 +1486,6 @@ FAULTS = [
         tests=("tests/test_int4_format.py -k fixed_number",),
         why="the rotation's signs applied in a copy and a product: one operation (a kernel on a GPU) more per "
         "quantization, the same bytes",
-        quick=True,
     ),
     Fault(
         name="int4-cost-cluster-drops-the-format",
@@ -1497,7 +1494,6 @@ FAULTS = [
         replacement="                              self.storage)  # fmt: skip\n        return self.coef * x",
         tests=("tests/test_costmodel_int4.py -k timed_by_the_cluster",),
         why="the cluster prices every 4-bit call rotated, with 8 bits inside, at B = 128, whatever its format",
-        quick=True,
     ),
     Fault(
         name="int4-auto-format-not-the-configs",
@@ -1506,7 +1502,6 @@ FAULTS = [
         replacement='    four = (("block", block), ("rotate", True))',
         tests=("tests/test_auto_int4.py -k follow_the_config",),
         why="auto prices its 4-bit candidates rotated where the config does not rotate",
-        quick=True,
     ),
     Fault(
         name="int4-auto-config-any-block",
