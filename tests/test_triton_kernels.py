@@ -20,7 +20,8 @@ from cerar.formats import int8_blocks as q8
 from cerar.formats import triton_kernels as tk
 from cerar.formats.wire import Wire
 
-pytest.importorskip("triton", reason="requirements-dev.txt installs Triton (its interpreter runs these kernels)")
+pytest.importorskip("triton", reason="Triton is not installed: pip install -r requirements-kernels.txt runs these "
+                    "kernels in its interpreter (a CUDA build of torch brings it)")
 
 
 @pytest.fixture(autouse=True)

@@ -22,6 +22,7 @@ class Fault:
     tests: tuple[str, ...]
     why: str
     quick: bool = False
+    needs: str = ""  # a module the tests need (e.g. "triton"): where it is not importable the fault is not tried
 
 
 FAULTS = [
@@ -1386,6 +1387,7 @@ FAULTS = [
         replacement="    h = (h ^ (h >> 15)) * 0x45D9F3B\n    return h ^ (h >> 16)",
         tests=("tests/test_triton_kernels.py -k quantizer",),
         why="the Triton quantizer's in-kernel dither hash is not int8_blocks' mix32: its stochastic bytes are not eager's",
+        needs="triton",
     ),
     Fault(
         name="triton-nearest-floors",
@@ -1394,6 +1396,7 @@ FAULTS = [
         replacement="        q = tl.floor(r)\n    q = tl.minimum(tl.maximum(q, -127.0), 127.0)",
         tests=("tests/test_triton_kernels.py -k quantizer",),
         why="the Triton quantizer rounds down instead of to nearest even",
+        needs="triton",
     ),
     Fault(
         name="triton-bfloat16-truncates",
@@ -1402,6 +1405,7 @@ FAULTS = [
         replacement="    rounded = bits >> 16",
         tests=("tests/test_triton_kernels.py -k wire_kernels",),
         why="the Triton encode truncates to bfloat16 (as Triton's interpreter does) instead of rounding to nearest even",
+        needs="triton",
     ),
     Fault(
         name="triton-wire-exponent",
@@ -1410,6 +1414,7 @@ FAULTS = [
         replacement="& 0x7FF) - 1023",
         tests=("tests/test_triton_kernels.py -k wire_kernels",),
         why="the Triton encode's k is one off: every block scaled into [2^15, 2^16), not eager's bytes",
+        needs="triton",
     ),
     Fault(
         name="fused-decoders-not-dispatched",
@@ -1418,6 +1423,7 @@ FAULTS = [
         replacement="",
         tests=("tests/test_triton_kernels.py -k dispatch",),
         why="Wire.decode never runs the kernel enable chose",
+        needs="triton",
     ),
     # --- issue 54's auto and cost-model parts: the 4-bit entries and candidates ---
     Fault(
@@ -1519,6 +1525,7 @@ FAULTS = [
         replacement="        y = tl.reshape(tl.permute(tl.join(a + b, b - a), (0, 1, 3, 2)), (ROWS, B))",
         tests=("tests/test_triton_kernels.py -k 4_bit_kernel",),
         why="the Triton Walsh-Hadamard stage takes (a, b) to (a + b, b - a): another rotation than the format's",
+        needs="triton",
     ),
     Fault(
         name="triton-int4-odd-tail-nibble",
@@ -1527,6 +1534,7 @@ FAULTS = [
         replacement="",
         tests=("tests/test_triton_kernels.py -k 4_bit_kernel",),
         why="an odd message's last byte carries a stray high nibble (8) where the format has 0",
+        needs="triton",
     ),
     Fault(
         name="triton-int4-chunk-key",
@@ -1535,6 +1543,7 @@ FAULTS = [
         replacement="        chunk = (pos >> 17).to(tl.uint32)",
         tests=("tests/test_triton_kernels.py -k 4_bit_kernel",),
         why="the 4-bit dither's chunks are 2^17 positions: the second 2^16 repeat the first's offset and shift",
+        needs="triton",
     ),
     Fault(
         name="int4-decoder-not-dispatched",
@@ -1543,5 +1552,6 @@ FAULTS = [
         replacement="    if True:",
         tests=("tests/test_triton_kernels.py -k 4_bit_formats_dispatch",),
         why="int4_blocks.dequantize never runs the kernel enable chose",
+        needs="triton",
     ),
 ]
