@@ -189,7 +189,9 @@ def test_the_format_benchmark_runs_every_row_on_this_cpu(monkeypatch):
     operations = {r["operation"] for r in rows}
     assert operations == {"copy", "int8 quantize, nearest", "int8 quantize, stochastic", "int8 dequantize",
                           "int8 dequantize and add", "wire float16 encode", "wire float16 decode",
-                          "wire bfloat16 encode", "wire bfloat16 decode"}  # fmt: skip
+                          "wire bfloat16 encode", "wire bfloat16 decode", "int4 quantize, nearest, rotated",
+                          "int4 quantize, stochastic, rotated", "int4 dequantize, rotated",
+                          "int4 dequantize and add, rotated"}  # fmt: skip
     fused_rows = [r for r in rows if r["variant"] == "fused"]
     assert len(fused_rows) == 4 and all(r["same_bytes"] for r in rows), rows
     assert all(r["x_copy"] > 0 for r in rows) and set(result["choices"]) == {
