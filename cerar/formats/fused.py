@@ -362,7 +362,7 @@ def _runners(name: str, block: int, device: torch.device, backend: str, triton: 
         elif name == "wire_decode":
             runners["triton"] = tk.wire_decode
         elif name == "dequantize":
-            runners["triton"] = lambda message, s, block, out: tk.dequantize(message, s, block, out)
+            runners["triton"] = tk.dequantize
         else:  # the add as one fused multiply-add (CUDA's addcmul), else as a product and a sum: _check keeps one
             runners["triton"] = [
                 lambda message, s, block, out, fma=fma: tk.dequantize(message, s, block, out, add=True, fma=fma)

@@ -107,9 +107,9 @@ def quantize(message: torch.Tensor, x: torch.Tensor, block: int, rounding: str, 
     K = max(1, q8.DITHER_PERIOD // block)
     P = K * block
     stochastic = rounding == "stochastic"
-    level, shift, chunk_shift = q8._key_parts(offset, P) if stochastic else (0.0, 0, 0)
+    _, shift, chunk_shift = q8._key_parts(offset, P) if stochastic else (0.0, 0, 0)
     _kernels()["quantize"][(_cdiv(nb, rows),)](
-        x, scales, values, s, nb, int(level * q8.DITHER_LEVELS), shift, chunk_shift,
+        x, scales, values, s, nb, offset & (q8.DITHER_LEVELS - 1) if stochastic else 0, shift, chunk_shift,
         B=block, BP=bp, ROWS=rows, K=K, P=P, STOCHASTIC=stochastic, **LAUNCH,
     )  # fmt: skip
 
