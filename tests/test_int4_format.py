@@ -130,7 +130,9 @@ def adversarial(B: int, s: int, seed: int = 0) -> torch.Tensor:
     return x
 
 
-CASES = [(128, 128 * 20 + 37, True), (128, 128 * 20 + 37, False), (16, 16 * 12 + 5, True), (12, 12 * 11 + 1, False)]
+CASES = [(128, 128 * 20 + 37, True), (128, 128 * 20 + 37, False), (16, 16 * 12 + 5, True), (12, 12 * 11 + 1, False),
+         (512, 512 * 11 + 3, True)]  # fmt: skip
+"""Above ``UNROTATE_PRODUCT_MOST`` (256) the decoder undoes the rotation by its stages, not by one product."""
 
 
 @pytest.mark.quick
@@ -354,19 +356,21 @@ def test_the_rotation_keeps_small_values_beside_a_spike():
 ROTATION_QUANTIZE_OPERATIONS = 1 + 2 * 7
 """The operations the rotation adds to a quantization at B = 128: the product by the signs, and each of the log2 B
 stages' sums and differences (one operation each, over every block at once)."""
-ROTATION_DEQUANTIZE_OPERATIONS = 2 + 2 * 7
-"""...and to a dequantization: the stages on the integers, the signs times 1/B (B values), their product."""
+ROTATION_DEQUANTIZE_OPERATIONS = 3
+"""...and to a dequantization: H q as one product (B <= 256: ``UNROTATE_PRODUCT_MOST``), the signs times 1/B (B
+values), their product."""
 QUANTIZE_OPERATIONS_MOST = 68
 """A rotated quantization with nearest rounding at B = 128, a short last block included (44 without it), counted:
 at most this many operations whatever the message's length."""
-DEQUANTIZE_OPERATIONS_MOST = 23
+DEQUANTIZE_OPERATIONS_MOST = 10
+"""...and a rotated dequantization, the short last block included (23 when the rotation was undone by its stages)."""
 
 
 @pytest.mark.quick
 def test_the_rotation_is_a_fixed_number_of_operations_at_any_length():
     """Counted on the dispatched operations (tests/test_op_count.py's counter: views and allocations are not
     operations): rotated less not rotated, at 2^17 + 37 and 2^19 + 37 values, the rotation is 1 + 2 log2 B
-    operations per quantization and 2 + 2 log2 B per dequantization, none of them per block or per chunk of the
+    operations per quantization and 3 per dequantization (B <= 256), none of them per block or per chunk of the
     message; nearest rounding's whole count does not grow with the message. (The stochastic dither still adds a
     few operations per 2^16 values, a loop the 8-bit format's device form removed: not the rotation's.)"""
     from tests.test_op_count import OperationCounter
@@ -377,6 +381,7 @@ def test_the_rotation_is_a_fixed_number_of_operations_at_any_length():
         x, out, message = torch.randn(s), torch.empty(s), q4.new_message(s, B, "cpu")
         for rotate in (False, True):
             q4.quantize_eager(message, x, B, "nearest", 0, rotate, 3)  # the signs, built once per seed
+            q4.dequantize(message, s, B, out, rotate=rotate, seed=3)  # and H, once per B
             with OperationCounter() as quantize:
                 q4.quantize_eager(message, x, B, "nearest", 0, rotate, 3)
             with OperationCounter() as dequantize:

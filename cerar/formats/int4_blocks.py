@@ -198,35 +198,39 @@ _BASE: dict[str, torch.Tensor] = {}
 
 
 def dither_base(device) -> torch.Tensor:
-    """A: the fixed per-position part of the dither, int32 [P], a hash of the position in [0, 2^16); cached per
-    device."""
+    """A / 2^16: the fixed per-position part of the dither, float32 [P], a hash of the position in [0, 2^16) over
+    2^16 (exact: 16 bits); cached per device."""
     device = torch.device(device)
     base = _BASE.get(str(device))
     if base is None:
-        base = (_hash32(torch.arange(DITHER_PERIOD, dtype=torch.int64)) & (DITHER_LEVELS - 1)).to(torch.int32)
-        base = _BASE[str(device)] = base.to(device)
+        table = _hash32(torch.arange(DITHER_PERIOD, dtype=torch.int64)) & (DITHER_LEVELS - 1)
+        base = _BASE[str(device)] = (table.to(torch.float32) / DITHER_LEVELS).to(device)
     return base
 
 
 def dither(key: int, first: int, n: int, device) -> torch.Tensor:
     """u for positions first .. first + n - 1 of the message of key ``key``, float32 [n] in [0, 1) (module
-    docstring): position p takes ((A[(p mod P + shift_c) mod P] + offset_c) mod 2^16) / 2^16, c = p div P."""
+    docstring): position p takes ((A[(p mod P + shift_c) mod P] + offset_c) mod 2^16) / 2^16, c = p div P.
+
+    Computed as frac(A / 2^16 + offset_c / 2^16), every step exact (two multiples of 2^-16 below 1 sum to one below
+    2, 17 significant bits; frac of it takes 1 off where it reaches 1): one sum per chunk written in place, one
+    frac over the whole range, where the integer form took four passes per chunk."""
     base = dither_base(device)
-    pieces = []
+    u = torch.empty(n, dtype=torch.float32, device=device)
     p = first
     while p < first + n:
         c, start = divmod(p, DITHER_PERIOD)
         take = min(DITHER_PERIOD - start, first + n - p)
         k = chunk_key(key, c)
-        offset, shift = k & (DITHER_LEVELS - 1), k >> 16
+        offset, shift = (k & (DITHER_LEVELS - 1)) / DITHER_LEVELS, k >> 16
         begin = (start + shift) % DITHER_PERIOD
-        end = begin + take
-        part = base[begin:end] if end <= DITHER_PERIOD else torch.cat([base[begin:], base[: end - DITHER_PERIOD]])
-        pieces.append(((part + offset) & (DITHER_LEVELS - 1)).to(torch.float32).mul_(1.0 / DITHER_LEVELS))
+        wrap = max(0, begin + take - DITHER_PERIOD)  # positions read from the table's start again
+        at = p - first
+        torch.add(base[begin : begin + take - wrap], offset, out=u[at : at + take - wrap])
+        if wrap:
+            torch.add(base[:wrap], offset, out=u[at + take - wrap : at + take])
         p += take
-    if not pieces:
-        return torch.empty(0, dtype=torch.float32, device=device)
-    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+    return u.frac_()
 
 
 _SIGNS: dict[tuple[int, int, str], torch.Tensor] = {}
@@ -383,6 +387,35 @@ def _pack(nibbles: torch.Tensor, packed: torch.Tensor) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
+UNROTATE_PRODUCT_MOST = 256
+"""The largest B whose decoder takes H q as one product with the B x B matrix H (``hadamard``): 2 B multiply-adds a
+value, against log2 B passes of the transform's stages (on this 2-core CPU, 2^22 values at B = 128: 4.5 copies
+against 16); above it the stages, whose count grows only as log2 B."""
+
+_HADAMARD: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def hadamard(block: int, device) -> torch.Tensor:
+    """H, float32 [B, B] of +-1 (Sylvester's order, the transform's: ``fwht_`` of the identity), cached per (B,
+    device). For a row q of integers q H = H q (H symmetric) exactly, whatever the order of the product's sums:
+    each partial sum is an integer below 8 B in magnitude, so none rounds (nor a TF32 product on a GPU: the
+    integers and +-1 are exact in its 10 bits); a zero sum is +0, as the stages' sums and differences of integers
+    give."""
+    cached = (block, str(torch.device(device)))
+    matrix = _HADAMARD.get(cached)
+    if matrix is None:
+        matrix = _HADAMARD[cached] = fwht_(torch.eye(block, dtype=torch.float32)).to(device)
+    return matrix
+
+
+def _unrotate(rows: torch.Tensor, seed: int, block: int) -> torch.Tensor:
+    """(sigma / B) (H q) for every row q of ``rows`` [n, B] (integers, float32), exactly: H q as one product with
+    ``hadamard`` up to ``UNROTATE_PRODUCT_MOST``, else by the transform's stages (``rows`` overwritten); then times
+    the signs over B (integers times +-2^-m: exact, -0 where sigma is -1 and H q is 0)."""
+    result = torch.mm(rows, hadamard(block, rows.device)) if block <= UNROTATE_PRODUCT_MOST else fwht_(rows)
+    return result.mul_(rotation_signs(seed, block, rows.device) * (1.0 / block))
+
+
 def unpack(packed: torch.Tensor, s: int) -> torch.Tensor:
     """The s integers q of a message's values, float32."""
     pairs = (s + 1) // 2
@@ -430,9 +463,7 @@ def dequantize_eager(
     q = unpack(packed, s)
     rotated = _split(s, block, rotate)
     if rotated:
-        rows = q[:rotated].view(-1, block)
-        result = fwht_(rows)
-        result.mul_(rotation_signs(seed, block, out.device) * (1.0 / block))  # exact: integers times +-2^-m
+        result = _unrotate(q[:rotated].view(-1, block), seed, block)
         factor = scales[: rotated // block].unsqueeze(1)
         target = out[:rotated].view(-1, block)
         if add:

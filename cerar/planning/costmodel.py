@@ -757,13 +757,19 @@ INT4_QUANTIZE_BYTES = 56.5
 rotated, rounded to nearest: copied into the work buffer (read 4, write 4), the block's largest and least value
 (4 + 4), times the inverse scale (4 + 4), rounded (4 + 4), clamped (4 + 4), offset by 8 (4 + 4), each pair of
 nibbles summed (read 2 + 2, write 2) and stored as a byte (read 2, write 1/2)."""
-INT4_DITHER_BYTES = 44
-"""Stochastic rounding's extra traffic per value: the dither built from its table (the int32 table read and the
-sum written, masked, made float32, scaled: 4 x (4 + 4)), added (4 + 4 + 4) and floored (4 + 4) where nearest
-rounding rounds (4 + 4)."""
+INT4_DITHER_BYTES = 28
+"""Stochastic rounding's extra traffic per value: the dither built from its float32 table (the table read and the
+sum with the chunk's offset written, 4 + 4, then its fractional part, 4 + 4), added (4 + 4 + 4) and floored
+(4 + 4) where nearest rounding rounds (4 + 4)."""
 INT4_STAGE_BYTES = 12
 """Per value and stage of the rotation's fast Walsh-Hadamard transform (``fwht_``): the sums and the differences,
-each reading two halves and writing one (2 + 2 + 2, twice); a block of B takes log2 B stages."""
+each reading two halves and writing one (2 + 2 + 2, twice); a block of B takes log2 B stages. The quantizer
+always runs them; the decoder only above ``INT4_UNROTATE_PRODUCT_MOST``."""
+INT4_HADAMARD_PRODUCT_BYTES = 8
+"""Per value, the decoder's H q as one product with the B x B matrix (read 4, write 4; the matrix stays in cache):
+``cerar.formats.int4_blocks._unrotate`` up to ``INT4_UNROTATE_PRODUCT_MOST``."""
+INT4_UNROTATE_PRODUCT_MOST = 256
+"""``cerar.formats.int4_blocks.UNROTATE_PRODUCT_MOST`` (held equal by tests/test_costmodel_int4.py)."""
 INT4_SIGNS_BYTES = 8
 """Per value, the product by the rotation's signs (read 4, write 4): on quantizing it writes the work buffer
 in place of the copy; on dequantizing it is one more pass."""
@@ -785,14 +791,15 @@ def int4_message_bytes(s, block: int = INT4_BLOCK):
 def int4_value_bytes(block: int = INT4_BLOCK, rotate: bool = True, rounding: str = "stochastic") -> dict[str, float]:
     """The eager 4-bit format's memory traffic per value (exact where B divides the values; a short last block is
     copied, not rotated): ``quantize``, ``dequantize`` (into place) and ``dequantize_add``. Rotated, quantizing
-    adds log2 B stages (the signs' product replaces the copy) and dequantizing log2 B stages and the signs'
-    product; ``rounding`` "stochastic" (the all-reduce's default) adds the dither's traffic."""
+    adds log2 B stages (the signs' product replaces the copy) and dequantizing the product by H (log2 B stages
+    above ``INT4_UNROTATE_PRODUCT_MOST``) and the signs' product; ``rounding`` "stochastic" (the all-reduce's default) adds the dither's traffic."""
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if rotate and (not isinstance(block, (int, np.integer)) or block < 1 or block & (block - 1)):
         raise ValueError(f"a rotated block must be a power of two, got {block!r}")
     stages = INT4_STAGE_BYTES * int(math.log2(block)) if rotate else 0
-    undo = stages + (INT4_SIGNS_BYTES if rotate else 0)
+    product = INT4_HADAMARD_PRODUCT_BYTES if block <= INT4_UNROTATE_PRODUCT_MOST else stages
+    undo = product + INT4_SIGNS_BYTES if rotate else 0
     return {
         "quantize": INT4_QUANTIZE_BYTES + (INT4_DITHER_BYTES if rounding == "stochastic" else 0) + stages,
         "dequantize": INT4_DEQUANTIZE_BYTES + undo,

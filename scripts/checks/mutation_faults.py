@@ -1249,6 +1249,22 @@ FAULTS = [
         "are equal where their values are",
     ),
     Fault(
+        name="int4-dither-not-wrapped",
+        file="cerar/formats/int4_blocks.py",
+        original="    return u.frac_()",
+        replacement="    return u",
+        tests=("tests/test_int4_format.py -k 'dither_is_the_docstrings'",),
+        why="the dither's table plus the chunk's offset never wrapped to [0, 1): u up to 2, a biased rounding",
+    ),
+    Fault(
+        name="int4-decoder-product-not-hadamard",
+        file="cerar/formats/int4_blocks.py",
+        original="_HADAMARD[cached] = fwht_(torch.eye(block, dtype=torch.float32)).to(device)",
+        replacement="_HADAMARD[cached] = torch.eye(block, dtype=torch.float32).to(device)",
+        tests=("tests/test_int4_format.py -k 'byte_for_byte and 128-2597-True'",),
+        why="the decoder's product by H is the identity: rotated blocks decode without their rotation undone",
+    ),
+    Fault(
         name="int4-butterfly-sign",
         file="cerar/formats/int4_blocks.py",
         original="        torch.sub(a[:, :, 0], a[:, :, 1], out=out[:, :, 1])",
