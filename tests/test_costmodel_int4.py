@@ -54,8 +54,9 @@ def test_the_4_bit_format_moves_what_the_cost_model_prices(rotate, rounding):
 
     quantize: the copy into the work buffer 4 + 4 (rotated: the product by the signs, 4 + 4, writes it instead),
     absmax's amax and amin 4 + 4, times the inverse scale 4 + 4, rounded 4 + 4 (stochastic: the dither's two
-    passes, the table plus the chunk's offset and its fractional part, 2 x 8, its addition 12, the floor 8), clamped 4 + 4, offset 4 + 4, the nibble pairs summed 2 + 2 + 2
-    and stored 2 + 1/2; rotated, 7 stages of sums and differences, 12 a stage;
+    passes, the table plus the chunk's offset and its fractional part, 2 x 8, its addition 12, the floor 8),
+    clamped 4 + 4, offset 4 + 4, the nibble pairs summed 2 + 2 + 2 and stored 2 + 1/2;
+    rotated, 7 stages of sums and differences, 12 a stage;
     dequantize: the nibbles masked and shifted (1/2 + 1/2 each) and made float32 (1/2 + 2 each), the offset
     taken 4 + 4, times the scale into place 4 + 4 (added: 4 + 4 + 4); rotated, the product by H 4 + 4 and the
     signs' 4 + 4."""

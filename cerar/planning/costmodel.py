@@ -792,7 +792,8 @@ def int4_value_bytes(block: int = INT4_BLOCK, rotate: bool = True, rounding: str
     """The eager 4-bit format's memory traffic per value (exact where B divides the values; a short last block is
     copied, not rotated): ``quantize``, ``dequantize`` (into place) and ``dequantize_add``. Rotated, quantizing
     adds log2 B stages (the signs' product replaces the copy) and dequantizing the product by H (log2 B stages
-    above ``INT4_UNROTATE_PRODUCT_MOST``) and the signs' product; ``rounding`` "stochastic" (the all-reduce's default) adds the dither's traffic."""
+    above ``INT4_UNROTATE_PRODUCT_MOST``) and the signs' product; ``rounding`` "stochastic" (the all-reduce's
+    default) adds the dither's traffic."""
     if rounding not in ("nearest", "stochastic"):
         raise ValueError(f"rounding must be 'nearest' or 'stochastic', got {rounding!r}")
     if rotate and (not isinstance(block, (int, np.integer)) or block < 1 or block & (block - 1)):
