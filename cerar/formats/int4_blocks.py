@@ -69,6 +69,7 @@ import math
 import torch
 
 from cerar.formats.int8_blocks import PRESCALE, ROUNDINGS, TINY_SCALE, blocks, check_block, check_rounding
+from cerar.ring.workspace import POOL
 
 QMAX = 7
 """The largest magnitude of a quantized value: the symmetric range [-7, 7] (the nibble 0, -8, unused)."""
@@ -208,15 +209,16 @@ def dither_base(device) -> torch.Tensor:
     return base
 
 
-def dither(key: int, first: int, n: int, device) -> torch.Tensor:
+def dither(key: int, first: int, n: int, device, out: torch.Tensor | None = None) -> torch.Tensor:
     """u for positions first .. first + n - 1 of the message of key ``key``, float32 [n] in [0, 1) (module
     docstring): position p takes ((A[(p mod P + shift_c) mod P] + offset_c) mod 2^16) / 2^16, c = p div P.
 
     Computed as frac(A / 2^16 + offset_c / 2^16), every step exact (two multiples of 2^-16 below 1 sum to one below
     2, 17 significant bits; frac of it takes 1 off where it reaches 1): one sum per chunk written in place, one
-    frac over the whole range, where the integer form took four passes per chunk."""
+    frac over the whole range, where the integer form took four passes per chunk. Written into ``out[:n]`` when
+    given (float32, on ``device``)."""
     base = dither_base(device)
-    u = torch.empty(n, dtype=torch.float32, device=device)
+    u = torch.empty(n, dtype=torch.float32, device=device) if out is None else out[:n]
     p = first
     while p < first + n:
         c, start = divmod(p, DITHER_PERIOD)
@@ -348,36 +350,42 @@ def quantize_eager(
     s = x.numel()
     scales, packed = parts(message, s, block)
     rotated = _split(s, block, rotate)
-    work = torch.empty(s, dtype=torch.float32, device=x.device)
-    if rotated:
-        rows = x.reshape(-1)[:rotated].view(-1, block)
-        spare = torch.empty_like(rows)
-        # the stages ping-pong between two buffers: start in the one that leaves the result in ``work``
-        begin, other = (spare, work[:rotated].view(-1, block))[:: 1 if int(math.log2(block)) % 2 else -1]
-        torch.mul(rows, rotation_signs(seed, block, x.device), out=begin)
-        fwht_(begin, other)
-    work[rotated:].copy_(x.reshape(-1)[rotated:])
-    for rows, first in _each_block_set(work, block):
-        scale = _scales(rows)
-        scales[first : first + scale.numel()].copy_(scale)
-        _to_ratios(rows, scale)
-    if rounding == "nearest":
-        work.round_()
-    else:
-        work.add_(dither(key, 0, s, x.device))
-        work.floor_()
-    work.clamp_(-QMAX, QMAX).add_(NIBBLE_OFFSET)
-    _pack(work, packed)
+    buffers = [POOL.take(s, torch.float32, x.device) for _ in range(2)]  # kept between calls on a CPU (no faults)
+    work, spare = (b[:s] for b in buffers)  # spare: the stages' other buffer, then the dither, then the pairs
+    try:
+        if rotated:
+            rows = x.reshape(-1)[:rotated].view(-1, block)
+            # the stages ping-pong between two buffers: start in the one that leaves the result in ``work``
+            pair = (spare[:rotated].view(-1, block), work[:rotated].view(-1, block))
+            begin, other = pair[:: 1 if int(math.log2(block)) % 2 else -1]
+            torch.mul(rows, rotation_signs(seed, block, x.device), out=begin)
+            fwht_(begin, other)
+        work[rotated:].copy_(x.reshape(-1)[rotated:])
+        for rows, first in _each_block_set(work, block):
+            scale = _scales(rows)
+            scales[first : first + scale.numel()].copy_(scale)
+            _to_ratios(rows, scale)
+        if rounding == "nearest":
+            work.round_()
+        else:
+            work.add_(dither(key, 0, s, x.device, out=spare))
+            work.floor_()
+        work.clamp_(-QMAX, QMAX).add_(NIBBLE_OFFSET)
+        _pack(work, packed, spare)
+    finally:
+        for b in buffers:
+            POOL.give(b)
 
 
-def _pack(nibbles: torch.Tensor, packed: torch.Tensor) -> None:
+def _pack(nibbles: torch.Tensor, packed: torch.Tensor, scratch: torch.Tensor) -> None:
     """packed[k] = nibbles[2k] + 16 nibbles[2k + 1] (the last byte's high nibble 0 when s is odd); ``nibbles``
-    holds integers in [1, 15] as float32 (any value where its block's scale is NaN)."""
+    holds integers in [1, 15] as float32 (any value where its block's scale is NaN); the sums go through
+    ``scratch`` (float32, at least s // 2 values)."""
     s = nibbles.numel()
     pairs = s // 2
     if pairs:
         both = nibbles[: 2 * pairs].view(pairs, 2)
-        packed[:pairs].copy_(torch.add(both[:, 0], both[:, 1], alpha=16))
+        packed[:pairs].copy_(torch.add(both[:, 0], both[:, 1], alpha=16, out=scratch[:pairs]))
     if s % 2:
         packed[pairs:].copy_(nibbles[s - 1 :])
 
@@ -408,18 +416,23 @@ def hadamard(block: int, device) -> torch.Tensor:
     return matrix
 
 
-def _unrotate(rows: torch.Tensor, seed: int, block: int) -> torch.Tensor:
+def _unrotate(rows: torch.Tensor, seed: int, block: int, spare: torch.Tensor) -> torch.Tensor:
     """(sigma / B) (H q) for every row q of ``rows`` [n, B] (integers, float32), exactly: H q as one product with
-    ``hadamard`` up to ``UNROTATE_PRODUCT_MOST``, else by the transform's stages (``rows`` overwritten); then times
-    the signs over B (integers times +-2^-m: exact, -0 where sigma is -1 and H q is 0)."""
-    result = torch.mm(rows, hadamard(block, rows.device)) if block <= UNROTATE_PRODUCT_MOST else fwht_(rows)
+    ``hadamard`` (into ``spare``, rows' shape) up to ``UNROTATE_PRODUCT_MOST``, else by the transform's stages
+    (``rows`` and ``spare`` overwritten); then times the signs over B (integers times +-2^-m: exact, -0 where sigma
+    is -1 and H q is 0)."""
+    if block <= UNROTATE_PRODUCT_MOST:
+        result = torch.mm(rows, hadamard(block, rows.device), out=spare)
+    else:
+        result = fwht_(rows, spare)
     return result.mul_(rotation_signs(seed, block, rows.device) * (1.0 / block))
 
 
-def unpack(packed: torch.Tensor, s: int) -> torch.Tensor:
-    """The s integers q of a message's values, float32."""
+def unpack(packed: torch.Tensor, s: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The s integers q of a message's values, float32 (written into ``out``, at least s + 1 values, when given)."""
     pairs = (s + 1) // 2
-    q = torch.empty(pairs, 2, dtype=torch.float32, device=packed.device)
+    q = (torch.empty(2 * pairs, dtype=torch.float32, device=packed.device) if out is None else out[: 2 * pairs])
+    q = q.view(pairs, 2)
     q[:, 0].copy_(packed[:pairs] & 15)
     q[:, 1].copy_(packed[:pairs] >> 4)
     return q.view(-1)[:s].sub_(NIBBLE_OFFSET)
@@ -460,24 +473,29 @@ def dequantize_eager(
     """``dequantize`` with torch's eager operations, the reference its kernels must match: q scale per block, or,
     for a rotated block, ((sigma / B) (H q)) scale (exact but for the product by the scale)."""
     scales, packed = parts(message, s, block)
-    q = unpack(packed, s)
     rotated = _split(s, block, rotate)
-    if rotated:
-        result = _unrotate(q[:rotated].view(-1, block), seed, block)
-        factor = scales[: rotated // block].unsqueeze(1)
-        target = out[:rotated].view(-1, block)
-        if add:
-            target.addcmul_(result, factor)
-        else:
-            torch.mul(result, factor, out=target)
-    for rows, first in _each_block_set(q[rotated:], block):
-        at = rotated + first * block
-        target = out[at : at + rows.numel()].view(rows.shape)
-        scale = scales[rotated // block + first : rotated // block + first + rows.shape[0]].unsqueeze(1)
-        if add:
-            target.addcmul_(rows, scale)
-        else:
-            torch.mul(rows, scale, out=target)
+    buffers = [POOL.take(s + 1, torch.float32, out.device) for _ in range(2 if rotated else 1)]
+    try:
+        q = unpack(packed, s, buffers[0])
+        if rotated:
+            result = _unrotate(q[:rotated].view(-1, block), seed, block, buffers[1][:rotated].view(-1, block))
+            factor = scales[: rotated // block].unsqueeze(1)
+            target = out[:rotated].view(-1, block)
+            if add:
+                target.addcmul_(result, factor)
+            else:
+                torch.mul(result, factor, out=target)
+        for rows, first in _each_block_set(q[rotated:], block):
+            at = rotated + first * block
+            target = out[at : at + rows.numel()].view(rows.shape)
+            scale = scales[rotated // block + first : rotated // block + first + rows.shape[0]].unsqueeze(1)
+            if add:
+                target.addcmul_(rows, scale)
+            else:
+                torch.mul(rows, scale, out=target)
+    finally:
+        for b in buffers:
+            POOL.give(b)
 
 
 # ------------------------------------------------------------------------------------------------
