@@ -1030,9 +1030,13 @@ def _int(value, default: int | None = None) -> int | None:
 
 def two_tier_row_features(row: dict, itemsize: int = 4) -> tuple[str, np.ndarray] | None:
     """The aggregator and ``TWO_TIER_TERMS`` of a row of ``scripts/bench/bench_allreduce.py --ranks-per-host``
-    (columns aggregator, N, ranks_per_host, rails, c, bytes, inter_node_method, storage); None for
-    rows the model does not describe (the backend's own all-reduce, whose algorithm is its own)."""
+    (columns aggregator, N, ranks_per_host, rails, c, bytes, inter_node_method, storage; ``hier_int4_exact`` is
+    ``hier_int4`` with exact sums inside the node); None for rows the model does not describe (the backend's own
+    all-reduce, whose algorithm is its own)."""
     agg = row["aggregator"]
+    quantized = {}
+    if agg == "hier_int4_exact":  # bench_allreduce's hier_int4 with exact sums inside the node
+        agg, quantized = "hier_int4", {"intra": "exact"}
     if agg not in TWO_TIER_AGGREGATORS:
         return None
     G = _int(row.get("ranks_per_host"), 1)
@@ -1050,7 +1054,7 @@ def two_tier_row_features(row: dict, itemsize: int = 4) -> tuple[str, np.ndarray
     c = _int(row.get("c"))
     return agg, two_tier_features(agg, nbytes // itemsize, N // G, G, c, itemsize, nics, storage,
                                   coded_on_two_nodes=row.get("inter_node_method") == "cerar",
-                                  block=_int(row.get("int8_block"), INT8_BLOCK))  # fmt: skip
+                                  block=_int(row.get("int8_block"), INT8_BLOCK), **quantized)  # fmt: skip
 
 
 def fit_two_tier(rows: Iterable[dict], itemsize: int = 4) -> TwoTierFit:

@@ -1276,8 +1276,8 @@ FAULTS = [
     Fault(
         name="int4-dither-constant",
         file="cerar/formats/int4_blocks.py",
-        original="        work.add_(dither(key, 0, s, x.device))",
-        replacement="        work.add_(0.5)",
+        original="            work.add_(dither(key, 0, s, x.device, out=spare))",
+        replacement="            work.add_(0.5)",
         tests=("tests/test_int4_format.py -k unbiased",),
         why="stochastic rounding becomes rounding half up: a bias that does not average out over calls",
     ),
@@ -1450,6 +1450,22 @@ FAULTS = [
         tests=("tests/test_costmodel_int4.py -k moves_what",),
         why="the rotation's Walsh-Hadamard stages priced at two thirds of the traffic they move",
         quick=True,
+    ),
+    Fault(
+        name="int4-cost-lab-exact-inside-as-int8",
+        file="cerar/planning/costmodel.py",
+        original='        agg, quantized = "hier_int4", {"intra": "exact"}',
+        replacement='        agg, quantized = "hier_int4", {}',
+        tests=("tests/test_costmodel_int4.py -k reported_against",),
+        why="the lab's hier_int4_exact rows priced as if their sums inside the node were 8-bit messages",
+    ),
+    Fault(
+        name="int4-cost-report-stale-trees",
+        file="scripts/reporting/costmodel/two_tier.py",
+        original='    lab = [r for r in lab if r.get("code_commit") == latest]',
+        replacement="    lab = list(lab)",
+        tests=("tests/test_costmodel_int4.py -k reported_against",),
+        why="costmodel.md's 4-bit section holds rows of earlier trees, whose format moved other bytes, to the model",
     ),
     Fault(
         name="int4-cost-own-shard-not-decoded",

@@ -5,8 +5,8 @@ onto clusters of 8-GPU nodes, with the figure that says which aggregator to use 
 (reports/figures/two_tier_choice.png).
 
     python scripts/reporting/costmodel_report.py --csv reports/data/allreduce.csv \
-        --two-tier-csv reports/data/hierarchical_lab.csv --out reports/costmodel.md \
-        --figure reports/figures/two_tier_choice.png
+        --two-tier-csv reports/data/hierarchical_lab.csv --int4-csv reports/data/int4_lab.csv \
+        --out reports/costmodel.md --figure reports/figures/two_tier_choice.png
 
 The analysis (closed forms, the pass count, fits, projections) is ``cerar.planning.costmodel``; this script
 only renders it.
@@ -47,6 +47,7 @@ from scripts.reporting.costmodel.two_tier import (  # noqa: E402
     _pct,
     _sec,
     cerar16_two_tier_section,
+    int4_two_tier_section,
     int8_two_tier_section,
     two_tier_figure,
     two_tier_section,
@@ -59,6 +60,8 @@ def report(
     itemsize: int = 4,
     two_tier_rows: Sequence[dict] | None = None,
     two_tier_csv: str | None = None,
+    int4_rows: Sequence[dict] | None = None,
+    int4_csv: str | None = None,
 ) -> str:
     """The markdown report: fitted parameters, projections, paper comparison, assumptions."""
     L = ["# CERAR vs exact ring: alpha-beta cost model", ""]
@@ -201,6 +204,7 @@ def report(
     L += two_tier_section(two_tier_rows, two_tier_csv, itemsize)
     L += int8_two_tier_section(two_tier_rows)
     L += cerar16_two_tier_section()
+    L += int4_two_tier_section(two_tier_rows, int4_rows, int4_csv)
     return "\n".join(L) + "\n"
 
 
@@ -209,16 +213,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="write the markdown report here (default: stdout)")
     ap.add_argument("--two-tier-csv", default=None,
                     help="two-tier lab rows (reports/data/hierarchical_lab.csv) for the two tiers' fit")  # fmt: skip
+    ap.add_argument("--int4-csv", default=None,
+                    help="the 4-bit lab rows (reports/data/int4_lab.csv), held against the two-tier model")  # fmt: skip
     ap.add_argument("--figure", type=Path, default=None, help="draw the two-tier choice figure here")
     args = ap.parse_args(argv)
     rows = cli_rows(ap, args, "costmodel_report")
-    two_tier_rows = None
-    if args.two_tier_csv:
-        try:
+    two_tier_rows = int4_rows = None
+    try:
+        if args.two_tier_csv:
             two_tier_rows = read_csv(args.two_tier_csv)
-        except (FileNotFoundError, ValueError) as e:
-            ap.exit(2, f"costmodel_report: {e}\n")
-    text = report(rows, args.csv, args.itemsize, two_tier_rows, args.two_tier_csv)
+        if args.int4_csv:
+            int4_rows = read_csv(args.int4_csv)
+    except (FileNotFoundError, ValueError) as e:
+        ap.exit(2, f"costmodel_report: {e}\n")
+    text = report(rows, args.csv, args.itemsize, two_tier_rows, args.two_tier_csv, int4_rows, args.int4_csv)
     if args.figure:
         two_tier_figure(args.figure)
     if args.out:

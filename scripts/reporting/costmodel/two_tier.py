@@ -313,3 +313,85 @@ def cerar16_two_tier_section() -> list[str]:
         "",
     ]
     return L
+
+
+def _lab_commits(rows: Sequence[dict]) -> str:
+    return ", ".join(sorted({(r.get("code_commit") or "?")[:7] for r in rows}))
+
+
+def int4_two_tier_section(two_tier_rows: Sequence[dict] | None, int4_rows: Sequence[dict] | None,
+                          int4_csv: str | None = None) -> list[str]:  # fmt: skip
+    """Issue 54: the 4-bit hierarchy (``hier_int4``: 8-bit or exact sums inside a node, 4 bits on the rails) in the
+    two-tier model beside the 8-bit one, and the model against the lab's 4-bit rows (``int4_csv``): once as fitted
+    on the two-tier lab's other aggregators, once refitted with the 4-bit rows in."""
+    from cerar.planning.costmodel import (
+        INT4_BLOCK,
+        TwoTierCluster,
+        fit_two_tier,
+        int4_value_bytes,
+        is_two_tier_row,
+        two_tier_row_features,
+    )
+
+    B = INT4_BLOCK
+    value = int4_value_bytes(B, True, "stochastic")
+    d = PYTHIA_PARAMS[TWO_TIER_MODEL]
+    L = ["### The 4-bit hierarchy (issue 54)", "",
+         f"`hier_int4` (`cerar.int4.two_tier`): the 8-bit reduce-scatter inside the node (or exact sums, "
+         f"`hier_int4_exact` in the lab), on each rail the two-shot 4-bit all-reduce of `int4`: messages of "
+         f"1/2 + 4/{B} bytes a value, {(0.5 + 4 / B) / 4:.3f} of float32's, rotated and stochastically rounded; the "
+         f"eager format's traffic {value['quantize']:g} bytes per value quantized, {value['dequantize_add']:g} "
+         f"dequantized and added, {value['dequantize']:g} dequantized (`int4_value_bytes`, counted on the "
+         "dispatched operations in tests/test_costmodel_int4.py; the rotation's 7 stages are 84 of the quantizer's "
+         "bytes). On GPUs the Triton kernels read and write each value once: these cells price the eager path, "
+         "an upper bound there.", "",
+         f"Cells: Pythia-{TWO_TIER_MODEL.upper()} (d = {d:,}), each aggregator's time over the exact hierarchy's "
+         f"(`hier_ring`), memory at {HBM_BANDWIDTH / 1e12:g} TB/s.", ""]  # fmt: skip
+    for intra, nics, title in CLUSTER_SHAPES:
+        L += [f"#### {title}: with 4-bit messages between nodes", "",
+              "| network | nodes | 4-bit hierarchy (8-bit inside) | 4-bit, exact inside | 8-bit hierarchy "
+              "| flat 4-bit |",
+              "| --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+        for gbit in ETHERNET_GBIT:
+            for n in NODE_COUNTS:
+                cluster = TwoTierCluster(n, GPUS_PER_NODE, INTRA_NODE_TIERS[intra], ethernet_tier(gbit), nics,
+                                         HBM_BANDWIDTH)  # fmt: skip
+                exact = cluster.time("hier_ring", d)
+                cells = [cluster.time("hier_int4", d), cluster.time("hier_int4", d, intra="exact"),
+                         cluster.time("hier_int8", d), cluster.time("int4", d)]  # fmt: skip
+                L.append(f"| {gbit} GbE | {n} | " + " | ".join(f"{t / exact:.2f}" for t in cells) + " |")
+        L.append("")
+    lab = [r for r in int4_rows or [] if is_two_tier_row(r) and two_tier_row_features(r) is not None]
+    latest = lab[-1].get("code_commit") if lab else None
+    lab = [r for r in lab if r.get("code_commit") == latest]  # the rows of the code the model counts
+    if not lab:
+        return L
+    L += [f"#### In the lab: the model against `{int4_csv or 'the 4-bit rows'}`", "",
+          f"The two-tier rows of the file's latest tree ({_lab_commits(lab)}: earlier trees ran a 4-bit format whose "
+          "traffic the model no longer counts), each against the model's time for it: fitted on the two-tier lab's "
+          "other rows (`reports/data/hierarchical_lab.csv`, the table above), and refitted on those rows and these "
+          "together. Model over measured, less 1:", "",
+          "| where | rate (Mbit/s) | aggregator | tree | measured | fitted without them | refitted with them |",
+          "| --- | --- | --- | --- | --- | --- | --- |"]  # fmt: skip
+    notes = []
+    for key in sorted({(r["where"], r["rate_mbit"]) for r in lab}):
+        mine = [r for r in lab if (r["where"], r["rate_mbit"]) == key]
+        others = [r for r in two_tier_rows or [] if (r["where"], r["rate_mbit"]) == key]
+        fits = {}
+        for label, rows in (("without", others), ("with", [*others, *mine])):
+            try:
+                fits[label] = fit_two_tier(rows)
+            except ValueError as e:
+                notes.append(f"{key[0]} {key[1]} Mbit/s, {label} the 4-bit rows: not fitted ({e})")
+        for r in mine:
+            x = two_tier_row_features(r)[1]
+            measured = float(r["seconds_median"])
+            cells = [_pct(float(fits[k].coef @ x) / measured - 1) if k in fits else "-" for k in ("without", "with")]
+            L.append(f"| {key[0]} | {key[1]} | {r['aggregator']} | {(r.get('code_commit') or '?')[:7]} | "
+                     f"{_sec(measured)} | {cells[0]} | {cells[1]} |")  # fmt: skip
+        for label, f in fits.items():
+            mem = "no memory term (rounds and bytes alone)" if f.gamma == 0 else f"memory {1 / f.gamma / 1e9:.2f} GB/s"
+            bw = "inf" if f.beta_inter == 0 else f"{1 / f.beta_inter / 1e6:.1f} MB/s"
+            notes.append(f"{key[0]} {key[1]} Mbit/s fitted {label} the 4-bit rows: {mem}, between hosts {bw}")
+    L += ["", "; ".join(notes) + ".", ""]
+    return L
