@@ -1,10 +1,11 @@
 """The 4-bit format's rows of scripts/bench/bench_arithmetic.py (issue 54): what the rotation costs, beside a copy.
 
-The eager format (``cerar.formats.int4_blocks``; no fused 4-bit kernel exists yet) on the bench's tensor of heavy-tailed
-values: quantize with stochastic rounding (the all-reduce's default) with and without the rotation, the rotation
-alone (the product by the signs and the log2 B stages of the fast Walsh-Hadamard transform), and dequantize (into
-place, and added, as the two shots decode) with and without undoing it. The bytes per value are counted on the
-dispatched operations as for the 8-bit rows (``Traffic``, on 64 blocks).
+The eager format (``cerar.formats.int4_blocks``; its fused kernels are Triton, for GPUs) on the bench's tensor of
+heavy-tailed values: quantize with stochastic rounding (the all-reduce's default) with and without the rotation, the
+rotation alone (the product by the signs and the log2 B stages of the fast Walsh-Hadamard transform), and dequantize
+(into place, and added, as the two shots decode) with and without undoing it. The bytes per value are counted on the
+dispatched operations as for the 8-bit rows (``Traffic``, on 64 blocks: the decoder's B x B Hadamard matrix, read
+once a call, adds 8 bytes a value at that size).
 """
 
 from __future__ import annotations
@@ -58,8 +59,8 @@ def rotation_line(table: list[dict]) -> list[str]:
     if not said:
         return []
     return [
-        "4-bit rows (issue 54): the eager format (`cerar.formats.int4_blocks`, no fused 4-bit kernel), x a copy, "
-        "rotated against not rotated: " + "; ".join(said) + ". The two shots of N ranks quantize N times and "
-        "dequantize 2N - 1 times a shard of d/N per call.",
+        "4-bit rows (issue 54): the eager format (`cerar.formats.int4_blocks`; its fused kernels are Triton, for "
+        "GPUs), x a copy, rotated against not rotated: " + "; ".join(said) + ". The two shots of N ranks quantize N "
+        "times and dequantize 2N - 1 times a shard of d/N per call.",
         "",
     ]
