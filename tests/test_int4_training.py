@@ -104,9 +104,9 @@ def test_the_int4_options_are_checked_before_start_and_kept_out_of_other_runs_id
     """aggregator.rotate needs a power-of-two block and aggregator.intra a known method (named, before any process
     group); error feedback is refused where it is not built, with DDP hooks, and where its windows cannot be
     measured; the 4-bit fields enter the identity of the 4-bit runs only (older runs resume unchanged), intra only
-    the two-tier one's, error_feedback only when on (its window never: it only observes); the trainer compiles the
-    8-bit kernel where hier_int4 rounds to 8 bits inside the nodes, and no
-    kernel for the 4-bit format (none exists yet)."""
+    the two-tier one's, error_feedback only when on (its window never: it only observes); the trainer enables the
+    4-bit format's kernels (Triton, for GPUs), and the 8-bit format's too where hier_int4 rounds to 8 bits inside
+    the nodes."""
     from tests.runs import composed
     from train.aggregation.build import fused_kernels
     from train.config import ConfigError, training_identity, validate
@@ -130,6 +130,8 @@ def test_the_int4_options_are_checked_before_start_and_kept_out_of_other_runs_id
     fed = training_identity(composed("aggregator=int8", "aggregator.error_feedback=true"), 2)
     assert fed["aggregator.error_feedback"] is True and "aggregator.feedback_window" not in fed
     assert "aggregator.error_feedback" not in training_identity(composed("aggregator=int8"), 2)
-    assert fused_kernels(composed("aggregator=int4").aggregator) == ()
-    assert fused_kernels(composed(*HIER.split()).aggregator) == ("quantize_stochastic",)
-    assert fused_kernels(composed(*HIER.split(), "aggregator.intra=exact").aggregator) == ()
+    four = ("int4_quantize_stochastic", "int4_dequantize", "int4_dequantize_add")
+    assert fused_kernels(composed("aggregator=int4").aggregator) == four
+    assert fused_kernels(composed(*HIER.split()).aggregator) == ("quantize_stochastic", "dequantize",
+                                                                 "dequantize_add", *four)  # fmt: skip
+    assert fused_kernels(composed(*HIER.split(), "aggregator.intra=exact").aggregator) == four

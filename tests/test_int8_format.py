@@ -298,7 +298,8 @@ def test_bad_rounding_is_refused_naming_it():
 
 def test_the_trainer_compiles_the_kernels_its_aggregator_calls(monkeypatch):
     """train/run.py enables, before the process group, exactly the kernels the configured aggregator calls: the
-    stochastic quantizer for the 8-bit all-reduce, the 16-bit encode for 16-bit messages, both for auto, none for
+    stochastic quantizer and the decoders for the 8-bit all-reduce, the 16-bit encode and decode for 16-bit
+    messages, every format's for auto (the 4-bit one's too), none for
     the float32 paths or with aggregator.fused=false; enabling goes through cerar.formats.fused (here its CERAR_FUSED=0
     line)."""
     from tests.runs import composed
@@ -307,10 +308,12 @@ def test_the_trainer_compiles_the_kernels_its_aggregator_calls(monkeypatch):
     def kernels(*overrides):
         return fused_kernels(composed(*overrides).aggregator)
 
-    assert kernels("aggregator=int8") == ("quantize_stochastic",) == kernels("aggregator=hier_int8")
-    assert kernels("aggregator=cerar", "c=5", "aggregator.transport=float16") == ("wire_encode",)
-    assert kernels("aggregator=hier_ring", "aggregator.transport=bfloat16") == ("wire_encode",)
-    assert kernels("aggregator=auto") == ("quantize_stochastic", "wire_encode")
+    eight, wire16 = ("quantize_stochastic", "dequantize", "dequantize_add"), ("wire_encode", "wire_decode")
+    assert kernels("aggregator=int8") == eight == kernels("aggregator=hier_int8")
+    assert kernels("aggregator=cerar", "c=5", "aggregator.transport=float16") == wire16
+    assert kernels("aggregator=hier_ring", "aggregator.transport=bfloat16") == wire16
+    assert kernels("aggregator=auto") == (*eight, "int4_quantize_stochastic", "int4_dequantize",
+                                          "int4_dequantize_add", *wire16)  # fmt: skip
     for plain in (["aggregator=nccl"], ["aggregator=cerar", "c=16"], ["aggregator=fp16"], ["aggregator=ring"]):
         assert kernels(*plain) == (), plain
     assert kernels("aggregator=int8", "aggregator.fused=false") == ()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from cerar.formats.int4_blocks import DEFAULT_ROUNDING as INT4_ROUNDING
 from cerar.formats.int8_blocks import DEFAULT_ROUNDING
 from train.aggregation.aggregators import (
     Aggregator,
@@ -73,19 +74,27 @@ def build_aggregator(cfg, world_size: int) -> Aggregator:
 
 
 def fused_kernels(a) -> tuple[str, ...]:
-    """The `cerar.formats.fused` kernels aggregator config ``a`` calls: the 8-bit quantizer (int8, hier_int8,
-    auto's int8 candidates; stochastic rounding, `cerar.formats.int8_blocks.DEFAULT_ROUNDING`) and the 16-bit
-    wire's encode (a 16-bit transport, or auto, whose candidates include CERAR and the rings over 16-bit
-    messages). () when ``aggregator.fused`` is false or the aggregator uses neither."""
+    """The `cerar.formats.fused` kernels aggregator config ``a`` calls, each format's encoder and decoders: the 8-bit
+    format's (int8, hier_int8, hier_int4's 8-bit tier inside a node; stochastic rounding,
+    `cerar.formats.int8_blocks.DEFAULT_ROUNDING`), the 4-bit format's (int4, hier_int4; its stochastic rounding) and
+    the 16-bit wire's (a 16-bit transport); auto's candidates call all three. () when ``aggregator.fused`` is false or
+    the aggregator uses none. Where a kernel has no fused form on the device (on a CPU every decoder and the 4-bit
+    format: their kernels are Triton, for GPUs), ``enable`` passes it by at once and the eager path runs."""
     if not getattr(a, "fused", True):
         return ()
-    quantize = f"quantize_{DEFAULT_ROUNDING}"
-    if a.kind in ("int8", "hier_int8") or (a.kind == "hier_int4" and a.intra == "int8"):
-        return (quantize,)  # (no 4-bit kernel yet: cerar.formats.int4_blocks runs eagerly)
+    eight = (f"quantize_{DEFAULT_ROUNDING}", "dequantize", "dequantize_add")
+    four = (f"int4_quantize_{INT4_ROUNDING}", "int4_dequantize", "int4_dequantize_add")
+    wire16 = ("wire_encode", "wire_decode")
+    if a.kind in ("int8", "hier_int8"):
+        return eight
+    if a.kind == "int4" or (a.kind == "hier_int4" and a.intra != "int8"):
+        return four
+    if a.kind == "hier_int4":
+        return eight + four
     if a.kind == "auto":
-        return (quantize, "wire_encode")
+        return eight + four + wire16
     if a.kind in ("cerar", "ring", "hier_cerar", "hier_ring") and a.transport != "float32":
-        return ("wire_encode",)
+        return wire16
     return ()
 
 
