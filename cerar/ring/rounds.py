@@ -87,6 +87,8 @@ from contextlib import contextmanager
 
 import torch
 
+from cerar.ring import products
+
 
 class PhaseTimer:
     """Accumulates seconds per phase; on CUDA through events, so the hot path never synchronises."""
@@ -216,10 +218,10 @@ class CodedRingWorker:
         out = self.U[rows]
         if not out.shape[0]:  # c = 1: x(1) was all of U_i
             return
-        torch.mm(self.A[rows, : self.k], self.head, out=out)
+        products.mm(self.A[rows, : self.k], self.head, out)
         if self.tail_width:
             width = self.tail_width
-            out[:, :width].addmm_(self.A[rows, self.k : self.k + 1], self.tail[:1, :width])
+            products.addmm_(out[:, :width], self.A[rows, self.k : self.k + 1], self.tail[:1, :width])
 
     def _finish_encoding(self) -> None:
         if not self.encoded:
@@ -255,10 +257,10 @@ class CodedRingWorker:
                 rows, cols = self.messages[a : b + 1], self.W[:, self.c + first - 1 : self.c + last]
             else:  # a backward one: rows b..a hold messages last..first
                 rows, cols = self.messages[b : a + 1], self.W_reversed[:, self.L - last : self.L - first + 1]
-        self.head.addmm_(cols[: self.k], rows, beta=beta, alpha=alpha)
+        products.addmm_(self.head, cols[: self.k], rows, beta=beta, alpha=alpha)
         if self.tail_width:  # only the partial row's values inside the tensor are ever read
             width = self.tail_width
-            self.tail[:1, :width].addmm_(cols[self.k : self.k + 1], rows[:, :width], beta=beta, alpha=alpha)
+            products.addmm_(self.tail[:1, :width], cols[self.k : self.k + 1], rows[:, :width], beta=beta, alpha=alpha)
         self.decoded = last
 
     def while_in_flight(self, t: int) -> None:
@@ -279,7 +281,7 @@ class CodedRingWorker:
         if new <= self.c or old >= 1:
             with self.timer.phase("encode"):
                 if new <= self.c and old >= 1:
-                    y.unsqueeze(0).addmm_(self.coefficients, self.U[old - 1 : new : self.N])
+                    products.addmm_(y.unsqueeze(0), self.coefficients, self.U[old - 1 : new : self.N])
                 elif new <= self.c:
                     y.add_(self.U[new - 1])
                 else:

@@ -122,7 +122,7 @@ FAULTS = [
     Fault(
         name="round-in-two-operations",
         file="cerar/ring/rounds.py",
-        original="                    y.unsqueeze(0).addmm_(self.coefficients, self.U[old - 1 : new : self.N])",
+        original="                    products.addmm_(y.unsqueeze(0), self.coefficients, self.U[old - 1 : new : self.N])",
         replacement="                    y.add_(self.U[new - 1]).sub_(self.U[old - 1])",
         tests=("tests/test_op_count.py -k each_round",),
         why="a round's injection and addition as two elementwise passes again (the same values, twice the kernels)",
@@ -1439,6 +1439,25 @@ FAULTS = [
         replacement="",
         tests=("tests/test_triton_kernels.py -k dispatch",),
         why="Wire.decode never runs the kernel enable chose",
+        needs="triton",
+    ),
+    # --- issue 52: CERAR's products by the Triton kernel ---
+    Fault(
+        name="triton-product-drops-a-term",
+        file="cerar/ring/triton_products_source.py",
+        original="    for k in tl.static_range(K):",
+        replacement="    for k in tl.static_range(K - 1):",
+        tests=("tests/test_triton_products.py -k dropped",),
+        why="the Triton product sums K - 1 of its K terms",
+        needs="triton",
+    ),
+    Fault(
+        name="triton-product-never-dispatched",
+        file="cerar/ring/products.py",
+        original="        str(out.device) in _ENABLED\n",
+        replacement="        str(out.device) in {}\n",
+        tests=("tests/test_triton_products.py -k rounds_run",),
+        why="enable switches the Triton product on and the rounds still run torch's",
         needs="triton",
     ),
     # --- issue 54's auto and cost-model parts: the 4-bit entries and candidates ---

@@ -6,7 +6,13 @@ it: N=4 c=16 at 64 and 256 MiB, N=8 c=32 at 256 MiB, construction "optimized".
 Per row: the kernels one call launches (CUDA activity under ``torch.profiler``; the stand-in copies counted
 apart), the top-level aten operations it dispatches (the same count on any device), the GPU's busy time (the
 union of its kernels' intervals), the call's time (CUDA events, the median of timed calls after warm-up), busy
-over that time, and the call's time as a multiple of a device copy of the same gradient (``y.copy_(x)``)."""
+over that time, the call's time as a multiple of a device copy of the same gradient (``y.copy_(x)``) and of its
+memory-traffic bound (``scripts.checks.gpu.throughput.arithmetic_prediction``: the bytes the arithmetic and the
+stand-in's copies read and write, at the copy's measured bandwidth), and the kernels that took the most GPU time.
+
+Each configuration runs with torch's products (cuBLAS) and, on CUDA where it passes its check, with the Triton
+product (``cerar.ring.products``, switched on with ``pick="checked"`` for the rows that measure it, then off
+again): issue 52's 2x of the bound at 64 MiB is what it is for."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import inspect
 import torch
 
 import cerar
+from cerar.ring import products
 from scripts.bench.gpu.measure import synchronize, timed
 
 SECTION = "arithmetic"
@@ -82,8 +89,10 @@ def profiled(run, device: torch.device) -> dict:
         and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
     ]  # fmt: skip
     names: dict[str, int] = {}
+    spent: dict[str, float] = {}
     for e in on_device:
         names[e.name[:60]] = names.get(e.name[:60], 0) + 1
+        spent[e.name[:60]] = spent.get(e.name[:60], 0.0) + (e.time_range.end - e.time_range.start) / 1e3
     busy = _busy_us([(e.time_range.start, e.time_range.end) for e in on_device]) / 1e3 if on_device else None
     return {
         "kernels": len(on_device) if device.type == "cuda" else None,
@@ -91,17 +100,39 @@ def profiled(run, device: torch.device) -> dict:
         "aten_ops": len(aten),
         "busy_ms": busy,
         "top_kernels": sorted(names.items(), key=lambda kv: -kv[1])[:6],
+        "kernel_ms": sorted(spent.items(), key=lambda kv: -kv[1])[:6],
     }
 
 
+def product_variants(device: torch.device, say) -> list[str]:
+    """The products to measure: torch's, and the Triton kernel where it passes its check on ``device`` (switched on
+    here only to see whether it can; each row switches it on or off)."""
+    if device.type != "cuda":
+        return ["torch"]
+    ok = products.enable(device, pick="checked", say=say)
+    products.disable()
+    return ["torch", "triton"] if ok else ["torch"]
+
+
 def run(bench) -> None:
+    from scripts.checks.gpu.throughput import arithmetic_prediction
+
     repeats, warmup = (3, 1) if bench.small else (10, 3)
     configs = SMALL_CONFIGS if bench.small else CONFIGS
-    for (N, c, mib), graph in ((config, g) for config in configs for g in graph_variants(bench.device)):
+    said: list[str] = []
+    variants = product_variants(bench.device, said.append)
+    for line in said:
+        bench.record(SECTION, "the Triton product's check", "measured", summary=line)
+    todo = [(config, g, v) for config in configs for g in graph_variants(bench.device) for v in variants]
+    for (N, c, mib), graph, variant in todo:
         how = {None: "", True: ", replayed from a CUDA graph", False: ", eager (graph=False)"}[graph]
-        what = f"one rank's rounds, N={N} c={c} {CONSTRUCTION}, {mib:g} MiB, transfers as local copies{how}"
+        what = (f"one rank's rounds, N={N} c={c} {CONSTRUCTION}, {mib:g} MiB, transfers as local copies{how}, "
+                f"{variant}'s products")  # fmt: skip
         if not bench.fits(SECTION, what, ESTIMATE_S):
             continue
+        products.disable()
+        if variant == "triton":
+            products.enable(bench.device, pick="checked", say=lambda line: None)
         try:
             torch.manual_seed(bench.seed)
             code = cerar.make_code(N, c, CONSTRUCTION)
@@ -118,6 +149,9 @@ def run(bench) -> None:
             continue
         finally:
             x = y = None
+            products.disable()
+        bandwidth = 2 * 4 * d / (copy["median_ms"] / 1e3)  # bytes read and written per second by the copy
+        bound_ms = arithmetic_prediction(code, d, copy_bandwidth=bandwidth)["stand_in_bound_s"] * 1e3
         busy = seen["busy_ms"]
         ratio = busy / wall["median_ms"] if busy is not None else None
         kernels = f"{seen['kernels']} kernels ({seen['copies']} copies), " if seen["kernels"] is not None else ""
@@ -127,6 +161,7 @@ def run(bench) -> None:
             N=N,
             c=c,
             graph=graph,
+            products=variant,
             L=code.L,
             MiB=mib,
             d=d,
@@ -135,8 +170,11 @@ def run(bench) -> None:
             wall=wall,
             copy_ms=copy["median_ms"],
             x_copy=wall["median_ms"] / copy["median_ms"],
+            bound_ms=bound_ms,
+            x_bound=wall["median_ms"] / bound_ms,
             busy_over_wall=ratio,
             summary=f"{kernels}{seen['aten_ops']} aten ops, wall {wall['median_ms']:.2f} ms"
             + (f", GPU busy {busy:.2f} ms ({100 * ratio:.0f} %)" if busy is not None else "")
-            + f", {wall['median_ms'] / copy['median_ms']:.1f} x a copy",
+            + f", {wall['median_ms'] / copy['median_ms']:.1f} x a copy, {wall['median_ms'] / bound_ms:.2f} x its "
+            "memory-traffic bound",
         )

@@ -109,30 +109,36 @@ def _model_step(bench) -> list[str]:
 
 
 def _arithmetic(bench) -> list[str]:
-    rows = _rows(bench, "arithmetic")
+    rows = [r for r in _rows(bench, "arithmetic") if "N" in r]  # (the Triton product's check is a line below)
     if not rows:
         return []
     lines = [
         "## CERAR's arithmetic (one rank, transfers as local copies)",
         "",
-        "`scripts.checks.gpu.throughput.one_rank_arithmetic`: one call's L rounds. Kernels: CUDA activity under "
-        "`torch.profiler` (the stand-in copies in brackets); aten ops: the top-level operations dispatched (the "
-        "same on any device); busy: the union of the kernels' intervals; x copy: the call's time over a device "
-        "copy of the same gradient. Targets (issue 52): busy/wall >= 85 % at 64 MiB and above.",
+        "`scripts.checks.gpu.throughput.one_rank_arithmetic`: one call's L rounds. Products: torch's (cuBLAS) or the "
+        "Triton kernel (`cerar.ring.products`). Kernels: CUDA activity under `torch.profiler` (the stand-in copies "
+        "in brackets); aten ops: the top-level operations dispatched (the same on any device); busy: the union of "
+        "the kernels' intervals; x copy: the call's time over a device copy of the same gradient; x bound: over the "
+        "bytes the arithmetic and the stand-in's copies move, at the copy's bandwidth. Targets (issue 52): "
+        "busy/wall >= 85 % and at most 2x the bound, at 64 MiB and above.",
         "",
-        "| N | c | L | MiB | CUDA graph | kernels (copies) | aten ops | GPU busy ms | call ms | busy / call | copy ms "
-        "| x copy | most launched |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| N | c | L | MiB | CUDA graph | products | kernels (copies) | aten ops | GPU busy ms | call ms | busy / call "
+        "| copy ms | x copy | x bound | most GPU time (ms) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         kernels = "" if r["kernels"] is None else f"{r['kernels']} ({r['copies']})"
-        top = ", ".join(f"{name} x{n}" for name, n in r["top_kernels"][:3])
+        top = ", ".join(f"{name} {ms:.2f}" for name, ms in r["kernel_ms"][:3]) if r.get("kernel_ms") else (
+            ", ".join(f"{name} x{n}" for name, n in r["top_kernels"][:3]))  # fmt: skip
         lines.append(
-            f"| {r['N']} | {r['c']} | {r['L']} | {r['MiB']:g} | {_graph(r.get('graph'))} | {kernels} | {r['aten_ops']} "
-            f"| {_f(r['busy_ms'])} "
-            f"| {r['wall_ms']:.2f} | {_pct(r['busy_over_wall'])} | {r['copy_ms']:.3f} | {r['x_copy']:.1f} | {top} |"
+            f"| {r['N']} | {r['c']} | {r['L']} | {r['MiB']:g} | {_graph(r.get('graph'))} | "
+            f"{r.get('products', 'torch')} | {kernels} | {r['aten_ops']} | {_f(r['busy_ms'])} "
+            f"| {r['wall_ms']:.2f} | {_pct(r['busy_over_wall'])} | {r['copy_ms']:.3f} | {r['x_copy']:.1f} "
+            f"| {_f(r.get('x_bound'))} | {top} |"
         )
-    return lines + [""]
+    checks = [r["summary"] for r in bench.rows if r.get("section") == "arithmetic" and r.get("what") ==
+              "the Triton product's check"]  # fmt: skip
+    return lines + [""] + [f"`{line}`" for line in checks] + ([""] if checks else [])
 
 
 def _formats(bench) -> list[str]:
