@@ -88,5 +88,5 @@ def test_enable_checks_times_and_says_why_it_stays_off():
     """Off wherever Triton cannot run (a CPU without the interpreter asked for), saying so in its one line."""
     lines: list[str] = []
     assert products.enable("cpu", say=lines.append) is False
-    assert lines == ["cerar.ring.products: torch's products on cpu (no Triton product for cpu)"]
+    assert lines == ["cerar.ring.products: torch's products on cpu (no Triton kernels for cpu)"]
     assert products.enabled() == {}

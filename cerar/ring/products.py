@@ -28,7 +28,6 @@ device, ``mm`` and ``addmm_`` are torch's own operations (the operation counts o
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 
@@ -54,17 +53,11 @@ def block_columns(M: int) -> int:
 
 
 def usable(device, interpreter: bool = False) -> tuple[bool, str]:
-    """(True, "") where the kernel can run on ``device`` (as ``cerar.formats.triton_kernels.usable``)."""
-    device = torch.device(device)
-    if device.type == "cpu" and interpreter and os.environ.get("TRITON_INTERPRET") != "1":
-        return False, "Triton's interpreter needs TRITON_INTERPRET=1 before Triton is imported"
-    if device.type != "cuda" and not (device.type == "cpu" and interpreter):
-        return False, f"no Triton product for {device.type}"
-    try:
-        import triton  # noqa: F401
-    except ImportError as error:
-        return False, f"Triton is not importable ({error})"
-    return True, ""
+    """(True, "") where the kernel can run on ``device``, else (False, why): where the formats' Triton kernels can
+    (``cerar.formats.triton_kernels.usable``: CUDA with Triton, or the CPU in Triton's interpreter when asked for)."""
+    from cerar.formats.triton_kernels import usable as triton_usable
+
+    return triton_usable(device, interpreter)
 
 
 def small_mm(out: torch.Tensor, W: torch.Tensor, X: torch.Tensor, alpha: float = 1.0, beta: float = 0.0) -> None:
