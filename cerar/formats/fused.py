@@ -77,7 +77,7 @@ import torch
 
 from cerar.formats import int4_blocks as q4
 from cerar.formats import int8_blocks as q8
-from cerar.formats import wire
+from cerar.formats import kernel_cases, wire
 
 log = logging.getLogger("cerar.formats.fused")
 
@@ -97,9 +97,6 @@ dequantize-and-add is one ``addcmul`` (its rounding the kernel's own): only Trit
 VARIANTS = ("fused", "triton")
 """The variants ``enable`` may switch on besides eager: "fused" (``torch.compile``'s kernel, ``COMPILED``) and
 "triton" (``cerar.formats.triton_kernels``)."""
-
-INT4_SEED = 7
-"""The rotation's seed of ``enable``'s 4-bit check and timing messages."""
 
 SAMPLE_VALUES = 2**24 + 5 * 128 + 37
 """Values in ``enable``'s check (and timing) sample (``_sample``): 2^24 as in the H200 run that found 6 values
@@ -122,7 +119,7 @@ _enabled: dict[tuple[str, str, int], object] = {}  # (kernel, device type, block
 _timings: dict[tuple[str, str, int], dict] = {}  # the same keys: x a copy, fused and eager, and the choice
 _checked: dict[tuple[str, str, int], object] = {}  # the same keys: every compiled function that passed its check
 _compiled: dict[tuple[str, str, int], object] = {}  # (kernel, backend, block or 0): its torch.compile wrapper
-_CHECK_KEY = 12345  # the dither key of the check's stochastic messages
+_CHECK_KEY = kernel_cases.KEY  # the dither key of the check's stochastic messages
 
 
 # ------------------------------------------------------------------------------------------------
@@ -307,26 +304,6 @@ def _sample(block: int, rounding: str | None, n: int = SAMPLE_VALUES) -> torch.T
     return x
 
 
-def _eager(name: str, rounding_or_dtype=None):
-    """The eager reference of kernel ``name``, with the runner's signature (``_runners``)."""
-    if name.startswith("int4_quantize"):
-        return q4.quantize_eager
-    if name.startswith("int4_dequantize"):
-        add = name == "int4_dequantize_add"
-        return lambda message, s, block, out, rotate, seed: q4.dequantize_eager(
-            message, s, block, out, add=add, rotate=rotate, seed=seed
-        )
-    if name.startswith("quantize"):
-        return q8.quantize_eager
-    if name.startswith("dequantize"):
-        add = name == "dequantize_add"
-        return lambda message, s, block, out: q8.dequantize_eager(message, s, block, out, add=add)
-    w = wire.Wire(rounding_or_dtype or "float16")
-    if name == "wire_decode":
-        return w.decode_eager
-    return lambda x, out: (w._encode_host if x.device.type == "cpu" else w.encode_eager)(x, out)
-
-
 def _runners(name: str, block: int, device: torch.device, backend: str, triton: bool) -> dict:
     """{variant: runner} of kernel ``name`` on ``device`` (``VARIANTS``), each with its eager reference's signature:
     quantize (message, x, block, rounding, offset); dequantize (message, s, block, out); wire_encode (x, out);
@@ -378,80 +355,29 @@ def _differing(want: torch.Tensor, got: torch.Tensor) -> int:
 
 
 def _check(name: str, fn, block: int, device, n: int) -> None:
-    """Run ``fn`` (a runner of kernel ``name``: ``_runners``) against the eager reference on ``_sample`` (n values)
-    and on two shorter messages (new lengths, one of them a whole number of blocks: whatever a length can make a
-    compiled kernel compile again is compiled here, not in a collective), and raise AssertionError naming the
-    kernel, the message and how many bytes differ, where any does."""
+    """Run ``fn`` (a runner of kernel ``name``: ``_runners``) against the eager reference (``kernel_cases``) on
+    ``_sample`` (n values) and on two shorter messages (new lengths, one of them a whole number of blocks: whatever a
+    length can make a compiled kernel compile again is compiled here, not in a collective); the 4-bit ones rotated
+    and not, the wire's on both dtypes and on messages of subnormals (k clamped at 126) and of huge values (k near
+    -85); raise AssertionError naming the kernel, the message and how many bytes differ, where any does."""
     sizes = (n, MIN_VALUES + 3 * block + 1, MIN_VALUES + 5 * block)  # a new length, and a whole number of blocks
-    if name.startswith("int4"):
-        _check4(name, fn, block, device, sizes)
-        return
-    if name.startswith("quantize"):
-        rounding = name.split("_")[1]
-        x = _sample(block, rounding, n).to(device)
-        for s in sizes:
-            want, got = q8.new_message(s, block, device), q8.new_message(s, block, device)
-            q8.quantize_eager(want, x[:s], block, rounding, _CHECK_KEY)
-            fn(got, x[:s], block, rounding, _CHECK_KEY)
+    kind = name.split("_")[1] if name.startswith("quantize") else None
+    kind = "stochastic" if name.startswith("dequantize") else kind  # the 8-bit sample is built for its rounding
+    x = _sample(block, kind, n).to(device)
+    base = torch.randn(n, generator=torch.Generator().manual_seed(36)).to(device)
+    if name.startswith("wire"):  # one graph per wire dtype: both compiled here, not in a collective
+        inputs = [(x, True), (x[: sizes[1]] * 1e-42, True), (x[: sizes[1]] * 1e30, True)]
+    else:
+        inputs = [(x[:s], rotate) for rotate in ((True, False) if name.startswith("int4") else (True,)) for s in sizes]
+    for values, rotate in inputs:
+        for case in kernel_cases.cases(values, block, [name], rotate=rotate, base=base[: values.numel()]):
+            want, got = case.fresh(), case.fresh()
+            case.eager(want)
+            case.run(fn, got)
             differ = _differing(want, got)
             if differ:
                 raise AssertionError(f"the {name} kernel differs from the eager reference in {differ} of "
-                                     f"{want.numel()} bytes (s={s}, B={block})")  # fmt: skip
-        return
-    if name.startswith("dequantize"):
-        x = _sample(block, "stochastic", n).to(device)
-        base = torch.randn(n, generator=torch.Generator().manual_seed(36)).to(device)
-        eager = _eager(name)
-        for s in sizes:
-            message = q8.new_message(s, block, device)
-            q8.quantize_eager(message, x[:s], block, "stochastic", _CHECK_KEY)
-            want, got = base[:s].clone(), base[:s].clone()
-            eager(message, s, block, want)
-            fn(message, s, block, got)
-            differ = _differing(want, got)
-            if differ:
-                raise AssertionError(f"the {name} kernel differs from the eager reference in {differ} of {s} "
-                                     f"values (B={block})")  # fmt: skip
-        return
-    x = _sample(block, None, n).to(device)
-    for dtype in ("float16", "bfloat16"):  # one graph per wire dtype: both compiled here, not in a collective
-        w = wire.Wire(dtype)
-        for values in (x, x[: sizes[1]] * 1e-42, x[: sizes[1]] * 1e30):  # k clamped at 126; k near -85
-            want, got = w.empty(values.numel(), values), w.empty(values.numel(), values)
-            w.encode_eager(values, want)
-            if name == "wire_decode":
-                want, got, message = torch.empty_like(values), torch.empty_like(values), want
-                w.decode_eager(message, want)
-                fn(message, got)
-            else:
-                fn(values, got)
-            differ = _differing(want, got)
-            if differ:
-                raise AssertionError(f"the {name} kernel ({dtype}) differs from the eager reference in {differ} "
-                                     f"of {values.numel()} values")  # fmt: skip
-
-
-def _check4(name: str, fn, block: int, device, sizes) -> None:
-    """``_check`` for the 4-bit kernels: rotated and not, on ``_sample``'s values (their blocks decades apart)."""
-    x = _sample(block, None, sizes[0]).to(device)
-    base = torch.randn(sizes[0], generator=torch.Generator().manual_seed(36)).to(device)
-    for rotate in (True, False):
-        for s in sizes:
-            if name.startswith("int4_quantize"):
-                rounding = name.rsplit("_", 1)[1]
-                want, got = q4.new_message(s, block, device), q4.new_message(s, block, device)
-                q4.quantize_eager(want, x[:s], block, rounding, _CHECK_KEY, rotate, INT4_SEED)
-                fn(got, x[:s], block, rounding, _CHECK_KEY, rotate, INT4_SEED)
-            else:
-                message = q4.new_message(s, block, device)
-                q4.quantize_eager(message, x[:s], block, "stochastic", _CHECK_KEY, rotate, INT4_SEED)
-                want, got = base[:s].clone(), base[:s].clone()
-                _eager(name)(message, s, block, want, rotate, INT4_SEED)
-                fn(message, s, block, got, rotate, INT4_SEED)
-            differ = _differing(want, got)
-            if differ:
-                raise AssertionError(f"the {name} kernel differs from the eager reference in {differ} of "
-                                     f"{want.numel()} (s={s}, B={block}, rotate={rotate})")  # fmt: skip
+                                     f"{want.numel()} ({case.what}, s={values.numel()}, B={block})")  # fmt: skip
 
 
 def _checked_runner(name: str, fn, block: int, device, n: int):
@@ -496,40 +422,10 @@ def _timing(name: str, runners: dict, block: int, device: torch.device, n: int) 
     a multiple of the copy's time, "copy_s", and "chosen" (the fastest)."""
     x = _sample(block, None, n).to(device)
     copy = torch.empty_like(x)
-    if name.startswith("int4_quantize"):
-        rounding = name.rsplit("_", 1)[1]
-        message = q4.new_message(n, block, device)
-        calls = {v: (lambda fn=fn: fn(message, x, block, rounding, _CHECK_KEY, True, INT4_SEED))
-                 for v, fn in runners.items()}  # fmt: skip
-        calls["eager"] = lambda: q4.quantize_eager(message, x, block, rounding, _CHECK_KEY, True, INT4_SEED)
-    elif name.startswith("int4_dequantize"):
-        message, out = q4.new_message(n, block, device), torch.zeros_like(x)
-        q4.quantize_eager(message, x, block, "stochastic", _CHECK_KEY, True, INT4_SEED)
-        eager = _eager(name)
-        calls = {v: (lambda fn=fn: fn(message, n, block, out, True, INT4_SEED)) for v, fn in runners.items()}
-        calls["eager"] = lambda: eager(message, n, block, out, True, INT4_SEED)
-    elif name.startswith("quantize"):
-        rounding = name.split("_")[1]
-        message = q8.new_message(n, block, device)
-        calls = {v: (lambda fn=fn: fn(message, x, block, rounding, _CHECK_KEY)) for v, fn in runners.items()}
-        calls["eager"] = lambda: q8.quantize_eager(message, x, block, rounding, _CHECK_KEY)
-    elif name.startswith("dequantize"):
-        message, out = q8.new_message(n, block, device), torch.zeros_like(x)
-        q8.quantize_eager(message, x, block, "stochastic", _CHECK_KEY)
-        eager = _eager(name)
-        calls = {v: (lambda fn=fn: fn(message, n, block, out)) for v, fn in runners.items()}
-        calls["eager"] = lambda: eager(message, n, block, out)
-    else:
-        w = wire.Wire("float16")
-        message = w.empty(n, x)
-        w.encode_eager(x, message)
-        if name == "wire_decode":
-            calls = {v: (lambda fn=fn: fn(message, copy)) for v, fn in runners.items()}
-            calls["eager"] = lambda: w.decode_eager(message, copy)
-        else:
-            eager = _eager(name)
-            calls = {v: (lambda fn=fn: fn(x, message)) for v, fn in runners.items()}
-            calls["eager"] = lambda: eager(x, message)
+    case = kernel_cases.cases(x, block, [name], dtypes=("float16",))[0]
+    out = case.fresh()
+    calls = {v: (lambda fn=fn: case.run(fn, out)) for v, fn in runners.items()}
+    calls["eager"] = lambda: case.eager(out)
     seconds = _seconds({"copy": lambda: copy.copy_(x), **calls}, device)
     row = {k: seconds[k] / seconds["copy"] for k in calls}
     row.update(copy_s=seconds["copy"], chosen=min(calls, key=lambda k: (row[k], k == "eager")))

@@ -33,85 +33,26 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cerar.formats import fused  # noqa: E402
-from cerar.formats import int4_blocks as q4  # noqa: E402
+from cerar.formats import fused, kernel_cases  # noqa: E402
 from cerar.formats import int8_blocks as q8  # noqa: E402
-from cerar.formats.wire import Wire  # noqa: E402
 from scripts.checks.gpu.arithmetic import _timed  # noqa: E402
 
-KEY = 12345
-"""The stochastic rows' dither key."""
 
-
-def _cases(n: int, block: int, device: torch.device, x: torch.Tensor) -> list[tuple]:
-    """(operation, {variant: fn}, outputs to compare or None) for every format at n values: eager, every variant
-    that passed ``fused.enable``'s check ("fused": compiled; "triton"), and "chosen" (the public function)."""
+def _cases(n: int, block: int, device: torch.device, x: torch.Tensor) -> list[tuple]:  # noqa: ARG001
+    """(operation, {variant: fn}, outputs to compare or None) for every format at n values (``kernel_cases``):
+    eager, every variant that passed ``fused.enable``'s check ("fused": compiled; "triton"), and "chosen" (the
+    public function). The adds accumulate over the timed calls: their outputs are not compared (enable's check
+    compared them)."""
     cases = []
-    for rounding in ("nearest", "stochastic"):
-        message = {v: q8.new_message(n, block, device) for v in ("eager", "chosen", *fused.VARIANTS)}
+    for case in kernel_cases.every_case(x, block):
+        out = {v: case.fresh() for v in ("eager", "chosen", *fused.VARIANTS)}
         variants = {
-            "eager": lambda r=rounding, m=message: q8.quantize_eager(m["eager"], x, block, r, KEY),
-            "chosen": lambda r=rounding, m=message: q8.quantize_into(m["chosen"], x, block, r, KEY),
+            "eager": lambda c=case, o=out: c.eager(o["eager"]),
+            "chosen": lambda c=case, o=out: c.public(o["chosen"]),
         }
-        for variant, fn in fused.checked_variants(f"quantize_{rounding}", device, block).items():
-            variants[variant] = lambda r=rounding, m=message, v=variant, fn=fn: fn(m[v], x, block, r, KEY)
-        cases.append((f"int8 quantize, {rounding}", variants, message))
-    message = q8.new_message(n, block, device)
-    q8.quantize_eager(message, x, block, "stochastic", KEY)
-    for name in ("dequantize", "dequantize_add"):
-        add = name == "dequantize_add"
-        out = {v: torch.zeros_like(x) for v in ("eager", "chosen", *fused.VARIANTS)}
-        variants = {
-            "eager": lambda o=out, add=add: q8.dequantize_eager(message, n, block, o["eager"], add=add),
-            "chosen": lambda o=out, add=add: q8.dequantize(message, n, block, o["chosen"], add=add),
-        }
-        for variant, fn in fused.checked_variants(name, device, block).items():
-            variants[variant] = lambda o=out, v=variant, fn=fn: fn(message, n, block, o[v])
-        # the add accumulates over the timed calls: its outputs are not compared (enable's check compared them)
-        cases.append(("int8 dequantize and add" if add else "int8 dequantize", variants, None if add else out))
-    for rounding in ("nearest", "stochastic"):  # the 4-bit format, rotated (its default)
-        m4 = {v: q4.new_message(n, block, device) for v in ("eager", "chosen", *fused.VARIANTS)}
-        variants = {
-            "eager": lambda r=rounding, m=m4: q4.quantize_eager(m["eager"], x, block, r, KEY, True, 7),
-            "chosen": lambda r=rounding, m=m4: q4.quantize_into(m["chosen"], x, block, r, KEY, True, 7),
-        }
-        for variant, fn in fused.checked_variants(f"int4_quantize_{rounding}", device, block).items():
-            variants[variant] = lambda r=rounding, m=m4, v=variant, fn=fn: fn(m[v], x, block, r, KEY, True, 7)
-        cases.append((f"int4 quantize, {rounding}, rotated", variants, m4))
-    m4 = q4.new_message(n, block, device)
-    q4.quantize_eager(m4, x, block, "stochastic", KEY, True, 7)
-    for name in ("int4_dequantize", "int4_dequantize_add"):
-        add = name.endswith("add")
-        out = {v: torch.zeros_like(x) for v in ("eager", "chosen", *fused.VARIANTS)}
-        variants = {
-            "eager": lambda o=out, add=add: q4.dequantize_eager(m4, n, block, o["eager"], add=add, rotate=True, seed=7),
-            "chosen": lambda o=out, add=add: q4.dequantize(m4, n, block, o["chosen"], add=add, rotate=True, seed=7),
-        }
-        for variant, fn in fused.checked_variants(name, device, block).items():
-            variants[variant] = lambda o=out, v=variant, fn=fn: fn(m4, n, block, o[v], True, 7)
-        cases.append(("int4 dequantize and add, rotated" if add else "int4 dequantize, rotated", variants,
-                      None if add else out))  # fmt: skip
-    for dtype in ("float16", "bfloat16"):
-        wire = Wire(dtype)
-        wmessage = {v: wire.empty(n, x) for v in ("eager", "chosen", *fused.VARIANTS)}
-        unfused = wire._encode_host if device.type == "cpu" else wire.encode_eager
-        variants = {
-            "eager": lambda w=wmessage, e=unfused: e(x, w["eager"]),
-            "chosen": lambda w=wmessage, wire=wire: wire.encode(x, w["chosen"]),
-        }
-        for variant, fn in fused.checked_variants("wire_encode", device).items():
-            variants[variant] = lambda w=wmessage, v=variant, fn=fn: fn(x, w[v])
-        cases.append((f"wire {dtype} encode", variants, wmessage))
-        encoded = wire.empty(n, x)
-        unfused(x, encoded)
-        out = {v: torch.empty_like(x) for v in ("eager", "chosen", *fused.VARIANTS)}
-        decode = {
-            "eager": lambda o=out, wire=wire, m=encoded: wire.decode_eager(m, o["eager"]),
-            "chosen": lambda o=out, wire=wire, m=encoded: wire.decode(m, o["chosen"]),
-        }
-        for variant, fn in fused.checked_variants("wire_decode", device).items():
-            decode[variant] = lambda o=out, v=variant, fn=fn, m=encoded: fn(m, o[v])
-        cases.append((f"wire {dtype} decode", decode, out))
+        for variant, fn in fused.checked_variants(case.name, device, block).items():
+            variants[variant] = lambda c=case, o=out, v=variant, fn=fn: c.run(fn, o[v])
+        cases.append((case.what, variants, None if case.accumulates else out))
     return cases
 
 

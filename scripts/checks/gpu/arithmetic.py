@@ -162,10 +162,8 @@ def _timed(fn, device: torch.device, reps: int = 7) -> float:
 
 
 def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
-    from cerar.formats import fused
-    from cerar.formats import int4_blocks as q4
+    from cerar.formats import fused, kernel_cases
     from cerar.formats import int8_blocks as q8
-    from cerar.formats.wire import Wire
 
     device = _device(device)
     backend = "eager" if device.type == "cpu" and small else "inductor"
@@ -190,52 +188,17 @@ def fused_kernels(device: str, small: bool, out: str) -> dict:  # noqa: ARG001
     y = torch.empty_like(x)
     copy_s = _timed(lambda: y.copy_(x), device)
     base = torch.randn(n, generator=g).to(device)
-    message = q8.new_message(n, B, device)
-    q8.quantize_eager(message, x, B, "stochastic", 12345)
-    message4 = q4.new_message(n, B, device)
-    q4.quantize_eager(message4, x, B, "stochastic", 12345, True, 7)
-    wires = {dtype: Wire(dtype) for dtype in ("float16", "bfloat16")}
-    encoded = {dtype: w.empty(n, x) for dtype, w in wires.items()}
-    for dtype, w in wires.items():
-        w.encode_eager(x, encoded[dtype])
-
-    def cases():
-        """(kernel, what, eager call, call of a runner, output): each writes its output from the same input."""
-        for rounding in ("nearest", "stochastic"):
-            yield (f"quantize_{rounding}", f"int8 quantize, {rounding}",
-                   lambda out, r=rounding: q8.quantize_eager(out, x, B, r, 12345),
-                   lambda fn, out, r=rounding: fn(out, x, B, r, 12345), lambda: q8.new_message(n, B, device))
-        for name in ("dequantize", "dequantize_add"):
-            add = name == "dequantize_add"
-            yield (name, f"int8 {name.replace('_', ' and ')}",
-                   lambda out, add=add: q8.dequantize_eager(message, n, B, out, add=add),
-                   lambda fn, out: fn(message, n, B, out), lambda: base.clone())
-        for rounding in ("nearest", "stochastic"):  # the 4-bit format, rotated (its default)
-            yield (f"int4_quantize_{rounding}", f"int4 quantize, {rounding}, rotated",
-                   lambda out, r=rounding: q4.quantize_eager(out, x, B, r, 12345, True, 7),
-                   lambda fn, out, r=rounding: fn(out, x, B, r, 12345, True, 7), lambda: q4.new_message(n, B, device))
-        for name in ("int4_dequantize", "int4_dequantize_add"):
-            add = name.endswith("add")
-            yield (name, f"int4 {'dequantize and add' if add else 'dequantize'}, rotated",
-                   lambda out, add=add: q4.dequantize_eager(message4, n, B, out, add=add, rotate=True, seed=7),
-                   lambda fn, out: fn(message4, n, B, out, True, 7), lambda: base.clone())
-        for dtype, w in wires.items():
-            yield ("wire_encode", f"wire encode, {dtype}", lambda out, w=w: w.encode_eager(x, out),
-                   lambda fn, out: fn(x, out), lambda w=w: w.empty(n, x))
-            yield ("wire_decode", f"wire decode, {dtype}", lambda out, w=w, d=dtype: w.decode_eager(encoded[d], out),
-                   lambda fn, out, d=dtype: fn(encoded[d], out), lambda: torch.empty_like(x))
-
     rows = []
-    for name, what, eager, call, fresh in cases():
-        want, out = fresh(), fresh()
-        eager(want)
-        row = {"kernel": what, "name": name, "chosen": choices.get(name, {}).get("chosen", "eager"),
-               "eager": _timed(lambda e=eager, o=out: e(o), device) / copy_s, "variants": {},
-               "off": {k: v for k, v in choices.get(name, {}).items() if k.endswith("failed")}}  # fmt: skip
-        for variant, fn in fused.checked_variants(name, device, B).items():
-            got = fresh()
-            call(fn, got)
-            t = _timed(lambda c=call, fn=fn, o=out: c(fn, o), device)
+    for case in kernel_cases.every_case(x, B, base):  # each writes its output from the same input
+        want, out = case.fresh(), case.fresh()
+        case.eager(want)
+        row = {"kernel": case.what, "name": case.name, "chosen": choices.get(case.name, {}).get("chosen", "eager"),
+               "eager": _timed(lambda c=case, o=out: c.eager(o), device) / copy_s, "variants": {},
+               "off": {k: v for k, v in choices.get(case.name, {}).items() if k.endswith("failed")}}  # fmt: skip
+        for variant, fn in fused.checked_variants(case.name, device, B).items():
+            got = case.fresh()
+            case.run(fn, got)
+            t = _timed(lambda c=case, fn=fn, o=out: c.run(fn, o), device)
             row["variants"][variant] = {"differ": fused._differing(want, got), "of": want.numel(), "x_copy": t / copy_s}
         rows.append(row)
     fused.disable()
