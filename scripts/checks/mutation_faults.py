@@ -1538,8 +1538,8 @@ FAULTS = [
     Fault(
         name="int4-rotation-signs-two-operations",
         file="cerar/formats/int4_blocks.py",
-        original="        torch.mul(rows, rotation_signs(seed, block, x.device), out=begin)",
-        replacement="        begin.copy_(rows)\n        begin.mul_(rotation_signs(seed, block, x.device))",
+        original="            torch.mul(rows, rotation_signs(seed, block, x.device), out=begin)",
+        replacement="            begin.copy_(rows)\n            begin.mul_(rotation_signs(seed, block, x.device))",
         tests=("tests/test_int4_format.py -k fixed_number",),
         why="the rotation's signs applied in a copy and a product: one operation (a kernel on a GPU) more per "
         "quantization, the same bytes",
