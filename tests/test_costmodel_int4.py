@@ -79,6 +79,7 @@ def test_the_4_bit_format_moves_what_the_cost_model_prices(rotate, rounding):
     }
     assert measured == pytest.approx(by_hand, abs=1e-9), measured
     assert cm.int4_value_bytes(B, rotate, rounding) == pytest.approx(by_hand, abs=1e-9)
+    assert cm.INT4_UNROTATE_PRODUCT_MOST == q4.UNROTATE_PRODUCT_MOST  # where the decoder's product gives way
 
 
 def two_shot_steps(s: int, n: int, message: int, value: dict) -> tuple[int, int, float]:

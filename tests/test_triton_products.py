@@ -44,7 +44,11 @@ def test_the_product_errs_within_K_u_of_the_exact_one_and_one_dropped_term_does_
         got = out0.clone() if beta else torch.full((M, w), float("nan"))
         products.small_mm(got, W, X, alpha, beta)
         exact = (beta * out0.double() if beta else 0) + alpha * (W.double() @ X.double())
-        bound = products.error_bound(W, X, out0, alpha, beta)
+        # a float32 inner product of K terms errs by at most K u |W||X| (Higham 3.1); alpha, beta and their sum
+        # one rounding each
+        magnitude = abs(alpha) * (W.double().abs() @ X.double().abs()) + (beta * out0.double().abs() if beta else 0)
+        bound = (K + 2) * 2.0**-24 * magnitude
+        assert torch.equal(bound, products.error_bound(W, X, out0, alpha, beta))  # enable's check uses the same
         assert bool(((got.double() - exact).abs() <= bound).all()), (M, K, beta)
         dropped = exact - alpha * (W[:, -1:].double() @ X[-1:].double())
         assert float(((dropped - exact).abs() - bound).max()) > 1e3 * float(bound.max())

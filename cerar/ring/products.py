@@ -28,9 +28,6 @@ device, ``mm`` and ``addmm_`` are torch's own operations (the operation counts o
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
 MAX_ROWS = 128
@@ -46,10 +43,14 @@ _ENABLED: dict[str, str] = {}
 _KERNELS: dict[str, object] = {}
 
 
+def padded_rows(M: int) -> int:
+    """M rounded up to a power of two: the kernel's register tile has that many rows (the rest masked)."""
+    return 1 << max(0, (M - 1).bit_length())
+
+
 def block_columns(M: int) -> int:
-    """Columns per program: ``TILE`` values of out over M rows padded to a power of two, at least 64."""
-    rows = 1 << max(0, (M - 1).bit_length())
-    return max(64, TILE // rows)
+    """Columns per program: ``TILE`` values of out over ``padded_rows(M)`` rows, at least 64."""
+    return max(64, TILE // padded_rows(M))
 
 
 def usable(device, interpreter: bool = False) -> tuple[bool, str]:
@@ -70,10 +71,9 @@ def small_mm(out: torch.Tensor, W: torch.Tensor, X: torch.Tensor, alpha: float =
 
         _KERNELS["small_mm"] = src.small_mm
     columns = block_columns(M)
-    rows = 1 << max(0, (M - 1).bit_length())
     _KERNELS["small_mm"][(-(-w // columns),)](
         W, X, out, w, W.stride(0), W.stride(1), X.stride(0), out.stride(0), float(alpha), float(beta),
-        M=M, K=K, MP=rows, BLOCK=columns, BETA=beta != 0,
+        M=M, K=K, MP=padded_rows(M), BLOCK=columns, BETA=beta != 0,
     )  # fmt: skip
 
 
@@ -140,19 +140,6 @@ def _check(device: torch.device, w: int) -> None:
                                      f"{float((err - bound).max()):.3g} over")  # fmt: skip
 
 
-def _seconds(call, device: torch.device, repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats + 1):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        call()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[1:])
-
-
 def enable(device="cuda", *, columns: int = 2**20, interpreter: bool = False, pick: str = "faster",
            say=print) -> bool:  # fmt: skip
     """Check the Triton product on ``device`` (``_check``), time it against torch's on the decoding's shape (16 x 34
@@ -167,12 +154,15 @@ def enable(device="cuda", *, columns: int = 2**20, interpreter: bool = False, pi
         say(f"cerar.ring.products: torch's products on {device} ({why})")
         return False
     _ENABLED.pop(str(device), None)
+    from cerar.formats.fused import _seconds  # the formats' side-by-side timer: interleaved, synchronised medians
+
     try:
-        _check(device, max(block_columns(1) + 37, 1000) if interpreter else columns + 37)
+        _check(device, block_columns(1) + 37 if interpreter else columns + 37)  # two programs, a masked tail
         W = torch.randn(16, 34, device=device)
         X, out = torch.randn(34, columns, device=device), torch.empty(16, columns, device=device)
-        kernel = _seconds(lambda: small_mm(out, W, X, 1.0, 1.0), device)
-        torch_s = _seconds(lambda: out.addmm_(W, X), device)
+        seconds = _seconds({"triton": lambda: small_mm(out, W, X, 1.0, 1.0), "torch": lambda: out.addmm_(W, X)},
+                           device)  # fmt: skip
+        kernel, torch_s = seconds["triton"], seconds["torch"]
     except Exception as error:  # a kernel that fails to build or errs stays off, and says why
         say(f"cerar.ring.products: torch's products on {device} (the Triton product failed: "
             f"{type(error).__name__}: {str(error)[:200]})")  # fmt: skip
