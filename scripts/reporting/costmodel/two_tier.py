@@ -367,8 +367,8 @@ def int4_two_tier_section(two_tier_rows: Sequence[dict] | None, int4_rows: Seque
     if not lab:
         return L
     L += [f"#### In the lab: the model against `{int4_csv or 'the 4-bit rows'}`", "",
-          f"The two-tier rows of the file's latest tree ({_lab_commits(lab)}: earlier trees ran a 4-bit format whose "
-          "traffic the model no longer counts), each against the model's time for it: fitted on the two-tier lab's "
+          f"The two-tier rows of the file's latest tree ({_lab_commits(lab)}; the code of earlier trees may move other "
+          "bytes than the model counts), each against the model's time for it: fitted on the two-tier lab's "
           "other rows (`reports/data/hierarchical_lab.csv`, the table above), and refitted on those rows and these "
           "together. Model over measured, less 1:", "",
           "| where | rate (Mbit/s) | aggregator | tree | measured | fitted without them | refitted with them |",
