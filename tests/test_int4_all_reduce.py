@@ -279,3 +279,37 @@ def test_the_senders_of_one_shard_dither_it_independently():
     rank), where one key for all would make them identical (and their errors add up instead of averaging)."""
     received = run_workers(_same_shard_worker, 3, timeout_s=60)[0]
     assert len(received) == 2 and not torch.equal(received[0], received[1])
+
+
+def _order_worker(rank, N):
+    """One flat 4-bit call with its posts (``_PeerRing.post_between``) and the codec's decodings recorded in the order
+    this process made them: ("post", _) or ("decode", add)."""
+    from cerar.int4 import codecs, two_shot
+    from cerar.int4.all_reduce import int4_all_reduce
+
+    events = []
+    post, decode = two_shot._PeerRing.post_between, codecs.Int4Codec.decode
+
+    def recorded_post(self, *args):
+        events.append(("post", None))
+        return post(self, *args)
+
+    def recorded_decode(self, message, s, out, add=False):
+        events.append(("decode", add))
+        return decode(self, message, s, out, add)
+
+    two_shot._PeerRing.post_between, codecs.Int4Codec.decode = recorded_post, recorded_decode
+    int4_all_reduce(gradient_like(rank, 3 * 512), block=128, timeout=30)
+    return events
+
+
+def test_the_all_gather_posts_each_step_before_decoding_the_last_one():
+    """Shot 2 forwards each message as it arrived, so the next step is on the wire while the last is decoded: after
+    shot 1's N - 1 posts, the order is post 1, decode of this rank's own message, post 2, decode of step 1's, ...,
+    decode of step N - 1's. Decoding first (the order before) puts every decoding between two transfers."""
+    N = 4
+    for events in run_workers(_order_worker, N, timeout_s=60):
+        posts = [k for k, (what, _) in enumerate(events) if what == "post"]
+        assert len(posts) == 2 * (N - 1), events
+        shot2 = [what for what, add in events[posts[N - 1] :] if what == "post" or add is False]
+        assert shot2 == ["post", "decode"] * (N - 1) + ["decode"], shot2

@@ -160,18 +160,23 @@ def gather_reduced(
 ) -> None:
     """Shot 2 on ``rows`` [N, s] whose row i (this rank's) holds the reduced shard: one message of it, decoded back
     into row i, and the ring all-gather of the N messages (``messages``, one buffer per shard), each decoded into
-    its row. ``residual`` [N, s]: error feedback's, whose row i is what this rank's last reduced message dropped."""
+    its row. ``residual`` [N, s]: error feedback's, whose row i is what this rank's last reduced message dropped.
+
+    Each step's message is forwarded as it arrived, so the next step is posted before the one that arrived is
+    decoded: the decoding (and the decoding back of this rank's own message) runs while the next message is on the
+    wire, instead of between the two. Both only read a message the post also only reads."""
     ring = rounds.ring
     N, i, s = ring.size, ring.rank, rows.shape[1]
     at = ring.global_rank
 
     def encode_result() -> None:
         with timer.phase("encode"):
-            if residual is None:
-                codec.encode(messages[i], rows[i], key(i, PHASE_REDUCED))
-            else:
+            if residual is not None:
                 residual[i].add_(rows[i])
-                codec.encode(messages[i], residual[i], key(i, PHASE_REDUCED))
+            codec.encode(messages[i], rows[i] if residual is None else residual[i], key(i, PHASE_REDUCED))
+
+    def decode_own() -> None:
+        with timer.phase("decode"):
             codec.decode(messages[i], s, rows[i])  # the bytes every other rank decodes
             if residual is not None:
                 residual[i].sub_(rows[i])
@@ -180,13 +185,22 @@ def gather_reduced(
         with timer.phase("decode"):
             codec.decode(messages[j], s, rows[j])
 
-    rounds.issue(encode_result)
     to, frm = at((i + 1) % N), at((i - 1) % N)
-    for k in range(N - 1):  # forwarded verbatim: step k sends shard i - k, receives shard i - k - 1
+
+    def post(k: int):
+        """Step k: sends shard i - k (this rank's, then each as it arrived), receives shard i - k - 1."""
         send, recv = (i - k) % N, (i - k - 1) % N
         what = f"all-gather step {k + 1}/{N - 1} (to rank {to}, from rank {frm})"
-        rounds.arrive(rounds.post((messages[send], to), (messages[recv], frm), what), what)
-        rounds.issue(decode, recv)
+        return rounds.post((messages[send], to), (messages[recv], frm), what), what
+
+    rounds.issue(encode_result)
+    posted = post(0)
+    rounds.issue(decode_own)
+    for k in range(N - 1):
+        rounds.arrive(*posted)
+        if k + 1 < N - 1:
+            posted = post(k + 1)
+        rounds.issue(decode, (i - k - 1) % N)
 
 
 def divide(timer: PhaseTimer, shard: torch.Tensor, n: int) -> None:

@@ -1315,6 +1315,22 @@ FAULTS = [
         "differ",
     ),
     Fault(
+        name="int4-all-gather-decodes-before-posting",
+        file="cerar/int4/two_shot.py",
+        original="    posted = post(0)\n    rounds.issue(decode_own)",
+        replacement="    rounds.issue(decode_own)\n    posted = post(0)",
+        tests=("tests/test_int4_all_reduce.py -k posts_each",),
+        why="shot 2 decodes its own message before the first step is on the wire: the decoding sits between transfers",
+    ),
+    Fault(
+        name="int4-all-gather-forwards-before-arrival",
+        file="cerar/int4/two_shot.py",
+        original="        rounds.arrive(*posted)\n        if k + 1 < N - 1:\n            posted = post(k + 1)",
+        replacement="        if k + 1 < N - 1:\n            posted = post(k + 1)\n        rounds.arrive(*posted)",
+        tests=("tests/test_int4_all_reduce.py -k 'flat and gloo-4'",),
+        why="shot 2 forwards a message before it has arrived: the next rank receives a buffer not yet written",
+    ),
+    Fault(
         name="int4-key-without-sender",
         file="cerar/int4/two_shot.py",
         original="    return dither_key(seed, call, sender, shard, phase)",
