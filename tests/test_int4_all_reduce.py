@@ -255,7 +255,6 @@ def test_bad_arguments_are_refused_before_any_collective():
         int4_all_reduce(torch.ones(8), rounding="up")
 
 
-
 def _same_shard_worker(rank, N):
     """Shot 1 of the two-shot skeleton alone, on rows that are the same on every rank: the messages rank 0 receives
     (the same shard 0 from each sender)."""
