@@ -20,28 +20,10 @@ from cerar.formats import int4_blocks as q4
 from cerar.planning import costmodel as cm
 from scripts.bench.bench_arithmetic import Traffic
 
-ALLOCATIONS = {"empty", "empty_like", "new_empty", "empty_strided"}
-
-
-class Moved(Traffic):
-    """The bytes the dispatched operations read and write (``Traffic``), without what moves nothing: an
-    allocation, and the read of an ``out=`` operand, which is only written."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.overloadpacket.__name__ in ALLOCATIONS:
-            return func(*args, **kwargs)
-        before = self.bytes
-        out = super().__torch_dispatch__(func, types, args, kwargs)
-        if "out" in kwargs and not func.is_view:
-            self.bytes = before + (self.bytes - before) - self._b(kwargs["out"])
-        return out
-
-
 def counted(action, s: int, B: int) -> float:
     """Bytes per value that ``action`` moves on s values (operands of at most B^2 values, the scales, the signs and
     the decoder's Hadamard matrix, which stay in cache, not counted)."""
-    with Moved(least=B * B + 1) as counter:
+    with Traffic(least=B * B + 1) as counter:
         action()
     return counter.bytes / s
 

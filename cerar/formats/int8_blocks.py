@@ -67,6 +67,7 @@ from __future__ import annotations
 import torch
 
 from cerar.formats import devices
+from cerar.ring.workspace import POOL
 
 QMAX = 127
 """The largest magnitude of a quantized value: the symmetric int8 range [-127, 127] (-128 unused, so
@@ -341,17 +342,22 @@ def quantize_rows(
     (``cerar.formats.devices.one_pass``): absmax 4, p always applied (8 more) with its clamp (8), and the dither
     gathered before it is added (4 more): the same few operations at any n."""
     prescale, inverse = block_scales(rows, scale)
-    ratio = rows * (inverse if prescale is None else prescale).unsqueeze(1)
-    if prescale is not None:
-        ratio.mul_(inverse.unsqueeze(1))
-    if rounding == "stochastic":
-        add_dither(ratio, block, offset, first_row)
-        ratio.floor_()
-    else:
-        ratio.round_()
-    if prescale is not None or rounding == "stochastic":  # nearest on normal scales stays within 127.5: no clamp
-        ratio.clamp_(-QMAX, QMAX)
-    values.copy_(ratio)
+    scratch = POOL.take(rows.numel(), torch.float32, rows.device)  # kept between calls on a CPU (no page faults)
+    try:
+        ratio = torch.mul(rows, (inverse if prescale is None else prescale).unsqueeze(1),
+                          out=scratch[: rows.numel()].view(rows.shape))  # fmt: skip
+        if prescale is not None:
+            ratio.mul_(inverse.unsqueeze(1))
+        if rounding == "stochastic":
+            add_dither(ratio, block, offset, first_row)
+            ratio.floor_()
+        else:
+            ratio.round_()
+        if prescale is not None or rounding == "stochastic":  # nearest on normal scales stays within 127.5: no clamp
+            ratio.clamp_(-QMAX, QMAX)
+        values.copy_(ratio)
+    finally:
+        POOL.give(scratch)
 
 
 def quantize_into(
@@ -403,7 +409,11 @@ def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, rows: torch.Tenso
         else:
             torch.mul(values, scale.unsqueeze(1), out=rows)
     elif add:
-        rows.addcmul_(values.to(rows.dtype), scale.unsqueeze(1))
+        scratch = POOL.take(values.numel(), rows.dtype, rows.device)  # kept between calls (no page faults)
+        try:
+            rows.addcmul_(scratch[: values.numel()].view(values.shape).copy_(values), scale.unsqueeze(1))
+        finally:
+            POOL.give(scratch)
     else:
         rows.copy_(values)
         rows.mul_(scale.unsqueeze(1))

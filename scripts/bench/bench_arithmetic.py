@@ -98,7 +98,10 @@ def decode_before(message, out):
 
 class Traffic(TorchDispatchMode):
     """Bytes the dispatched operations read and write, over tensors of at least ``least`` values; an
-    in-place op reads and writes its first operand, a copy only writes it (tests/test_quantized.py counts with it)."""
+    in-place op reads and writes its first operand, a copy and an ``out=`` operand are only written, an allocation
+    moves nothing (tests/test_quantized.py and tests/test_costmodel_int4.py count with it)."""
+
+    ALLOCATIONS = frozenset({"empty", "empty_like", "new_empty", "empty_strided"})
 
     def __init__(self, least: int):
         super().__init__()
@@ -110,9 +113,9 @@ class Traffic(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.is_view:
+        if func.is_view or func.overloadpacket.__name__ in self.ALLOCATIONS:
             return out
-        reads = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        reads = [a for k, a in (*enumerate(args), *kwargs.items()) if isinstance(a, torch.Tensor) and k != "out"]
         if func.overloadpacket.__name__ == "copy_":
             reads = reads[1:]
         written = kwargs.get("out", out)
