@@ -20,6 +20,7 @@ from cerar.formats import int4_blocks as q4
 from cerar.planning import costmodel as cm
 from scripts.bench.bench_arithmetic import Traffic
 
+
 def counted(action, s: int, B: int) -> float:
     """Bytes per value that ``action`` moves on s values (operands of at most B^2 values, the scales, the signs and
     the decoder's Hadamard matrix, which stay in cache, not counted)."""
