@@ -143,10 +143,11 @@ def test_enable_refuses_kernels_that_round_one_unit_otherwise(traced, monkeypatc
 @pytest.mark.quick
 def test_enable_switches_on_the_faster_of_fused_and_eager(traced, monkeypatch):
     """Issue 52: on the H200 the fused 16-bit encode took 19.8x a copy, eager 4.2x. ``enable`` times both on its
-    sample and keeps the faster, saying both in its line; here the timings are given (``_seconds``): eager twice
-    as fast leaves the kernel off, fused twice as fast switches it on. The bytes were checked first either way."""
+    sample and keeps the faster, saying both in its line; here the timings are given
+    (``cerar.formats.devices.side_by_side_seconds``): eager twice as fast leaves the kernel off, fused twice as fast
+    switches it on. The bytes were checked first either way."""
     timings = {"copy": 1.0, "fused": 4.0, "eager": 2.0}
-    monkeypatch.setattr(fused, "_seconds", lambda calls, device: {k: timings[k] for k in calls})
+    monkeypatch.setattr(devices, "side_by_side_seconds", lambda calls, device, repeats: {k: timings[k] for k in calls})
     lines = traced(kernels=("wire_encode", "quantize_nearest"), pick="faster", sample_values=2 * fused.MIN_VALUES)
     assert fused.enabled() == [], lines
     assert "wire_encode eager 2.00 (fused 4.00;" in lines[-1] and "quantize_nearest eager 2.00" in lines[-1], lines

@@ -11,6 +11,9 @@ either way: the same float32 operations, each rounded once (tests force both for
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import torch
 
 
@@ -18,3 +21,27 @@ def one_pass(device) -> bool:
     """Whether the eager arithmetic on ``device`` takes the one-pass forms and never reads the host (every device
     but the CPU)."""
     return torch.device(device).type != "cpu"
+
+
+def synchronize(device) -> None:
+    """Wait for the device's queued work (CUDA); a CPU's work is done when its call returns."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def side_by_side_seconds(calls: dict, device, repeats: int = 3) -> dict[str, float]:
+    """The median seconds of each of ``calls`` (name -> function), ``repeats`` times each after one untimed call,
+    interleaved so that a moment of load slows every one, each call between two device synchronisations: how
+    ``cerar.formats.fused`` and ``cerar.ring.products`` choose between a kernel and torch's operations."""
+    times = {name: [] for name in calls}
+    for call in calls.values():
+        call()
+    for _ in range(repeats):
+        for name, call in calls.items():
+            synchronize(device)
+            start = time.perf_counter()
+            call()
+            synchronize(device)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}

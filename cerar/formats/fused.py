@@ -68,24 +68,33 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import statistics
 import sys
 import threading
 import time
 
 import torch
 
+from cerar.formats import devices, kernel_cases, wire
 from cerar.formats import int4_blocks as q4
 from cerar.formats import int8_blocks as q8
-from cerar.formats import kernel_cases, wire
 
 log = logging.getLogger("cerar.formats.fused")
 
 MIN_VALUES = 2**14
 """Fewest values for which a fused kernel is called: below, the eager passes cost less than the call."""
 
-KERNELS = ("quantize_nearest", "quantize_stochastic", "wire_encode", "dequantize", "dequantize_add", "wire_decode",
-           "int4_quantize_nearest", "int4_quantize_stochastic", "int4_dequantize", "int4_dequantize_add")
+KERNELS = (
+    "quantize_nearest",
+    "quantize_stochastic",
+    "wire_encode",
+    "dequantize",
+    "dequantize_add",
+    "wire_decode",
+    "int4_quantize_nearest",
+    "int4_quantize_stochastic",
+    "int4_dequantize",
+    "int4_dequantize_add",
+)
 """Every operation with a faster variant than its eager form somewhere: ``COMPILED`` ones by ``torch.compile`` (any
 device with a compiler), all of them by hand-written Triton (``cerar.formats.triton_kernels``: CUDA)."""
 
@@ -396,27 +405,6 @@ def _checked_runner(name: str, fn, block: int, device, n: int):
     raise failure
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _seconds(calls: dict, device: torch.device) -> dict[str, float]:
-    """The median seconds of each of ``calls`` (name -> function), ``REPEATS`` times each after one untimed call,
-    interleaved so that a moment of load slows every one, each call between two device synchronisations."""
-    times = {name: [] for name in calls}
-    for call in calls.values():
-        call()
-    for _ in range(REPEATS):
-        for name, call in calls.items():
-            _synchronize(device)
-            start = time.perf_counter()
-            call()
-            _synchronize(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def _timing(name: str, runners: dict, block: int, device: torch.device, n: int) -> dict:
     """Eager ``name`` and each of its checked ``runners`` on n values of ``_sample`` against a copy of them: each as
     a multiple of the copy's time, "copy_s", and "chosen" (the fastest)."""
@@ -426,7 +414,7 @@ def _timing(name: str, runners: dict, block: int, device: torch.device, n: int) 
     out = case.fresh()
     calls = {v: (lambda fn=fn: case.run(fn, out)) for v, fn in runners.items()}
     calls["eager"] = lambda: case.eager(out)
-    seconds = _seconds({"copy": lambda: copy.copy_(x), **calls}, device)
+    seconds = devices.side_by_side_seconds({"copy": lambda: copy.copy_(x), **calls}, device, REPEATS)
     row = {k: seconds[k] / seconds["copy"] for k in calls}
     row.update(copy_s=seconds["copy"], chosen=min(calls, key=lambda k: (row[k], k == "eager")))
     return row

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from cerar.formats.devices import side_by_side_seconds
+
 MAX_ROWS = 128
 """The most rows M (and terms K) the kernel takes: its M x block tile lives in registers; larger products (never
 made by a code of c <= 64) stay torch's."""
@@ -154,14 +156,13 @@ def enable(device="cuda", *, columns: int = 2**20, interpreter: bool = False, pi
         say(f"cerar.ring.products: torch's products on {device} ({why})")
         return False
     _ENABLED.pop(str(device), None)
-    from cerar.formats.fused import _seconds  # the formats' side-by-side timer: interleaved, synchronised medians
-
     try:
         _check(device, block_columns(1) + 37 if interpreter else columns + 37)  # two programs, a masked tail
         W = torch.randn(16, 34, device=device)
         X, out = torch.randn(34, columns, device=device), torch.empty(16, columns, device=device)
-        seconds = _seconds({"triton": lambda: small_mm(out, W, X, 1.0, 1.0), "torch": lambda: out.addmm_(W, X)},
-                           device)  # fmt: skip
+        seconds = side_by_side_seconds(
+            {"triton": lambda: small_mm(out, W, X, 1.0, 1.0), "torch": lambda: out.addmm_(W, X)}, device
+        )
         kernel, torch_s = seconds["triton"], seconds["torch"]
     except Exception as error:  # a kernel that fails to build or errs stays off, and says why
         say(f"cerar.ring.products: torch's products on {device} (the Triton product failed: "
