@@ -489,7 +489,9 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures_dir: Path, reti
                   "scripts/studies/time_to_loss.py --plan headline > /tmp/ttl-headline.log 2>&1 &` (the flat lab at "
                   "tiny and pythia-14m, the two tiers at both: seeds 1-3 of every aggregator, shuffled, stale rows "
                   "retired and rerun at one commit) and `... --plan long` (the flat lab at pythia-14m to 1,500 "
-                  "steps: nccl, bf16, CERAR c=16, CERAR c=8 over fp16 messages, seeds 1-3)."
+                  "steps: nccl, bf16, CERAR c=16, CERAR c=8 over fp16 messages, seeds 1-3); with `--commit C` a plan "
+                  "trains C's code (a snapshot), so that one continued after the code has moved keeps the commit of "
+                  "the rows already there."
                   + appendix.unmeasured_cost(rows, missing)]  # fmt: skip
     heads, cerar = [], []
     for setting, srows in settings.items():
