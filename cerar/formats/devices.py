@@ -7,6 +7,8 @@ synchronise with the device. On a CPU the same calls are slower than the passes 
 rows of 128 5x slower than ``amax`` and ``amin``; a mixed-dtype product runs torch's unvectorized loop, the int8
 decode 2.7x slower, measured on this machine's AVX-512 CPU), and a host read is free. The bytes are the same
 either way: the same float32 operations, each rounded once (tests force both forms on the CPU and compare).
+
+Here too the timer that chooses between a kernel and torch's operations on a device (``side_by_side_seconds``).
 """
 
 from __future__ import annotations

@@ -350,9 +350,9 @@ def quantize_eager(
     s = x.numel()
     scales, packed = parts(message, s, block)
     rotated = _split(s, block, rotate)
-    buffers = [POOL.take(s, torch.float32, x.device) for _ in range(2)]  # kept between calls on a CPU (no faults)
-    work, spare = (b[:s] for b in buffers)  # spare: the stages' other buffer, then the dither, then the pairs
-    try:
+    # kept between calls on a CPU (no faults); spare: the stages' other buffer, then the dither, then the pairs
+    with POOL.borrowed(s, torch.float32, x.device) as first, POOL.borrowed(s, torch.float32, x.device) as second:
+        work, spare = first[:s], second[:s]
         if rotated:
             rows = x.reshape(-1)[:rotated].view(-1, block)
             # the stages ping-pong between two buffers: start in the one that leaves the result in ``work``
@@ -372,9 +372,6 @@ def quantize_eager(
             work.floor_()
         work.clamp_(-QMAX, QMAX).add_(NIBBLE_OFFSET)
         _pack(work, packed, spare)
-    finally:
-        for b in buffers:
-            POOL.give(b)
 
 
 def _pack(nibbles: torch.Tensor, packed: torch.Tensor, scratch: torch.Tensor) -> None:

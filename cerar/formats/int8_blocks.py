@@ -342,8 +342,7 @@ def quantize_rows(
     (``cerar.formats.devices.one_pass``): absmax 4, p always applied (8 more) with its clamp (8), and the dither
     gathered before it is added (4 more): the same few operations at any n."""
     prescale, inverse = block_scales(rows, scale)
-    scratch = POOL.take(rows.numel(), torch.float32, rows.device)  # kept between calls on a CPU (no page faults)
-    try:
+    with POOL.borrowed(rows.numel(), torch.float32, rows.device) as scratch:  # kept between calls on a CPU (no faults)
         ratio = torch.mul(rows, (inverse if prescale is None else prescale).unsqueeze(1),
                           out=scratch[: rows.numel()].view(rows.shape))  # fmt: skip
         if prescale is not None:
@@ -356,8 +355,6 @@ def quantize_rows(
         if prescale is not None or rounding == "stochastic":  # nearest on normal scales stays within 127.5: no clamp
             ratio.clamp_(-QMAX, QMAX)
         values.copy_(ratio)
-    finally:
-        POOL.give(scratch)
 
 
 def quantize_into(
@@ -409,11 +406,8 @@ def dequantize_rows(values: torch.Tensor, scale: torch.Tensor, rows: torch.Tenso
         else:
             torch.mul(values, scale.unsqueeze(1), out=rows)
     elif add:
-        scratch = POOL.take(values.numel(), rows.dtype, rows.device)  # kept between calls (no page faults)
-        try:
+        with POOL.borrowed(values.numel(), rows.dtype, rows.device) as scratch:  # kept between calls (no page faults)
             rows.addcmul_(scratch[: values.numel()].view(values.shape).copy_(values), scale.unsqueeze(1))
-        finally:
-            POOL.give(scratch)
     else:
         rows.copy_(values)
         rows.mul_(scale.unsqueeze(1))

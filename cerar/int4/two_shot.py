@@ -161,6 +161,7 @@ def gather_reduced(
     """Shot 2 on ``rows`` [N, s] whose row i (this rank's) holds the reduced shard: one message of it, decoded back
     into row i, and the ring all-gather of the N messages (``messages``, one buffer per shard), each decoded into
     its row. ``residual`` [N, s]: error feedback's, whose row i is what this rank's last reduced message dropped.
+    N > 1 (``two_shot_all_reduce`` returns before it for one rank).
 
     Each step's message is forwarded as it arrived, so the next step is posted before the one that arrived is
     decoded: the decoding (and the decoding back of this rank's own message) runs while the next message is on the

@@ -15,6 +15,7 @@ hook's thread beside the training loop, two process groups) never share one. The
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -41,6 +42,15 @@ class WorkspacePool:
                 if fits:
                     return free.pop(min(fits, key=lambda k: free[k].numel()))
         return torch.empty(numel, dtype=dtype, device=device)
+
+    @contextlib.contextmanager
+    def borrowed(self, numel: int, dtype: torch.dtype, device: torch.device):
+        """``take`` for the length of a ``with`` block: the buffer is given back when it ends, an error included."""
+        buffer = self.take(numel, dtype, device)
+        try:
+            yield buffer
+        finally:
+            self.give(buffer)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return a buffer from ``take``; the pool keeps the largest ``keep`` of each kind."""
