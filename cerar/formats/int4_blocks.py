@@ -65,6 +65,7 @@ bytes of values, value 2k in the low nibble of byte k and value 2k + 1 in its hi
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 
 import torch
 
@@ -471,8 +472,9 @@ def dequantize_eager(
     for a rotated block, ((sigma / B) (H q)) scale (exact but for the product by the scale)."""
     scales, packed = parts(message, s, block)
     rotated = _split(s, block, rotate)
-    buffers = [POOL.take(s + 1, torch.float32, out.device) for _ in range(2 if rotated else 1)]
-    try:
+    with ExitStack() as borrowed:  # one pooled buffer for q, a second for the rotation's product
+        kinds = 2 if rotated else 1
+        buffers = [borrowed.enter_context(POOL.borrowed(s + 1, torch.float32, out.device)) for _ in range(kinds)]
         q = unpack(packed, s, buffers[0])
         if rotated:
             result = _unrotate(q[:rotated].view(-1, block), seed, block, buffers[1][:rotated].view(-1, block))
@@ -490,9 +492,6 @@ def dequantize_eager(
                 target.addcmul_(rows, scale)
             else:
                 torch.mul(rows, scale, out=target)
-    finally:
-        for b in buffers:
-            POOL.give(b)
 
 
 # ------------------------------------------------------------------------------------------------
