@@ -283,17 +283,19 @@ def test_the_report_is_rebuilt_from_the_csv_the_retired_rows_and_the_folders_alo
 def test_the_report_prices_a_setting_it_has_not_run_from_the_next_smaller_models_runs():
     """pythia-14m and pythia-31m have 14,067,712 and 30,494,720 parameters (EleutherAI's Pythia model cards and
     paper, table 1): two hours of pythia-14m runs on the lab price the same runs at pythia-31m at 2 x 2.168 h;
-    tiny prices nothing (its steps are mostly fixed costs), nor does a model measured on other links only."""
+    tiny prices nothing (its steps are mostly fixed costs), nor does a model measured on other links only, nor a
+    run to a longer horizon than the plans' 300 steps (issue 53's 1,500-step run is not one of "the same runs")."""
     assert model_parameters("pythia-14m") == 14_067_712 and model_parameters("pythia-31m") == 30_494_720
-    measured = [{"links": "lab", "model": "pythia-14m", "wall_s": "3600"}] * 2
-    measured += [{"links": "loopback", "model": "tiny", "wall_s": "3600"}]
+    measured = [{"links": "lab", "model": "pythia-14m", "steps": "300", "wall_s": "3600"}] * 2
+    measured += [{"links": "loopback", "model": "tiny", "steps": "300", "wall_s": "3600"}]
+    measured += [{"links": "lab", "model": "pythia-14m", "steps": "1500", "wall_s": "9000"}]
     text = unmeasured_cost(measured, ["lab:pythia-31m", "loopback:pythia-14m", "loopback:pythia-31m"])
     assert (
         "lab:pythia-31m (30.5 M parameters, 2.2x pythia-14m's): the 2 runs measured at pythia-14m there "
         "took 2.0 h, the same at pythia-31m about 4.3 h" in text
     )
     assert "loopback" not in text
-    assert unmeasured_cost(measured[2:], ["loopback:pythia-14m"]) == ""
+    assert unmeasured_cost(measured[2:3], ["loopback:pythia-14m"]) == ""
 
 
 # ------------------------------------------------------------------ the order, the plan, resuming

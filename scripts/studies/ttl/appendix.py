@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 
 from scripts.studies.ttl.rows import number as _f
-from scripts.studies.ttl.settings import MODELS, PAPER_SHARE, RATES_CSV, ROOT
+from scripts.studies.ttl.settings import MODELS, PAPER_SHARE, RATES_CSV, ROOT, STEPS
 
 PROBE_CSV = ROOT / "reports" / "data" / "probe_under_load.csv"
 
@@ -106,16 +106,18 @@ def model_parameters(model: str) -> int:
 
 def unmeasured_cost(rows: list[dict], missing: list[str]) -> str:
     """For each unmeasured ``links:model``, what the same runs would cost on this machine: the runs measured on
-    the same links at the next smaller model of the study, their wall seconds summed and scaled by the ratio of
-    the two models' parameters (from pythia-14m up a step's compute and bytes grow about with it; not from tiny,
-    whose steps are mostly fixed costs: on loopback pythia-14m's nccl runs took 2.4x tiny's for 12x the
-    parameters). No estimate where that model was not measured there."""
+    the same links at the next smaller model of the study, at its plans' horizon (``STEPS``; a longer run is not
+    one of the same runs), their wall seconds summed and scaled by the ratio of the two models' parameters (from
+    pythia-14m up a step's compute and bytes grow about with it; not from tiny, whose steps are mostly fixed
+    costs: on loopback pythia-14m's nccl runs took 2.4x tiny's for 12x the parameters). No estimate where that
+    model was not measured there."""
     parts = []
     for key in missing:
         links, model = key.split(":")
         position = MODELS.index(model)
         base = MODELS[position - 1] if position > 1 else None
-        measured = [r for r in rows if r["links"] == links and r["model"] == base]
+        horizon = str(STEPS.get(base))  # the plans' horizon: a longer run (--plan long) is not "the same runs"
+        measured = [r for r in rows if r["links"] == links and r["model"] == base and r["steps"] == horizon]
         if not measured:
             continue
         ratio = model_parameters(model) / model_parameters(base)

@@ -49,6 +49,16 @@ GAP_FRACTIONS = (0.25, 0.5, 0.75, 1.0)
 """Where the end-state table also gives the gap to nccl: at the evaluations at these fractions of the horizon."""
 
 
+def _span(xs) -> str:
+    """``a..b``, or ``a`` where every x is a."""
+    return f"{min(xs)}" if min(xs) == max(xs) else f"{min(xs)}..{max(xs)}"
+
+
+def _band(band: float | None, losses: list) -> str:
+    """nccl's seed band in percent, or why there is none."""
+    return f"{100 * band:.2f} %" if band is not None else "- (one seed)" if losses else "-"
+
+
 def _mean(xs) -> float | None:
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -333,11 +343,12 @@ def setting_section(setting: Setting, srows: list[dict], runs: Path, figures: Pa
     never = [f"{n} s{seed}" for n, a in aggs.items() for seed in a["never"]]
     target = ("no target (no nccl run)" if goal is None else
               f"target: nccl's mean validation loss at step {goal[0]} over its {goal[2]} seed{'s' * (goal[2] > 1)}, "
-              f"{goal[1]:.4f}; " + (f"every run crosses it (at evaluations {min(crossed)}..{max(crossed)})"
+              f"{goal[1]:.4f}; " + (f"every run crosses it (at evaluations {_span(crossed)})"
                                     if not never else f"never crossed by {', '.join(never)}"))  # fmt: skip
-    lines.append(f"Seeds {', '.join(seeds)}; {setting.steps} steps{appendix_shape(folder)}; {target}. nccl's final "
-                 f"validation loss: {', '.join(f'{x:.4f}' for x in summary['nccl_losses']) or '-'}, its seed band "
-                 f"{'-' if band is None else f'{100 * band:.2f} %'}. Steady state: steps {window.start}.."
+    lines.append(f"Seed{'s' * (len(seeds) > 1)} {', '.join(seeds)}; {setting.steps} steps{appendix_shape(folder)}; "
+                 f"{target}. nccl's final validation loss: "
+                 f"{', '.join(f'{x:.4f}' for x in summary['nccl_losses']) or '-'}, its seed band "
+                 f"{_band(band, summary['nccl_losses'])}. Steady state: steps {window.start}.."
                  f"{window.stop - 1}.")  # fmt: skip
     lines += ["", commits_paragraph(summary, retired)]
     lines += ["", "| aggregator | seeds | chose | wall / nccl | time to target / nccl | steps to target / nccl "
