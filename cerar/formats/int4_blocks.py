@@ -473,8 +473,8 @@ def dequantize_eager(
     scales, packed = parts(message, s, block)
     rotated = _split(s, block, rotate)
     with ExitStack() as borrowed:  # one pooled buffer for q, a second for the rotation's product
-        kinds = 2 if rotated else 1
-        buffers = [borrowed.enter_context(POOL.borrowed(s + 1, torch.float32, out.device)) for _ in range(kinds)]
+        count = 2 if rotated else 1
+        buffers = [borrowed.enter_context(POOL.borrowed(s + 1, torch.float32, out.device)) for _ in range(count)]
         q = unpack(packed, s, buffers[0])
         if rotated:
             result = _unrotate(q[:rotated].view(-1, block), seed, block, buffers[1][:rotated].view(-1, block))
