@@ -192,3 +192,19 @@ def test_the_window_criterion_is_the_summed_error_over_the_summed_noise_per_tens
         assert [got["window/a"], got["window/b"]] == pytest.approx(want, rel=1e-5)
         assert got["feedback/window_error_to_noise_max"] == max(got["window/a"], got["window/b"])
         assert got["feedback/window_worst_tensor"] == ("a" if want[0] >= want[1] else "b")
+
+
+@pytest.mark.quick
+def test_a_sparser_measurement_under_feedback_measures_whole_windows_only():
+    """trainer.measure_error_every=M under windows of W steps: the W steps that end at each multiple of M, so every
+    measured step belongs to a window measured whole (written out here for W = 3, M = 6 and M = 9 over 20 steps);
+    M = 1 (and M = W) measures every step, M = 0 none, and without windows each M-th step, as without feedback."""
+    from train.aggregation.feedback_window import measured_step
+
+    def steps(every, window):
+        return [s for s in range(1, 21) if measured_step(s, every, window)]
+
+    assert steps(6, 3) == [4, 5, 6, 10, 11, 12, 16, 17, 18]
+    assert steps(9, 3) == [7, 8, 9, 16, 17, 18]
+    assert steps(3, 3) == steps(1, 3) == list(range(1, 21)) and steps(0, 3) == []  # M = W: every window
+    assert steps(6, None) == [6, 12, 18] and steps(1, None) == list(range(1, 21))

@@ -30,6 +30,8 @@ def runs(tmp_path_factory, cache_dir):
         "int4: aggregator=int4 aggregator.feedback_window=6",  # a window without feedback, to compare
         f"int4_fed: aggregator=int4 {FED}",
         f"int8_fed: aggregator=int8 {FED}",
+        "int4_fed_sparse: aggregator=int4 aggregator.error_feedback=true aggregator.feedback_window=2 "
+        "trainer.measure_error_every=4",  # the window of steps 3-4 measured, whole; the others not at all
         f"hier_int4: {HIER}",
         f"hier_int4_fed: {HIER} {FED}",
         f"part_hier_int4_fed: {PART} trainer.stop_after_step=3",
@@ -97,16 +99,20 @@ def test_error_feedback_trains_is_judged_over_windows_and_resumes_bit_for_bit(ru
     _, full = read_run(runs / "hier_int4_fed")
     assert resumed["resumed_from_step"] == 3 and resumed["param_sha256"] == full["param_sha256"]
     assert not any("feedback/window_error_to_noise_max" in r for r in resumed_records if r["step"] > 3)
+    sparse, _ = read_run(runs / "int4_fed_sparse")  # measured every 4th window's steps only: 3 and 4 of 6
+    assert [r["step"] for r in sparse if "agg/rel_error_max" in r] == [3, 4]
+    judged = [r for r in sparse if "feedback/window_error_to_noise_max" in r]
+    assert [(r["step"], r["feedback/window_steps"]) for r in judged] == [(4, 2)]
 
 
 @pytest.mark.quick
 def test_the_int4_options_are_checked_before_start_and_kept_out_of_other_runs_identities():
     """aggregator.rotate needs a power-of-two block and aggregator.intra a known method (named, before any process
     group); error feedback is refused where it is not built, with DDP hooks, and where its windows cannot be
-    measured; the 4-bit fields enter the identity of the 4-bit runs only (older runs resume unchanged), intra only
-    the two-tier one's, error_feedback only when on (its window never: it only observes); the trainer enables the
-    4-bit format's kernels (Triton, for GPUs), and the 8-bit format's too where hier_int4 rounds to 8 bits inside
-    the nodes."""
+    measured whole (a measure_error_every other than 0, 1 or a multiple of the window); the 4-bit fields enter the
+    identity of the 4-bit runs only (older runs resume unchanged), intra only the two-tier one's, error_feedback only
+    when on (its window never: it only observes); the trainer enables the 4-bit format's kernels (Triton, for GPUs),
+    and the 8-bit format's too where hier_int4 rounds to 8 bits inside the nodes."""
     from tests.runs import composed
     from train.aggregation.build import fused_kernels
     from train.config import ConfigError, training_identity, validate
@@ -125,8 +131,13 @@ def test_the_int4_options_are_checked_before_start_and_kept_out_of_other_runs_id
         validate(composed("aggregator=fp16", "aggregator.error_feedback=true"), world_size=2)
     with pytest.raises(ConfigError, match=r"error_feedback=true needs trainer.overlap=false"):
         validate(composed("aggregator=int4", "aggregator.error_feedback=true", "trainer.overlap=true"), world_size=2)
-    with pytest.raises(ConfigError, match=r"trainer.measure_error_every=2: error feedback is judged over windows"):
+    with pytest.raises(ConfigError, match=r"trainer.measure_error_every=2: error feedback is judged over windows of "
+                                          r"10 consecutive steps"):  # fmt: skip
         validate(composed("aggregator=int8", "aggregator.error_feedback=true", "trainer.measure_error_every=2"), 2)
+    with pytest.raises(ConfigError, match=r"trainer.measure_error_every=15: .* windows of 6 consecutive steps"):
+        validate(composed("aggregator=int8", "aggregator.feedback_window=6", "trainer.measure_error_every=15"), 2)
+    validate(composed("aggregator=int8", "aggregator.error_feedback=true", "trainer.measure_error_every=100"), 2)
+    validate(composed("aggregator=int4", "aggregator.feedback_window=6", "trainer.measure_error_every=12"), 2)
     fed = training_identity(composed("aggregator=int8", "aggregator.error_feedback=true"), 2)
     assert fed["aggregator.error_feedback"] is True and "aggregator.feedback_window" not in fed
     assert "aggregator.error_feedback" not in training_identity(composed("aggregator=int8"), 2)

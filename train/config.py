@@ -149,7 +149,8 @@ class AggregatorConfig:
     # int8, hier_int8, int4, hier_int4 (trainer.overlap=false): error feedback (cerar.int4.feedback, docs/int4.md):
     # each rank adds to what it sends what its last messages' rounding dropped; the residuals are checkpointed per
     # rank. Judged per tensor over windows of feedback_window consecutive steps (null: 10 steps under feedback, no
-    # windows without; train/aggregation/feedback_window.py), which need trainer.measure_error_every 0 or 1.
+    # windows without; train/aggregation/feedback_window.py), which need trainer.measure_error_every 0, 1 or a
+    # multiple M of the window (the window ending at each multiple of M measured, whole).
     error_feedback: bool = False
     feedback_window: int | None = None
     # cerar, ring, hier_cerar, hier_ring: the dtype their messages travel in (cerar.formats.wire; docs/cerar-16bit.md):
@@ -298,6 +299,9 @@ QUANTIZED_KINDS = (*QUANTIZED_KINDS, *INT4_KINDS)  # aggregator.block: values pe
 AGGREGATOR_KINDS = (*AGGREGATOR_KINDS, *INT4_KINDS)
 HIERARCHICAL_KINDS = (*HIERARCHICAL_KINDS, "hier_int4")
 FEEDBACK_KINDS = ("int8", "hier_int8", "int4", "hier_int4")  # aggregator.error_feedback: each rank's own roundings
+DEFAULT_FEEDBACK_WINDOW = 10
+"""Steps per window under error feedback when `aggregator.feedback_window` is null: 1 / (1 - beta1) at Adam's 0.9
+(train/aggregation/feedback_window.py)."""
 NOT_TRAINING_AGGREGATOR_FIELDS = ("feedback_window",)  # what a run records of its aggregates, not what it trains
 
 # aggregator=auto (issue 28): chooses among the others from measured noise and measured links
@@ -493,10 +497,13 @@ def _validate_feedback(cfg) -> None:
             "aggregator.error_feedback=true needs trainer.overlap=false (the residuals are kept per flat gradient)",
         )
     if fed or window is not None:
+        steps = DEFAULT_FEEDBACK_WINDOW if window is None else window
+        every = t.measure_error_every
         _require(
-            t.measure_error_every in (0, 1),
-            f"trainer.measure_error_every={t.measure_error_every}: error feedback is judged over windows of "
-            "consecutive steps (aggregator.feedback_window), so every step is measured (1) or none (0)",
+            every in (0, 1) or (every > 0 and every % steps == 0),
+            f"trainer.measure_error_every={every}: error feedback is judged over windows of {steps} consecutive "
+            "steps (aggregator.feedback_window), so every step is measured (1), none (0), or the whole window that "
+            f"ends at each multiple of a multiple of {steps} (e.g. {10 * steps})",
         )
 
 

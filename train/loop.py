@@ -53,7 +53,7 @@ from cerar.int8.all_reduce import dither_calls, set_dither_calls
 from cerar.ring.rounds import PhaseTimer as StreamPhaseTimer
 from train import checkpoint as ckpt
 from train import compiling
-from train.aggregation.feedback_window import feedback_window
+from train.aggregation.feedback_window import feedback_window, measured_step
 from train.aggregation.tensor_errors import TensorLayout, per_tensor_figures
 from train.compiling import next_token_loss
 from train.config import effective_compile
@@ -653,8 +653,8 @@ class Trainer:
 
     def _measures_error(self, step: int) -> bool:
         """Whether this step measures its aggregate against an exact all-reduce of the same gradients."""
-        every = self.t.measure_error_every
-        return not self.overlap and every > 0 and step % every == 0 and self.world_size > 1
+        window = None if self.window is None else self.window.window  # under windows, whole windows only
+        return not self.overlap and self.world_size > 1 and measured_step(step, self.t.measure_error_every, window)
 
     def _optimizer_step(self, step: int, finite: bool, record: dict) -> None:
         """Clip, step and schedule where every rank's gradients were finite; else skip the step on every rank

@@ -1403,6 +1403,15 @@ FAULTS = [
         why="the window's error is judged against one step's noise instead of the summed gradient's",
     ),
     Fault(
+        name="window-measured-sparsely-in-pieces",
+        file="train/aggregation/feedback_window.py",
+        original="    return (step - 1) % every >= every - window",
+        replacement="    return step % every == 0",
+        tests=("tests/test_int4_feedback.py -k sparser",),
+        why="measure_error_every=M under feedback measures each M-th step alone: no window is ever measured whole",
+        quick=True,
+    ),
+    Fault(
         name="cache-lock-unnamed-until-the-heartbeat",
         file="train/data.py",
         original="        _write_words(fd, who, 0)  # before any work: a holder stopped at once still names itself\n",

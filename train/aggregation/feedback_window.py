@@ -17,8 +17,11 @@ horizon of Adam's first moment at beta1 = 0.9 (1 / (1 - beta1)): what the update
 The trainer records, at the last step of each window (steps k W, counted from 1), `feedback/window_error_to_noise_max`
 (the worst tensor's rho_t(W), the worst rank's), `feedback/window_worst_tensor` and `window/<tensor>` for each
 tensor, beside the one-step `agg/` and `tensor/` figures, which under feedback are not the criterion. A window needs
-every one of its steps measured (`trainer.measure_error_every=1`); a window broken by a skipped step (a non-finite
-gradient) or by a resume in its middle is not reported.
+every one of its steps measured, each against an exact all-reduce of the same gradients (about one more all-reduce
+a measured step): `trainer.measure_error_every=1` measures every step and so every window; `measure_error_every=M`,
+a multiple of W, measures only the W steps of the window that ends at each multiple of M (`measured_step`), so a
+run pays for W steps in M, the one-step figures of `measure_error_every` without feedback, and still gets whole
+windows. A window broken by a skipped step (a non-finite gradient) or by a resume in its middle is not reported.
 """
 
 from __future__ import annotations
@@ -29,10 +32,20 @@ import torch
 import torch.distributed as dist
 
 from train.aggregation.tensor_errors import TensorLayout, ratio_to_noise, tensor_noise
+from train.config import DEFAULT_FEEDBACK_WINDOW
 from train.distributed import bounded
 
-DEFAULT_WINDOW = 10
-"""Steps per window under error feedback when `aggregator.feedback_window` is null: 1 / (1 - beta1) at Adam's 0.9."""
+
+def measured_step(step: int, every: int, window: int | None) -> bool:
+    """Whether step ``step`` (counted from 1) is measured at ``trainer.measure_error_every=every``: without windows
+    (``window`` None) each every-th step; with windows of ``window`` steps, every step at ``every`` = 1, else the
+    ``window`` steps that end at each multiple of ``every`` (steps kM - W + 1 .. kM; a multiple of W, so each such
+    run of steps is one whole window); never at ``every`` = 0."""
+    if every <= 0:
+        return False
+    if window is None or every == 1:
+        return step % every == 0
+    return (step - 1) % every >= every - window
 
 
 class FeedbackWindow:
@@ -76,12 +89,12 @@ class FeedbackWindow:
 
 
 def feedback_window(a, layout: TensorLayout) -> FeedbackWindow | None:
-    """The trainer's window for aggregator config ``a``: aggregator.feedback_window steps, or DEFAULT_WINDOW under
-    aggregator.error_feedback when it is null; None (no windows) without either."""
+    """The trainer's window for aggregator config ``a``: aggregator.feedback_window steps, or
+    DEFAULT_FEEDBACK_WINDOW under aggregator.error_feedback when it is null; None (no windows) without either."""
     window = getattr(a, "feedback_window", None)
     if window is None and getattr(a, "error_feedback", False):
-        window = DEFAULT_WINDOW
+        window = DEFAULT_FEEDBACK_WINDOW
     return None if window is None else FeedbackWindow(layout, int(window))
 
 
-__all__ = ["DEFAULT_WINDOW", "FeedbackWindow", "feedback_window"]
+__all__ = ["FeedbackWindow", "feedback_window", "measured_step"]
