@@ -112,6 +112,19 @@ def test_the_end_states_interval_is_students_t_on_n_minus_1_degrees():
     assert metric.steady_window(300) == range(101, 300) and metric.steady_window(40, 100) == range(2, 40)
 
 
+@pytest.mark.quick
+def test_the_gaps_course_is_paired_by_seed_and_step():
+    """A run evaluated at steps 10, 20, 30, 40 against nccl's run of its seed evaluated at 10, 20, 40 (30 missing):
+    5.05 / 5.0 - 1 = +1 %, 3.96 / 4.0 - 1 = -1 %, 3.003 / 3.0 - 1 = +0.1 %, at the steps both have, in order; the
+    walls, whatever they are, do not enter."""
+    run = [(10, 1.0, 5.05), (20, 2.0, 3.96), (30, 3.0, 3.5), (40, 4.0, 3.003)]
+    nccl = [(10, 7.0, 5.0), (20, 9.0, 4.0), (40, 11.0, 3.0)]
+    got = metric.paired_gaps(run, nccl)
+    assert [s for s, _ in got] == [10, 20, 40]
+    assert [g for _, g in got] == pytest.approx([0.01, -0.01, 0.001], abs=1e-12)
+    assert metric.paired_gaps(run, []) == []
+
+
 # ------------------------------------------------------------------ the columns and the rows
 
 

@@ -1,5 +1,7 @@
-"""The time-to-loss study's figures: validation loss against wall clock, one setting per figure, one colour per
-aggregator (its later seeds dashed), the setting's target dotted (``metric``)."""
+"""The time-to-loss study's figures, one setting per figure, one colour per aggregator (its later seeds dashed):
+left, validation loss against wall clock, the setting's target dotted (``metric``); right, each run's gap to nccl's
+loss at the same seed and step against the step (``metric.paired_gaps``), nccl's seed band at the end dotted: where
+a gap grows over the horizon and where it settles."""
 
 from __future__ import annotations
 
@@ -17,18 +19,20 @@ def figure(setting: Setting, summary: dict, runs: Path, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    fig, (ax, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": (1.2, 1)})
     drawn = False
     colours = plt.get_cmap("tab10")
     for i, (name, agg) in enumerate(summary["aggregators"].items()):
         for j, one in enumerate(agg["seeds"]):
+            style = {"color": colours(i % 10), "linestyle": "-" if j == 0 else "--", "linewidth": 1.2}
             points = curve(read_metrics(runs / setting.key / f"{name}_s{one['seed']}"))
-            if not points:
-                continue
-            t, loss = zip(*points, strict=True)
-            ax.plot(t, loss, color=colours(i % 10), linestyle="-" if j == 0 else "--", linewidth=1.2,
-                    label=name if j == 0 else None)  # fmt: skip
-            drawn = True
+            if points:
+                t, loss = zip(*points, strict=True)
+                ax.plot(t, loss, label=name if j == 0 else None, **style)
+                drawn = True
+            if name != "nccl" and one.get("gaps"):
+                steps, gaps = zip(*one["gaps"], strict=True)
+                right.plot(steps, [100 * g for g in gaps], marker=".", markersize=3, **style)
     if not drawn:
         plt.close(fig)
         return False
@@ -44,8 +48,30 @@ def figure(setting: Setting, summary: dict, runs: Path, path: Path) -> bool:
     ax.set_ylim(top=min(ax.get_ylim()[1], max(summary["nccl_losses"] or [10]) + 2.5))
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    _gap_panel(right, setting, summary)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+def _gap_panel(ax, setting: Setting, summary: dict) -> None:
+    """The right panel's frame: zero, nccl's seed band at the end (where it has two seeds or more), its limits set
+    by the gaps after the horizon's first tenth (the first evaluations' gaps, where they are large, would flatten
+    the rest)."""
+    ax.axhline(0, color="black", linewidth=0.8)
+    late = [100 * abs(g) for agg in summary["aggregators"].values() for one in agg["seeds"]
+            for step, g in one.get("gaps") or [] if step >= setting.steps / 10]  # fmt: skip
+    band = summary["band"]
+    if band is not None:
+        ax.axhline(100 * band, color="grey", linestyle=":", linewidth=1,
+                   label=f"nccl's seed band at the end, {100 * band:.2f} % ({len(summary['nccl_losses'])} seeds)")
+        ax.legend(fontsize=8)
+    if late:
+        top = 1.3 * max(late + [100 * band if band is not None else 0.0])
+        ax.set_ylim(-top, top)
+    ax.set_xlabel("step")
+    ax.set_ylabel("gap to nccl's loss at the same seed and step, %")
+    ax.set_title("the gap's course (paired by seed)", fontsize=10)
+    ax.grid(alpha=0.3)

@@ -85,6 +85,15 @@ def crossing(points: list[tuple[int, float, float]], goal: float) -> Crossing | 
     return None
 
 
+def paired_gaps(points: list[tuple[int, float, float]], nccl: list[tuple[int, float, float]]
+                ) -> list[tuple[int, float]]:  # fmt: skip
+    """(step, L / L_nccl - 1) at every step both runs evaluated, in the run's order: the gap paired by seed (the
+    same initial weights and batches) and by step, the course of the end state's gap (``report``'s quarters, the
+    figures' right panel)."""
+    theirs = {step: loss for step, _, loss in nccl}
+    return [(step, loss / theirs[step] - 1) for step, _, loss in points if theirs.get(step)]
+
+
 def t_interval(values: list[float], level: float = LEVEL) -> tuple[float, float | None]:
     """(mean, half-width) of the two-sided Student t interval at ``level`` on n - 1 degrees of freedom; the
     half-width is None for fewer than two values (no spread to estimate)."""

@@ -92,10 +92,6 @@ def _run(folder: Path | None, name: str, seed: str, window: range) -> dict:
             "cpu": _f(load_json(folder / f"{name}_s{seed}" / "launch.json").get("cpu_s"))}  # fmt: skip
 
 
-def _loss_at(points: list[tuple[int, float, float]], step: int | None) -> float | None:
-    return next((loss for s, _, loss in points if s == step), None)
-
-
 def summarize(rows: list[dict], folder: Path | None = None, warmup: int = WARMUP_STEPS) -> dict:
     """One setting's arithmetic (module docstring, ``metric``) from its rows and, with ``folder`` (its run
     folders), the curves and phases: {"setting", "target", "band", "nccl_losses", "window", "aggregators": {name:
@@ -123,6 +119,7 @@ def summarize(rows: list[dict], folder: Path | None = None, warmup: int = WARMUP
             if base is not None:
                 cross0 = metric.crossing(theirs["evaluations"], goal[1]) if goal and theirs["evaluations"] else None
                 p, p0 = mine["phases"] or {}, theirs["phases"] or {}
+                gaps = metric.paired_gaps(mine["evaluations"], theirs["evaluations"])
                 one.update({
                     "wall": _ratio(r["wall_s"], base["wall_s"]),
                     "ttt": _ratio(cross.seconds, cross0.seconds) if cross and cross0 else None,
@@ -134,10 +131,8 @@ def summarize(rows: list[dict], folder: Path | None = None, warmup: int = WARMUP
                     "load": _ratio(_load1(r), _load1(base)),
                     "gap": None if _ratio(r["final_val_loss"], base["final_val_loss"]) is None
                     else _ratio(r["final_val_loss"], base["final_val_loss"]) - 1,
-                    "gap_at": {f: None if _ratio(_loss_at(mine["evaluations"], s), _loss_at(theirs["evaluations"], s))
-                               is None else _ratio(_loss_at(mine["evaluations"], s),
-                                                   _loss_at(theirs["evaluations"], s)) - 1
-                               for f, s in gap_steps.items()},
+                    "gaps": gaps,
+                    "gap_at": {f: dict(gaps).get(s) for f, s in gap_steps.items()},
                 })  # fmt: skip
             per_seed.append(one)
         out[name] = _aggregate(name, per_seed, band)
@@ -386,7 +381,8 @@ def setting_section(setting: Setting, srows: list[dict], runs: Path, figures: Pa
         lines += ["", apart]
     name = f"time_to_loss_{setting.key}.png"
     if figure(setting, summary, runs, figures / name):
-        lines += ["", f"![validation loss against wall clock]({appendix.rel(figures / name).replace('reports/', '')})"]
+        alt = "validation loss against wall clock; each run's gap to nccl's loss against the step"
+        lines += ["", f"![{alt}]({appendix.rel(figures / name).replace('reports/', '')})"]
     return lines, summary
 
 
