@@ -496,15 +496,24 @@ def _validate_feedback(cfg) -> None:
             not effective_overlap(cfg),
             "aggregator.error_feedback=true needs trainer.overlap=false (the residuals are kept per flat gradient)",
         )
-    if fed or window is not None:
-        steps = DEFAULT_FEEDBACK_WINDOW if window is None else window
+    steps = feedback_window_steps(a)
+    if steps is not None:
         every = t.measure_error_every
         _require(
             every in (0, 1) or (every > 0 and every % steps == 0),
             f"trainer.measure_error_every={every}: error feedback is judged over windows of {steps} consecutive "
-            "steps (aggregator.feedback_window), so every step is measured (1), none (0), or the whole window that "
-            f"ends at each multiple of a multiple of {steps} (e.g. {10 * steps})",
+            "steps (aggregator.feedback_window), so every step is measured (1), none (0), or, at a multiple M of "
+            f"{steps}, the window that ends at each multiple of M (e.g. M = {10 * steps})",
         )
+
+
+def feedback_window_steps(a) -> int | None:
+    """Steps per window of aggregator config ``a`` (train/aggregation/feedback_window.py): aggregator.feedback_window,
+    or DEFAULT_FEEDBACK_WINDOW under aggregator.error_feedback when it is null; None (no windows) without either."""
+    window = getattr(a, "feedback_window", None)
+    if window is None and getattr(a, "error_feedback", False):
+        return DEFAULT_FEEDBACK_WINDOW
+    return None if window is None else int(window)
 
 
 def _validate_transport(cfg) -> None:

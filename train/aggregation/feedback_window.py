@@ -32,18 +32,18 @@ import torch
 import torch.distributed as dist
 
 from train.aggregation.tensor_errors import TensorLayout, ratio_to_noise, tensor_noise
-from train.config import DEFAULT_FEEDBACK_WINDOW
+from train.config import feedback_window_steps
 from train.distributed import bounded
 
 
 def measured_step(step: int, every: int, window: int | None) -> bool:
     """Whether step ``step`` (counted from 1) is measured at ``trainer.measure_error_every=every``: without windows
-    (``window`` None) each every-th step; with windows of ``window`` steps, every step at ``every`` = 1, else the
-    ``window`` steps that end at each multiple of ``every`` (steps kM - W + 1 .. kM; a multiple of W, so each such
-    run of steps is one whole window); never at ``every`` = 0."""
+    (``window`` None) each every-th step; with windows of ``window`` steps, the ``window`` steps that end at each
+    multiple of ``every`` (steps kM - W + 1 .. kM; a multiple of W, so each such run of steps is one whole window;
+    every step at ``every`` = 1 or W); never at ``every`` = 0."""
     if every <= 0:
         return False
-    if window is None or every == 1:
+    if window is None:
         return step % every == 0
     return (step - 1) % every >= every - window
 
@@ -89,12 +89,10 @@ class FeedbackWindow:
 
 
 def feedback_window(a, layout: TensorLayout) -> FeedbackWindow | None:
-    """The trainer's window for aggregator config ``a``: aggregator.feedback_window steps, or
-    DEFAULT_FEEDBACK_WINDOW under aggregator.error_feedback when it is null; None (no windows) without either."""
-    window = getattr(a, "feedback_window", None)
-    if window is None and getattr(a, "error_feedback", False):
-        window = DEFAULT_FEEDBACK_WINDOW
-    return None if window is None else FeedbackWindow(layout, int(window))
+    """The trainer's window for aggregator config ``a``, of ``feedback_window_steps(a)`` steps; None (no windows)
+    where that is None."""
+    window = feedback_window_steps(a)
+    return None if window is None else FeedbackWindow(layout, window)
 
 
 __all__ = ["FeedbackWindow", "feedback_window", "measured_step"]
