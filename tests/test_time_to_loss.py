@@ -293,6 +293,39 @@ def test_the_report_is_rebuilt_from_the_csv_the_retired_rows_and_the_folders_alo
 
 
 @pytest.mark.quick
+def test_an_aggregator_keeps_its_colour_in_every_figure(tmp_path, monkeypatch):
+    """A reader follows an aggregator from figure to figure by its colour: fp16's must not change because a
+    setting lacks cerar_c16 or lists it first. Two figures of the hand-made study, the second with nccl and fp16
+    alone in the reverse order; every line's colour read back from matplotlib as it is drawn."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from scripts.studies.ttl.figures import COLOURS, figure
+
+    csv_path, runs = hand_made(tmp_path)
+    drawn: list[dict[str, str]] = []
+    plot = Axes.plot
+
+    def recording(ax, *args, **kwargs):
+        if kwargs.get("label") in AGGREGATORS:
+            drawn[-1][kwargs["label"]] = matplotlib.colors.to_hex(kwargs["color"])
+        return plot(ax, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", recording)
+    full = summarize(rows.read_rows(csv_path), runs / LAB.key, warmup=10)
+    two = dict(full, aggregators={n: full["aggregators"][n] for n in ("fp16", "nccl")})
+    for summary in (full, two):
+        drawn.append({})
+        assert figure(LAB, summary, runs, tmp_path / f"f{len(drawn)}.png")
+    assert set(drawn[0]) == {"nccl", "fp16", "cerar_c16", "auto"} and set(drawn[1]) == {"fp16", "nccl"}
+    assert drawn[1] == {n: drawn[0][n] for n in ("fp16", "nccl")}
+    assert len(set(drawn[0].values())) == 4
+    assert len(set(COLOURS.values())) == len(AGGREGATORS)  # none in the catalogue shares one
+
+
+@pytest.mark.quick
 def test_the_report_prices_a_setting_it_has_not_run_from_the_next_smaller_models_runs():
     """pythia-14m and pythia-31m have 14,067,712 and 30,494,720 parameters (EleutherAI's Pythia model cards and
     paper, table 1): two hours of pythia-14m runs on the lab price the same runs at pythia-31m at 2 x 2.168 h;

@@ -938,6 +938,14 @@ FAULTS = [
         why="--retire-stale keeps rows of other code: a setting's rows stay from several commits",
     ),
     Fault(
+        name="ttl-figure-colour-by-place",
+        file="scripts/studies/ttl/figures.py",
+        original='            style = {"color": colour(name),',
+        replacement='            style = {"color": _TAB10[len(name) % 10],',
+        tests=("tests/test_time_to_loss.py::test_an_aggregator_keeps_its_colour_in_every_figure",),
+        why="colours not the catalogue's: two aggregators of one figure share one (nccl and fp16 both blue)",
+    ),
+    Fault(
         name="ttl-replacement-undisclosed",
         file="scripts/studies/ttl/plan.py",
         original='    L.append(args.retired_csv, [{**p.row, "retired_in": L._now(), "reason": p.why}], RETIRED_COLUMNS)\n',

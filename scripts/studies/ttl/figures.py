@@ -1,4 +1,5 @@
-"""The time-to-loss study's figures, one setting per figure, one colour per aggregator (its later seeds dashed):
+"""The time-to-loss study's figures, one setting per figure, one colour per aggregator, the same in every figure
+(``colour``; its later seeds dashed):
 left, validation loss against wall clock, the setting's target dotted (``metric``); right, each run's gap to nccl's
 loss at the same seed and step against the step (``metric.paired_gaps``), nccl's seed band at the end dotted: where
 a gap grows over the horizon and where it settles."""
@@ -8,7 +9,20 @@ from __future__ import annotations
 from pathlib import Path
 
 from scripts.studies.ttl.rows import curve, read_metrics
-from scripts.studies.ttl.settings import Setting
+from scripts.studies.ttl.settings import AGGREGATORS, Setting
+
+_TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
+_DARK2 = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#e6ab02", "#a6761d"]
+COLOURS = dict(zip(AGGREGATORS, _TAB10 + _DARK2, strict=True))
+"""Each aggregator's colour, by its place in the study's catalogue (``settings.AGGREGATORS``): matplotlib's tab10 for
+the first ten (the flat list, then ``hier_ring``), Dark2 for the rest, so that no two in the catalogue share one and
+a reader can follow an aggregator from figure to figure (a colour by its place in one figure's legend shifted when
+a setting lacked one)."""
+
+
+def colour(name: str) -> str:
+    """The colour of ``name`` in every figure; grey-black for a name outside the catalogue (a retired one)."""
+    return COLOURS.get(name, "#333333")
 
 
 def figure(setting: Setting, summary: dict, runs: Path, path: Path) -> bool:
@@ -21,10 +35,9 @@ def figure(setting: Setting, summary: dict, runs: Path, path: Path) -> bool:
 
     fig, (ax, right) = plt.subplots(1, 2, figsize=(13, 4.5), gridspec_kw={"width_ratios": (1.2, 1)})
     drawn = False
-    colours = plt.get_cmap("tab10")
-    for i, (name, agg) in enumerate(summary["aggregators"].items()):
+    for name, agg in summary["aggregators"].items():
         for j, one in enumerate(agg["seeds"]):
-            style = {"color": colours(i % 10), "linestyle": "-" if j == 0 else "--", "linewidth": 1.2}
+            style = {"color": colour(name), "linestyle": "-" if j == 0 else "--", "linewidth": 1.2}
             points = curve(read_metrics(runs / setting.key / f"{name}_s{one['seed']}"))
             if points:
                 t, loss = zip(*points, strict=True)
