@@ -160,7 +160,7 @@ heavy modules it took 295 s and the suite 9 min 6 s (2026-12-04); it goes last (
 
 
 LAST_MODULES = ("test_stall_phases",)
-"""Handed out last: test_stall_phases's 27 launches each wait out a 3 s deadline, and their time depends on the
+"""Handed out last: test_stall_phases's 29 launches each wait out a 3 s deadline, and their time depends on the
 load beside them. At the end of the suite, with the other workers on their last short modules, its fixture took
 39-63 s; started beside time_to_loss's torchrun launches and train_units (2026-12-04, twice), 168 s and 196 s,
 and the suite 8 min 50 s and 8 min 53 s against 6 min 26 s."""

@@ -3,9 +3,9 @@ train/sweep.py per world size whose runs several test modules read (the ``sweep`
 
 What the runs are: model=tiny, 6 steps of 2 x 4 sequences of 32 tokens per rank, evaluated at steps 3 and 6.
 The N-rank launch trains once with every aggregator (``AGGREGATORS``), with CERAR resynchronised every 3
-steps, and at N=2 also with the same batch through gradient accumulation and as a ring run stopped after
-step 3 and resumed in its folder. Every step measures the aggregate against an exact all-reduce of the same
-gradients; drift every 3 steps.
+steps, at N=2 also with the same batch through gradient accumulation and as ring and int8 runs stopped after
+step 3 and resumed in their folders, and at N=4 as the overlapped nccl run stopped and resumed. Every step
+measures the aggregate against an exact all-reduce of the same gradients; drift every 3 steps.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ RESUME = "aggregator=ring checkpoint.every=3 checkpoint.keep=2 wandb.mode=offlin
 def sweep_runs(N: int) -> list[str]:
     """Every aggregator, CERAR with resync; at N=2 also what other tests compare with the aggregators' runs:
     the same batch through gradient accumulation, and a ring run and an int8 run each stopped at step 3 and
-    resumed (two entries, one folder). The nccl run keeps an offline W&B log at N=2."""
+    resumed (two entries, one folder); at N=4 the nccl run with trainer.overlap=true, stopped and resumed. The nccl
+    run keeps an offline W&B log at N=2."""
     runs = [f"{label}: {o.format(**WORLDS[N])}" for label, (o, *_) in AGGREGATORS.items()]
     runs.append(f"cerar_resync: aggregator=cerar c={WORLDS[N]['c']} trainer.resync_every=3")
     if N == 2:
@@ -114,6 +115,9 @@ def sweep_runs(N: int) -> list[str]:
         # the 8-bit all-reduce rounds stochastically: a resumed run must continue its dither (the checkpoint's count)
         part_int8 = RESUME.replace("aggregator=ring", "aggregator=int8").replace(" wandb.mode=offline", "")
         runs += [f"part_int8: {part_int8} trainer.stop_after_step=3", f"part_int8: {part_int8} resume=true"]
+    if N == 4:  # overlap: DDP's buckets the same in every launch (needs N >= 3: a sum of two has one order)
+        part = RESUME.replace("aggregator=ring", AGGREGATORS["nccl_overlap"][0]).replace(" wandb.mode=offline", "")
+        runs += [f"part_nccl_overlap: {part} trainer.stop_after_step=3", f"part_nccl_overlap: {part} resume=true"]
     return runs
 
 
@@ -157,8 +161,6 @@ def in_process_trainer(corpus, cache, run_dir, *overrides: str, fused: bool = Fa
         optimizer = build_optimizer(model, cfg.model, "cuda" if fused else "cpu")
         ddp = torch.nn.parallel.DistributedDataParallel(model)
         aggregator = build_aggregator(cfg, 1)
-        if overlap:
-            aggregator.register_hook(ddp)
         trainer = Trainer(
             cfg,
             ddp=ddp,
@@ -173,6 +175,9 @@ def in_process_trainer(corpus, cache, run_dir, *overrides: str, fused: bool = Fa
             run_dir=run_dir,
             overlap=overlap,
         )
+        if overlap:  # as train/run.py: DDP's buckets settled, then the hook
+            trainer.settle_ddp_buckets()
+            aggregator.register_hook(ddp)
         trainer.logger = RunLogger(cfg, run_dir, 1, True, 0)
         yield trainer
     finally:

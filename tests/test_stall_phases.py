@@ -187,6 +187,11 @@ CASES = {
     # new algorithm's channels connected inside the call)
     "start-subgroups": (2, FLAT, "start-up: subgroups", "new_group calls"),
     "start-ddp": (2, ["aggregator=nccl"], "start-up: DDP", "DDP constructor"),
+    # overlap: the peer stops before DDP's bucket order pass (Trainer.settle_ddp_buckets), whose backward makes the
+    # run's first large all-reduce (DDP's own, connected inside the call)
+    "start-ddp-buckets": (
+        2, ["aggregator=nccl", "trainer.overlap=true"], "start-up: DDP buckets", "DDP's bucket order pass"
+    ),
     "start-first-p2p": (2, FLAT, "first point-to-point", "aggregate (cerar"),
     "start-first-large": (2, ["aggregator=nccl"], "first large all_reduce", "aggregate (nccl)"),
     "start-hier-subgroups": (4, HIER, "start-up: subgroups", "new_group calls"),
@@ -211,13 +216,14 @@ ENDED_BY = {
     "flat-auto_c": "host",
     "start-subgroups": "host",
     "start-ddp": "host",
+    "start-ddp-buckets": "host",
     "start-first-p2p": "host",
     "start-first-large": "host",
     "start-hier-first-p2p": "host",
 }
 HOST_PHASE = {"start-subgroups": "start-up: subgroups", "start-ddp": "start-up: DDP"}  # else the victim's phase
 HOST_PHASE.update({case: "aggregate" for case in ("start-first-p2p", "start-first-large", "start-hier-first-p2p")})
-HOST_PHASE["start-hier-hook-split"] = "start-up: DDP"
+HOST_PHASE["start-hier-hook-split"] = "start-up: DDP hook"
 SIDECAR_ENDED = {"start-hier-hook-split": [2, 3]}  # survivors held with the interpreter's lock: the sidecar's line
 NEVER_JOINED = {"start-hier-hook-split"}  # a split's own heartbeat: the line names the peer, not "no peer was behind"
 
@@ -450,7 +456,7 @@ def stalls(tmp_path_factory, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)  # the module fixture: 27 launches, AT_ONCE or more at a time; 415 s at a load average of 26
+@pytest.mark.timeout(900)  # the module fixture: 29 launches, AT_ONCE or more at a time; 415 s at a load average of 26
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_peer_stalled_in_any_phase_ends_every_survivor_with_exit_3_before_the_watchdog(stalls, case):
     world, _, phase, operation = CASES[case]

@@ -302,6 +302,18 @@ def test_resume_matches_uninterrupted_run(sweep, tmp_path, cache_dir):
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("*.pt")) == ["step-00000003.pt", "step-00000006.pt"]
 
 
+@pytest.mark.timeout(900)
+def test_an_overlapped_run_resumes_to_the_uninterrupted_runs_bits(sweep):
+    """trainer.overlap=true at N=4: every launch settles DDP's buckets before its first step
+    (`Trainer.settle_ddp_buckets`), so the launch resumed after step 3 reduces step 4 in the buckets the
+    uninterrupted run used from its step 2 on, and ends with its parameters, bit for bit. Left to DDP, a launch
+    reduces its first step in one bucket of every parameter: other sums of four (tried: another param_sha256)."""
+    records, part = read_run(sweep(4) / "part_nccl_overlap")
+    _, full = read_run(sweep(4) / "nccl_overlap")
+    assert part["resumed_from_step"] == 3 and [r["step"] for r in records] == list(range(1, 7))
+    assert part["param_sha256"] == full["param_sha256"]
+
+
 def resumed_val_loss(run_dir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["final_val_loss"]
 

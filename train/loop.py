@@ -492,14 +492,52 @@ class Trainer:
             log.info("%s: compiled in %.1f s", compiling.NOTICE_PREFIX, self.compile_seconds)
         set_phase("start-up")
 
+    def _zero_batch(self) -> torch.Tensor:
+        """A batch of the step's shape, all zeros: what the passes before the first step run (no data read)."""
+        return torch.zeros(self.t.micro_batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device=self.device)
+
     def _compile_pass(self) -> None:
         """One forward and backward of a zero batch of the step's shape through DDP (as the step calls it), outside
         DDP's reduction (``no_sync``): what makes dynamo compile the layers' forward and backward and the loss."""
-        batch = torch.zeros(self.t.micro_batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device=self.device)
+        batch = self._zero_batch()
         with self.ddp.no_sync():
             with self.autocast():
                 loss = lm_loss(self.ddp, batch, self.loss)
             loss.backward()
+
+    def settle_ddp_buckets(self) -> None:
+        """trainer.overlap=true, before the aggregator's hook is registered: make DDP build the buckets it keeps for
+        the whole run now, so that every step of every launch, first or resumed, reduces in the same buckets.
+
+        Why: torch 2.13's DDP starts with every parameter in one bucket (`_BucketCapacityConfig.
+        compute_bucket_size_limits`, torch/nn/parallel/distributed.py: ``[sys.maxsize]`` unless
+        find_unused_parameters or static_graph) and rebuilds its buckets once, in the order the gradients became
+        ready in its first synchronised backward (`Reducer::autograd_hook` records that order while
+        `should_rebuild_buckets()`; `Reducer::rebuild_buckets` cuts it at the bucket size). Left to the first step, a
+        restarted process would reduce its first step in the one bucket where the uninterrupted run, past its own
+        first step, reduced it in the rebuilt ones, and the bits of a sum depend on where a value falls in its
+        bucket (gloo's ring, NCCL's channels): a resumed run would not be the uninterrupted one's bits.
+
+        How: one forward and backward of a zero batch of the step's shape through DDP's own all-reduce (no hook is
+        registered yet, so no aggregator's state counts it), its gradients then dropped; no random number is drawn
+        (the generators are forked around it). Then the rebuild itself: its broadcast (`Reducer::rebuild_buckets` ->
+        `sync_bucket_indices`, which copies rank 0's bucket order to the CPU) blocks the host, so it runs here under
+        the host watchdog, and not where DDP would run it, unbounded, in the next forward
+        (`DistributedDataParallel._pre_forward`); the steps' forwards find it done (`_rebuild_buckets` returns
+        False once `has_rebuilt_bucket_`). Cost: one micro-batch's forward and backward and one all-reduce of the
+        gradient, once per launch."""
+        self.model.train()
+        batch = self._zero_batch()
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices), guarded("DDP's bucket order pass (its backward's all-reduce)"):
+            with self.autocast():
+                loss = lm_loss(self.ddp, batch, self.loss)
+            loss.backward()
+        for p in self.params:
+            p.grad = None
+        with guarded("DDP bucket rebuild broadcast"):
+            if self.ddp.reducer._rebuild_buckets():
+                self.ddp._has_rebuilt_buckets = True
 
     # ------------------------------------------------------------------ one step
 
@@ -538,20 +576,6 @@ class Trainer:
             bounded("non-finite flag all_reduce (and the train loss)", lambda: dist.all_reduce(pair, async_op=True))
         nonfinite, loss_sum = read_on_host(pair)  # the all-reduce has completed: the read waits for nothing remote
         return nonfinite == 0.0, loss_sum / self.world_size
-
-    def _rebuild_ddp_buckets(self) -> None:
-        """overlap=true: DDP rebuilds its buckets once, after the first synchronised backward, and it does so with
-        a host-blocking collective: `Reducer::rebuild_buckets` -> `sync_bucket_indices` broadcasts rank 0's
-        bucket order and copies it to the CPU, which no deadline of ours bounds (on NCCL a stalled peer would hold
-        the survivors there until torch's watchdog). Left to DDP it runs in the next step's forward
-        (`DistributedDataParallel._pre_forward`), so a peer stalled in that step's data or forward met it. Here it
-        runs right after the bounded non-finite flag, which every rank has just passed; later steps' forwards find
-        it done (`_rebuild_buckets` returns False once `has_rebuilt_bucket_`). The window left is the host code
-        between the flag and this call. `gradient_as_bucket_view` is off: the gradients are not bucket views, so
-        rebuilding before the optimizer step moves no gradient."""
-        with guarded("DDP bucket rebuild broadcast"):
-            if self.ddp.reducer._rebuild_buckets():
-                self.ddp._has_rebuilt_buckets = True
 
     def _maybe_inject_nonfinite(self, step: int) -> None:
         """trainer.inject_nonfinite_at_step (testing/chaos only): at that step one gradient of one rank is inf."""
@@ -599,12 +623,11 @@ class Trainer:
         return step
 
     def _after_hook_aggregation(self, loss: torch.Tensor, record: dict) -> tuple[int, bool]:
-        """Overlapped mode: the bytes the hook sent, whether the gradients are finite on every rank (and the train
-        loss), and DDP's buckets rebuilt where the aggregator asks (its bucket size depends on the code)."""
+        """Overlapped mode: the bytes the hook sent and whether the gradients are finite on every rank (and the train
+        loss). DDP's buckets were settled before the first step (`settle_ddp_buckets`)."""
         bytes_sent = self.aggregator.bytes_sent_by_hook(self.numel)
         self._note_replicas_differ()
         finite, record["train_loss"] = self._grads_finite_everywhere(None, loss)
-        self._rebuild_ddp_buckets()
         return bytes_sent, finite
 
     def _aggregate_flat(self, step: int, loss: torch.Tensor, record: dict) -> tuple[int, bool]:

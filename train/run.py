@@ -122,9 +122,6 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
             bucket_cap_mb=ddp_bucket_cap_mb(cfg, model, device, overlap),
             **no_forward_buffer_sync(),
         )
-    if overlap:  # a hook's state may make groups of its own (cerar/ddp.py, cerar/hierarchical/hook.py): each split
-        with each_new_group_guarded("new_group calls (the DDP hook's groups)"):  # under its own 2T, not DDP's 4T
-            aggregator.register_hook(ddp)
     set_phase("start-up: aggregator")
 
     trainer = Trainer(
@@ -141,6 +138,14 @@ def _run(cfg: DictConfig, run_dir: Path) -> dict | None:
         run_dir=run_dir,
         overlap=overlap,
     )
+    if overlap:  # DDP's buckets for every step first, then the hook (Trainer.settle_ddp_buckets)
+        set_phase("start-up: DDP buckets")
+        trainer.settle_ddp_buckets()
+        set_phase("start-up: DDP hook")
+        # a hook's state may make groups of its own (cerar/ddp.py, cerar/hierarchical/hook.py): each split under its
+        # own 2T, not DDP's 4T
+        with each_new_group_guarded("new_group calls (the DDP hook's groups)"):
+            aggregator.register_hook(ddp)
     resumed_from = resume_or_start_fresh(trainer, run_dir, resume, launch.rank, device)
     if trainer.auto_c is not None:
         auto = trainer.auto_c

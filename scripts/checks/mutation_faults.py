@@ -434,12 +434,14 @@ FAULTS = [
         why="auto takes the most accurate candidate that fits, not the fastest",
     ),
     Fault(
-        name="ddp-rebuild-left-to-forward",
-        file="train/loop.py",
-        original='        finite, record["train_loss"] = self._grads_finite_everywhere(None, loss)\n        self._rebuild_ddp_buckets()\n',
-        replacement='        finite, record["train_loss"] = self._grads_finite_everywhere(None, loss)\n',
-        tests=("tests/test_stall_phases.py",),
-        why="overlap: DDP's host-blocking bucket rebuild stays in step 2's forward, where a peer stalled in data holds it",
+        name="ddp-buckets-left-to-step-1",
+        file="train/run.py",
+        original="        trainer.settle_ddp_buckets()\n",
+        replacement="",
+        tests=("tests/test_train_runs.py -k overlapped_run_resumes", "tests/test_stall_phases.py"),
+        why="overlap: DDP rebuilds its buckets after step 1 of each launch, so a resumed launch reduces its first step "
+        "in one bucket (other sums than the uninterrupted run's), and the host-blocking rebuild runs in step 2's "
+        "forward, where a peer stalled in data holds it",
     ),
     Fault(
         name="int8-dither-not-resumed",
@@ -598,7 +600,7 @@ FAULTS = [
     Fault(
         name="hook-groups-in-ddp-phase",
         file="train/run.py",
-        original="""        with each_new_group_guarded("new_group calls (the DDP hook's groups)"):  # under its own 2T, not DDP's 4T\n            aggregator.register_hook(ddp)\n""",
+        original="""        with each_new_group_guarded("new_group calls (the DDP hook's groups)"):\n            aggregator.register_hook(ddp)\n""",
         replacement="        aggregator.register_hook(ddp)\n",
         tests=("tests/test_stall_phases.py",),
         why="a DDP hook's splits run under DDP's 4T phase: ended late, and the line says no peer was behind",
@@ -1164,8 +1166,8 @@ FAULTS = [
     Fault(
         name="compile-pass-reads-data",
         file="train/loop.py",
-        original="        batch = torch.zeros(self.t.micro_batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device=self.device)\n",
-        replacement="        batch = self.data.train.next_batch(self.t.micro_batch_size).to(self.device)\n",
+        original="        return torch.zeros(self.t.micro_batch_size, self.cfg.data.seq_len + 1, dtype=torch.long, device=self.device)\n",
+        replacement="        return self.data.train.next_batch(self.t.micro_batch_size).to(self.device)\n",
         tests=("tests/test_compiled_step.py -k changes_nothing",),
         why="the compile's pass takes a training batch: the run then trains on other data than an eager one",
     ),
