@@ -5,7 +5,7 @@
 #   lease.log                 every step's output, its exit status and seconds, the machine and the versions
 #   gpu.md                    python -m scripts.checks.gpu --quick (written after every case: a cut run says what it saw)
 #   gpu_bench.md, data/gpu_bench.jsonl   python -m scripts.bench.gpu (rewritten after every row)
-#   gpu-training.md           the training section (bf16 and fp16 kill-and-resume), if its time is left
+#   gpu-training.md           the training section (bf16, fp16, bf16 overlapped: kill-and-resume), if its time is left
 #
 # Run from the repository's root on the device machine (docs/gpus.md, "One lease"):
 #   CERAR_BENCH_COMMIT=<hash> bash scripts/checks/gpu_lease.sh
@@ -89,8 +89,8 @@ else
   say "bench: NOT RUN ($(left) s left)"
   FAILED+=("bench (not run)")
 fi
-# 4. the training section (two kill-and-resume runs, about 80 s on an H200), if it fits
-if [ "$(left)" -ge 100 ]; then
+# 4. the training section (three kill-and-resume cases, about 120 s on an H200: 80 s for two), if it fits
+if [ "$(left)" -ge 140 ]; then
   step "check: training" $(($(left) - 5)) "$PY" -m scripts.checks.gpu ${DEVICE[@]+"${DEVICE[@]}"} \
     --skip selfloop arithmetic throughput hook_delayed between_ranks training_cerar hierarchical \
     --out "$OUT/gpu-training.md"

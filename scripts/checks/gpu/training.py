@@ -3,8 +3,10 @@ fp32 on the CPU), deterministic kernels on CUDA: an uninterrupted run, and a run
 after its first checkpoint and resumed, which must end with the same ``param_sha256`` (or, where a
 kernel has no deterministic variant, the same validation loss within ``VAL_LOSS_TOLERANCE``). At
 world size 1 the default ``nccl`` aggregator runs and no CERAR code does: this proves the trainer's
-CUDA path and its resume, not CERAR (section "training with CERAR" does). Expected time on one
-H200: about 2.5 minutes (three runs of 100 steps per precision, each with seconds of start-up)."""
+CUDA path and its resume, not CERAR (section "training with CERAR" does). On CUDA also bf16 with
+``trainer.overlap=true``: DDP's start-up pass that settles its buckets (``Trainer.settle_ddp_buckets``) on the
+device. Expected time on one H200: about 2 minutes (three runs of 100 steps per case, two of them side by side,
+each with seconds of start-up; 80 s for the two cases of 2026-12-04)."""
 
 from __future__ import annotations
 
@@ -21,13 +23,16 @@ from scripts.checks.gpu.cases import FAIL, PASS, ROOT, Case, Context, launched, 
 
 SECTION = "training"
 QUICK = False
-EXPECTED_S = 150
+EXPECTED_S = 180
 PROVES = {
     "resume bf16": "training in bf16 at world size 1: an uninterrupted run and one killed after a checkpoint and "
     "resumed end alike",
     "resume fp16": "training in fp16 at world size 1: killed after a checkpoint and resumed, ends as the "
     "uninterrupted run",
     "resume fp32": "training in fp32 at world size 1 (the CPU): killed after a checkpoint and resumed, ends as the "
+    "uninterrupted run",
+    "resume bf16 overlap": "training in bf16 with trainer.overlap=true at world size 1: DDP's buckets settled before "
+    "the first step on the device (Trainer.settle_ddp_buckets), killed after a checkpoint and resumed, ends as the "
     "uninterrupted run",
 }
 DETERMINISM_CALLBACK = '''
@@ -68,6 +73,9 @@ def cases(ctx: Context) -> list[Case]:
         )
         for p in precisions
     ]
+    if ctx.device == "cuda":  # the overlapped path's start-up pass on the device (on the CPU: tests/test_train_runs.py)
+        args = {"device": ctx.device, "precision": "bf16", "small": ctx.small, "overlap": True}
+        out.append(Case(SECTION, "resume bf16 overlap", "training:resume", args, 3 * LAUNCH_TIMEOUT_S + 50))
     return out
 
 
@@ -163,18 +171,26 @@ def _finish(process: subprocess.Popen, timeout_s: float) -> tuple[int, str]:
     return process.returncode, output
 
 
-def resume(device: str, precision: str, small: bool, out: str, timeout_s: float = LAUNCH_TIMEOUT_S) -> dict:
+def resume(
+    device: str, precision: str, small: bool, out: str, timeout_s: float = LAUNCH_TIMEOUT_S, overlap: bool = False
+) -> dict:
     steps, every = (24, 4) if small else (100, 20)  # small: enough steps after the first checkpoint to kill mid-run
     overrides = [*_overrides(device, precision, steps), f"checkpoint.every={every}"]
+    if overlap:  # DDP reduces in backward, its buckets settled before the first step of each launch
+        overrides.append("trainer.overlap=true")
+        precision_label = f"{precision}, overlap"
+    else:
+        precision_label = precision
     env = _env()
     workdir = scratch(out)
     if device == "cuda":  # deterministic kernels, so that a resumed run can end bit for bit where the other did
         (workdir / "gpu_check_determinism.py").write_text(DETERMINISM_CALLBACK)
         env.update(CUBLAS_WORKSPACE_CONFIG=":4096:8", PYTHONPATH=python_path(workdir))
         overrides.append("+hydra.callbacks.deterministic._target_=gpu_check_determinism.Deterministic")
-    full_dir, killed_dir = workdir / f"full_{precision}", workdir / f"killed_{precision}"
+    name = f"{precision}_overlap" if overlap else precision
+    full_dir, killed_dir = workdir / f"full_{name}", workdir / f"killed_{name}"
     outputs: dict[str, str] = {}  # every launch's output tail: shown with a FAIL (report.failure)
-    row = {"precision": precision, "steps": steps, "outputs": outputs}
+    row = {"precision": precision_label, "steps": steps, "outputs": outputs}
 
     # the uninterrupted run and the one to be killed start together (independent runs of one seed: the device and the
     # host's cores are shared, the arithmetic is not), so the section costs two launches' time, not three
