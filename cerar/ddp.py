@@ -205,11 +205,12 @@ class CerarHookState:
             self._streams[device] = torch.cuda.Stream(device)
         return self._streams[device]
 
-    def submit(self, tensor: torch.Tensor, sizes: list[int] | None = None) -> torch.futures.Future:
+    def submit(self, tensor: torch.Tensor, sizes: list[int] | None = None, feedback=None) -> torch.futures.Future:
         """Average ``tensor`` in place on the hook's thread (and, on CUDA, the hook's stream, after
         the work now queued on the current stream); the future completes with it. ``sizes``: the
         bucket's parameter tensors' sizes (``bucket_sizes``), for the states that scale per tensor or keep
-        its tensors that are zero on every rank at zero."""
+        its tensors that are zero on every rank at zero. ``feedback``: the bucket's error feedback
+        (`cerar.int4.feedback.ErrorFeedback`), for the quantized states that feed their roundings back."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cerar-ddp-hook")
         if tensor.is_cuda:
@@ -229,7 +230,8 @@ class CerarHookState:
                         scope.enter_context(torch.cuda.device(tensor.device))  # NCCL: the thread's GPU is the bucket's
                         scope.enter_context(torch.cuda.stream(stream))
                         stream.wait_event(ready)
-                    stats = self._reduce(tensor) if sizes is None else self._reduce(tensor, sizes)
+                    args = () if sizes is None else (sizes,)
+                    stats = self._reduce(tensor, *args, **({} if feedback is None else {"feedback": feedback}))
                     with self._lock:
                         self.last_stats.append(stats)
                     future.set_result(tensor)  # on CUDA: recorded on the hook's stream, which DDP then waits for

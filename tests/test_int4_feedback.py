@@ -10,6 +10,9 @@ E also holds the node tier's residuals, sum_{g != l} c_g / G over the node's oth
 
 Against no feedback: the summed error of T calls grows as sqrt(T) (stochastic rounding's errors are independent
 across calls) while the fed-back one stays that of one call's residual; T = 16 makes it 4x, held at 2x.
+
+The DDP hooks (trainer.overlap=true) keep one such state per bucket: two buckets' interleaved calls each obey the
+identity on their own.
 """
 
 from __future__ import annotations
@@ -70,22 +73,71 @@ def flat_residual_mean(states: list[dict], N: int, d: int, name: str = "flat") -
     return E[:d]
 
 
-@pytest.mark.parametrize(("codec_name", "N"), [("int4", 3), ("int8", 2)])
-def test_the_summed_error_of_fed_back_calls_is_the_last_residual(codec_name, N):
-    results = run_workers(_flat_worker, N, args=(codec_name, True, False), timeout_s=120)
-    outs = results[0][0]
-    assert all(torch.equal(outs, r[0]) for r in results)  # every rank, every call, the same bytes
-    exact = torch.stack([torch.stack([contribution(r, t) for r in range(N)]).double().mean(0) for t in range(T)])
+def check_summed_error_is_the_last_residual(outs, plain, states, N, d, seed_offset=0):
+    """The identity of the module docstring for T calls on values ``contribution(r, seed_offset + t, d)``: every
+    rank's ``outs`` the same bytes; their summed error -E_{T+1} from every rank's residuals ``states`` (name
+    "flat"), within float32's rounding of the sums; below half the unfed calls' (``plain``) and within 2 sqrt(2) of
+    one call's error."""
+    outs = outs[0]
+    given = [[contribution(r, seed_offset + t, d) for r in range(N)] for t in range(T)]
+    exact = torch.stack([torch.stack(values).double().mean(0) for values in given])
     summed_error = (outs.double() - exact).sum(0).numpy()
-    E = flat_residual_mean([r[1] for r in results], N, D)
-    magnitude = sum(contribution(r, t).double().abs() for r in range(N) for t in range(T)).numpy() / N
+    E = flat_residual_mean(states, N, d)
+    magnitude = sum(x.double().abs() for values in given for x in values).numpy() / N
     slack = 8 * T * U * (magnitude + np.abs(outs.double().numpy()).sum(0))
     assert np.all(np.abs(summed_error + E) <= slack), float(np.max(np.abs(summed_error + E) - slack))
-    plain = run_workers(_flat_worker, N, args=(codec_name, False, False), timeout_s=120)[0][0]
     plain_error = (plain.double() - exact).sum(0).norm()
     assert np.linalg.norm(summed_error) < 0.5 * float(plain_error), (np.linalg.norm(summed_error), plain_error)
     one_call = float((outs[0].double() - exact[0]).norm())  # the first call's error: its residuals' alone
     assert np.linalg.norm(summed_error) < 2 * one_call * math.sqrt(2), (np.linalg.norm(summed_error), one_call)
+
+
+@pytest.mark.parametrize(("codec_name", "N"), [("int4", 3), ("int8", 2)])
+def test_the_summed_error_of_fed_back_calls_is_the_last_residual(codec_name, N):
+    results = run_workers(_flat_worker, N, args=(codec_name, True, False), timeout_s=120)
+    assert all(torch.equal(results[0][0], r[0]) for r in results)  # every rank, every call, the same bytes
+    plain = run_workers(_flat_worker, N, args=(codec_name, False, False), timeout_s=120)[0][0]
+    check_summed_error_is_the_last_residual([r[0] for r in results], plain, [r[1] for r in results], N, D)
+
+
+BUCKETS = {0: (D, 0), 1: (D // 3, 500)}
+"""Two DDP buckets of different lengths: index -> (values, the offset of their calls' seeds)."""
+
+
+def _hook_worker(rank, N, kind, fed):
+    """T steps of two buckets, one call each a step in DDP's order, through a quantized hook's state: each call given
+    its bucket's residuals (``state.feedback.of(index)``, what the hooks pass for ``bucket.index()``), or none."""
+    from cerar.int4.hook import Int4HookState
+    from cerar.int8.all_reduce import set_dither_calls
+    from cerar.int8.hook import QuantizedHookState
+
+    set_dither_calls(0)
+    if kind == "int4":
+        state = Int4HookState(block=64, seed=2, timeout=30, error_feedback=fed)
+    else:
+        state = QuantizedHookState(block=64, timeout=30, error_feedback=fed)
+    assert (state.feedback is None) != fed
+    outs = {index: [] for index in BUCKETS}
+    for t in range(T):
+        for index, (d, offset) in BUCKETS.items():
+            x = contribution(rank, offset + t, d)
+            state.submit(x, feedback=None if state.feedback is None else state.feedback.of(index)).wait()
+            outs[index].append(x)
+    return {index: torch.stack(v) for index, v in outs.items()}, state.feedback.state_dict() if fed else {}
+
+
+@pytest.mark.parametrize(("kind", "N"), [("int4", 3), ("int8", 2)])
+def test_a_hook_feeds_each_bucket_back_on_its_own(kind, N):
+    """trainer.overlap=true: the 4-bit and 8-bit hooks keep one residual per DDP bucket (``BucketFeedback``), so each
+    bucket's calls obey the identity alone; the residuals are kept under the buckets' indices (a checkpoint's)."""
+    results = run_workers(_hook_worker, N, args=(kind, True), timeout_s=120)
+    plain = run_workers(_hook_worker, N, args=(kind, False), timeout_s=120)[0][0]
+    assert all(sorted(r[1]) == sorted(BUCKETS) for r in results)
+    for index, (d, offset) in BUCKETS.items():
+        assert all(torch.equal(results[0][0][index], r[0][index]) for r in results)
+        states = [r[1][index] for r in results]
+        assert all("flat" in state for state in states), f"bucket {index}: no residual kept"
+        check_summed_error_is_the_last_residual([r[0][index] for r in results], plain[index], states, N, d, offset)
 
 
 def test_feedback_saved_and_restored_mid_run_repeats_the_run_bit_for_bit():

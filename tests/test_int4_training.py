@@ -1,6 +1,7 @@
 """aggregator=int4 and aggregator=hier_int4 in the trainer: one launch of 4 ranks (train/sweep.py, the runs of
 tests/runs.py: model=tiny, 6 steps, every step's aggregate measured against an exact all-reduce of the same
-gradients), the two-tier run on nodes of 2 ranks, and a two-tier run stopped after step 3 and resumed in its folder.
+gradients), the two-tier run on nodes of 2 ranks, and a two-tier run stopped after step 3 and resumed in its folder;
+with error feedback also the 4-bit DDP hook (trainer.overlap=true), whole and stopped and resumed.
 
 What the collective tests cannot see is held here: the aggregators are built from their configs, every step sends
 the bytes of the formula (counted by the transport, recorded per step and per tier), the replicas stay identical
@@ -21,6 +22,7 @@ N = 4
 HIER = "aggregator=hier_int4 aggregator.local_size=2"
 FED = "aggregator.error_feedback=true aggregator.feedback_window=6"
 PART = f"{HIER} {FED} checkpoint.every=3 checkpoint.keep=2"
+OVERLAP = f"aggregator=int4 {FED} trainer.overlap=true"  # the 4-bit DDP hook, fed back per bucket
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +38,10 @@ def runs(tmp_path_factory, cache_dir):
         f"hier_int4_fed: {HIER} {FED}",
         f"part_hier_int4_fed: {PART} trainer.stop_after_step=3",
         f"part_hier_int4_fed: {PART} resume=true",
+        "int4_overlap: aggregator=int4 trainer.overlap=true",
+        f"int4_fed_overlap: {OVERLAP}",
+        f"part_int4_fed_overlap: {OVERLAP} checkpoint.every=3 checkpoint.keep=2 trainer.stop_after_step=3",
+        f"part_int4_fed_overlap: {OVERLAP} checkpoint.every=3 checkpoint.keep=2 resume=true",
     ]
     torchrun(N, "sweep.py", [str(out), *labels, "--", *MATRIX], cache_dir, timeout=900)
     return out
@@ -105,14 +111,38 @@ def test_error_feedback_trains_is_judged_over_windows_and_resumes_bit_for_bit(ru
     assert [(r["step"], r["feedback/window_steps"]) for r in judged] == [(4, 2)]
 
 
+@pytest.mark.timeout(900)
+def test_error_feedback_through_the_ddp_hook_keeps_each_buckets_residual_and_resumes_bit_for_bit(runs):
+    """trainer.overlap=true, int4 fed back: the hook sends what the unfed hook sends, step by step (the residuals never
+    travel), and trains another model (the residuals are added); the replicas stay identical, the checkpoint keeps each
+    rank's residuals under DDP's bucket indices, and the run stopped after step 3 and resumed (the same buckets in
+    every launch: Trainer.settle_ddp_buckets) ends with the uninterrupted run's parameters, bit for bit."""
+    import torch
+
+    records, full = read_run(runs / "int4_fed_overlap")
+    unfed_records, unfed = read_run(runs / "int4_overlap")
+    assert len(set(full["param_sha256_per_rank"])) == 1
+    assert records[-1]["train_loss"] < records[0]["train_loss"] - 0.1
+    assert [r["bytes_sent"] for r in records] == [r["bytes_sent"] for r in unfed_records]
+    assert records[0]["bytes_sent"] > 0 and full["param_sha256"] != unfed["param_sha256"]
+    part_records, resumed = read_run(runs / "part_int4_fed_overlap")
+    assert resumed["resumed_from_step"] == 3 and [r["step"] for r in part_records] == list(range(1, 7))
+    assert resumed["param_sha256"] == full["param_sha256"]
+    state = torch.load(runs / "part_int4_fed_overlap" / "checkpoints" / "step-00000003.pt", weights_only=False)
+    for rank in state["ranks"]:
+        buckets = rank["aggregator"]["error_feedback"]
+        assert buckets and all(isinstance(index, int) for index in buckets), sorted(buckets)
+        assert all(residuals["flat"].abs().max() > 0 for residuals in buckets.values())
+
+
 @pytest.mark.quick
 def test_the_int4_options_are_checked_before_start_and_kept_out_of_other_runs_identities():
     """aggregator.rotate needs a power-of-two block and aggregator.intra a known method (named, before any process
-    group); error feedback is refused where it is not built, with DDP hooks, and where its windows cannot be
-    measured whole (a measure_error_every other than 0, 1 or a multiple of the window); the 4-bit fields enter the
-    identity of the 4-bit runs only (older runs resume unchanged), intra only the two-tier one's, error_feedback only
-    when on (its window never: it only observes); the trainer enables the 4-bit format's kernels (Triton, for GPUs),
-    and the 8-bit format's too where hier_int4 rounds to 8 bits inside the nodes."""
+    group); error feedback is refused where it is not built (taken flat and with DDP hooks) and where its windows
+    cannot be measured whole (a measure_error_every other than 0, 1 or a multiple of the window); the 4-bit fields
+    enter the identity of the 4-bit runs only (older runs resume unchanged), intra only the two-tier one's,
+    error_feedback only when on (its window never: it only observes); the trainer enables the 4-bit format's kernels
+    (Triton, for GPUs), and the 8-bit format's too where hier_int4 rounds to 8 bits inside the nodes."""
     from tests.runs import composed
     from train.aggregation.build import fused_kernels
     from train.config import ConfigError, training_identity, validate
@@ -129,8 +159,9 @@ def test_the_int4_options_are_checked_before_start_and_kept_out_of_other_runs_id
         assert not {"aggregator.rotate", "aggregator.intra"} & set(training_identity(composed(other), 2)), other
     with pytest.raises(ConfigError, match=r"aggregator.error_feedback=true is built for int8, hier_int8, int4"):
         validate(composed("aggregator=fp16", "aggregator.error_feedback=true"), world_size=2)
-    with pytest.raises(ConfigError, match=r"error_feedback=true needs trainer.overlap=false"):
-        validate(composed("aggregator=int4", "aggregator.error_feedback=true", "trainer.overlap=true"), world_size=2)
+    for kind in ("int8", "int4", "hier_int8", "hier_int4"):  # flat or through their DDP hooks (residuals per bucket)
+        overrides = [f"aggregator={kind}", "aggregator.error_feedback=true", "trainer.overlap=true"]
+        validate(composed(*overrides, *(["aggregator.local_size=2"] if kind.startswith("hier") else [])), 4)
     with pytest.raises(ConfigError, match=r"trainer.measure_error_every=2: error feedback is judged over windows of "
                                           r"10 consecutive steps"):  # fmt: skip
         validate(composed("aggregator=int8", "aggregator.error_feedback=true", "trainer.measure_error_every=2"), 2)

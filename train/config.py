@@ -146,8 +146,8 @@ class AggregatorConfig:
     # before rounding to 4 bits (block a power of two); hier_int4's reduce-scatter inside a node: int8 or exact
     rotate: bool = True
     intra: str = "int8"
-    # int8, hier_int8, int4, hier_int4 (trainer.overlap=false): error feedback (cerar.int4.feedback, docs/int4.md):
-    # each rank adds to what it sends what its last messages' rounding dropped; the residuals are checkpointed per
+    # int8, hier_int8, int4, hier_int4: error feedback (cerar.int4.feedback, docs/int4.md): each rank adds to what it
+    # sends what its last messages' rounding dropped; the residuals (overlap: per DDP bucket) are checkpointed per
     # rank. Judged per tensor over windows of feedback_window consecutive steps (null: 10 steps under feedback, no
     # windows without; train/aggregation/feedback_window.py), which need trainer.measure_error_every 0, 1 or a
     # multiple M of the window (the window ending at each multiple of M measured, whole).
@@ -481,7 +481,8 @@ def _validate_int4(a, who: str = "") -> None:
 
 def _validate_feedback(cfg) -> None:
     """aggregator.error_feedback: for the aggregators whose every rounding is a rank's own message (FEEDBACK_KINDS),
-    in flat mode; judged over windows of consecutive measured steps (aggregator.feedback_window >= 1)."""
+    flat or overlapped (their DDP hooks keep the residuals per bucket); judged over windows of consecutive measured
+    steps (aggregator.feedback_window >= 1)."""
     a, t = cfg.aggregator, cfg.trainer
     fed, window = getattr(a, "error_feedback", False), getattr(a, "feedback_window", None)
     _require(isinstance(fed, bool), f"aggregator.error_feedback={fed!r} must be true or false")
@@ -491,10 +492,6 @@ def _validate_feedback(cfg) -> None:
             a.kind in FEEDBACK_KINDS,
             f"aggregator.error_feedback=true is built for {', '.join(FEEDBACK_KINDS)} (each rank keeps the residual of "
             f"the messages it rounds itself); aggregator={a.name}'s error is not a rank's own rounding",
-        )
-        _require(
-            not effective_overlap(cfg),
-            "aggregator.error_feedback=true needs trainer.overlap=false (the residuals are kept per flat gradient)",
         )
     steps = feedback_window_steps(a)
     if steps is not None:

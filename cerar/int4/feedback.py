@@ -51,4 +51,41 @@ class ErrorFeedback:
         self.residuals = {name: value.to(torch.float32).clone() for name, value in state.items()}
 
 
-__all__ = ["ErrorFeedback"]
+class BucketFeedback:
+    """Error feedback for a DDP communication hook: one `ErrorFeedback` per gradient bucket, by DDP's bucket index.
+
+    A bucket is one call of the all-reduce, so its residuals are kept for it alone. This needs the same buckets at
+    every step of every launch, which the trainer gives it: DDP's buckets are settled before the first step and the
+    hook is registered after (train/loop.py, `Trainer.settle_ddp_buckets`); a bucket whose length changed is refused
+    by `ErrorFeedback.rows`, naming it."""
+
+    def __init__(self):
+        self.buckets: dict[int, ErrorFeedback] = {}
+
+    def of(self, index: int) -> ErrorFeedback:
+        """The residuals of bucket ``index`` (empty at its first call)."""
+        if index not in self.buckets:
+            self.buckets[index] = ErrorFeedback()
+        return self.buckets[index]
+
+    def state_dict(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every bucket's residuals on the CPU (a checkpoint's per-rank part)."""
+        return {index: feedback.state_dict() for index, feedback in sorted(self.buckets.items())}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not isinstance(state, dict) or not all(isinstance(k, int) for k in state):
+            raise ValueError(
+                "error feedback: a DDP hook's state maps bucket indices to residuals; this one does not (a checkpoint "
+                "of the flat aggregation, trainer.overlap=false?)"
+            )
+        self.buckets = {}
+        for index, residuals in state.items():
+            self.of(index).load_state_dict(residuals)
+
+
+def bucket_feedback(feedback: BucketFeedback | None, bucket) -> ErrorFeedback | None:
+    """The residuals of DDP bucket ``bucket`` (a ``dist.GradBucket``), or None when the hook does not feed back."""
+    return None if feedback is None else feedback.of(bucket.index())
+
+
+__all__ = ["BucketFeedback", "ErrorFeedback", "bucket_feedback"]

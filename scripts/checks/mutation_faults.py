@@ -1405,6 +1405,26 @@ FAULTS = [
         why="a resumed run fed back starts from zero residuals: it no longer repeats the uninterrupted run",
     ),
     Fault(
+        name="hook-feedback-kept-apart-from-the-checkpoint",
+        file="train/aggregation/aggregators.py",
+        original="""                                        error_feedback=self.feedback is not None)  # fmt: skip
+        self.feedback = self.hook_state.feedback  # overlap: the residuals per DDP bucket
+        ddp.register_comm_hook(self.hook_state, int4_hook)""",
+        replacement="""                                        error_feedback=self.feedback is not None)  # fmt: skip
+        ddp.register_comm_hook(self.hook_state, int4_hook)""",
+        tests=("tests/test_int4_training.py -k through_the_ddp_hook",),
+        why="overlap: the aggregator checkpoints its unused flat residuals, not its hook's per bucket: a resumed run "
+        "starts its buckets from zero",
+    ),
+    Fault(
+        name="hook-feedback-ignored",
+        file="cerar/int4/hook.py",
+        original="rotate=self.rotate, seed=self.seed, timed=False, feedback=feedback)  # fmt: skip",
+        replacement="rotate=self.rotate, seed=self.seed, timed=False)  # fmt: skip",
+        tests=("tests/test_int4_feedback.py -k hook_feeds",),
+        why="the 4-bit hook drops the bucket's residuals: error feedback on, and nothing fed back",
+    ),
+    Fault(
         name="int4-window-noise-one-step",
         file="train/aggregation/feedback_window.py",
         original="        self.noise_squared += noise.square()",

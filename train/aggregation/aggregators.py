@@ -139,7 +139,8 @@ class Aggregator:
         raise ValueError(f"aggregator={self.name} keeps no state, but the checkpoint holds some for it")
 
     feedback = None
-    """This rank's error feedback (`cerar.int4.feedback.ErrorFeedback`), where the aggregator feeds roundings back."""
+    """This rank's error feedback, where the aggregator feeds roundings back: `cerar.int4.feedback.ErrorFeedback` for
+    the flat gradient, or its hook's `BucketFeedback` (trainer.overlap=true: one per DDP bucket)."""
 
     def rank_state(self) -> dict | None:
         """What a checkpoint keeps of this rank's own state (each rank's, gathered): the error feedback's residuals;
@@ -626,7 +627,9 @@ class QuantizedAggregator(HookStatsBytes, Aggregator):
     def register_hook(self, ddp) -> None:
         from cerar.int8.hook import QuantizedHookState, quantized_hook
 
-        self.hook_state = QuantizedHookState(timeout=self.timeout, transport=self.transport, block=self.block)
+        self.hook_state = QuantizedHookState(timeout=self.timeout, transport=self.transport, block=self.block,
+                                             error_feedback=self.feedback is not None)  # fmt: skip
+        self.feedback = self.hook_state.feedback  # overlap: the residuals per DDP bucket
         ddp.register_comm_hook(self.hook_state, quantized_hook)
 
 
@@ -678,7 +681,9 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
     def register_hook(self, ddp) -> None:
         from cerar.int8.hook import HierarchicalQuantizedHookState, hierarchical_quantized_hook
 
-        self.hook_state = HierarchicalQuantizedHookState(timeout=self.timeout, layout=self.layout, block=self.block)
+        self.hook_state = HierarchicalQuantizedHookState(timeout=self.timeout, layout=self.layout, block=self.block,
+                                                         error_feedback=self.feedback is not None)  # fmt: skip
+        self.feedback = self.hook_state.feedback  # overlap: the residuals per DDP bucket
         ddp.register_comm_hook(self.hook_state, hierarchical_quantized_hook)
 
 
@@ -712,9 +717,10 @@ class Int4Aggregator(QuantizedAggregator):
     def register_hook(self, ddp) -> None:
         from cerar.int4.hook import Int4HookState, int4_hook
 
-        self.hook_state = Int4HookState(
-            timeout=self.timeout, transport=self.transport, block=self.block, rotate=self.rotate, seed=self.seed
-        )
+        self.hook_state = Int4HookState(timeout=self.timeout, transport=self.transport, block=self.block,
+                                        rotate=self.rotate, seed=self.seed,
+                                        error_feedback=self.feedback is not None)  # fmt: skip
+        self.feedback = self.hook_state.feedback  # overlap: the residuals per DDP bucket
         ddp.register_comm_hook(self.hook_state, int4_hook)
 
 
@@ -753,6 +759,7 @@ class HierarchicalInt4Aggregator(HierarchicalQuantizedAggregator):
 
         self.hook_state = HierarchicalInt4HookState(
             timeout=self.timeout, layout=self.layout, block=self.block, rotate=self.rotate, seed=self.seed,
-            intra=self.intra, intra_block=self.block,
+            intra=self.intra, intra_block=self.block, error_feedback=self.feedback is not None,
         )  # fmt: skip
+        self.feedback = self.hook_state.feedback  # overlap: the residuals per DDP bucket
         ddp.register_comm_hook(self.hook_state, hierarchical_int4_hook)
