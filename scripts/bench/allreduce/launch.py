@@ -8,7 +8,6 @@ import datetime
 import math
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -21,10 +20,15 @@ SCRIPT = ROOT / "scripts" / "bench" / "bench_allreduce.py"  # the command the ra
 # --------------------------------------------------------------------------- launcher
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _held_store(timeout_s: float):
+    """The ranks' meeting point: a TCPStore server on a port the kernel picks, held by this launcher until its ranks
+    have ended, which every rank joins as a client (``TORCHELASTIC_USE_AGENT_STORE``, as under torchrun's agent). A
+    port found free, closed and handed to rank 0 to bind could be taken in between by any other process's
+    connection (EADDRINUSE: a loaded machine's parallel tests met it)."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
 
 
 def worker_argv(args, rows_out: Path, where: str, run_id: str) -> list[str]:
@@ -61,13 +65,14 @@ def worker_argv(args, rows_out: Path, where: str, run_id: str) -> list[str]:
 
 def run_loopback(args, N: int, rows_out: Path, run_id: str, log_dir: Path) -> bool:
     """Spawn N local ranks (torchrun-like: env rendezvous on 127.0.0.1); kill all on failure/timeout."""
-    port = _free_port()
+    store = _held_store(args.timeout)
     procs = []
     G = args.ranks_per_host if args.ranks_per_host > 1 else N  # loopback: one host, or G-rank "hosts"
     for r in range(N):
         env = dict(os.environ, RANK=str(r), LOCAL_RANK=str(r % G), WORLD_SIZE=str(N), LOCAL_WORLD_SIZE=str(G),
-                   GROUP_RANK=str(r // G), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
-                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # fmt: skip
+                   GROUP_RANK=str(r // G), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port),
+                   TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME="lo", PYTHONUNBUFFERED="1",
+                   OMP_NUM_THREADS="1")  # fmt: skip
         out = open(log_dir / f"N{N}-rank{r}.log", "wb")  # noqa: SIM115
         procs.append((subprocess.Popen(worker_argv(args, rows_out, "loopback", run_id), env=env, stdout=out,
                                        stderr=subprocess.STDOUT, start_new_session=True), out))  # fmt: skip
@@ -90,6 +95,7 @@ def run_loopback(args, N: int, rows_out: Path, run_id: str, log_dir: Path) -> bo
                     os.killpg(p.pid, 9)
             p.wait()
             out.close()
+        del store  # the ranks have ended: the port is free again
     ok = all(p.returncode == 0 for p, _ in procs)
     if not ok:
         print(f"bench: loopback N={N} failed: return codes {[p.returncode for p, _ in procs]}; "
