@@ -99,6 +99,7 @@ def quantized_all_reduce(
     rounding: str = DEFAULT_ROUNDING,
     seed: int = 0,
     timed: bool = True,
+    feedback=None,
 ) -> AllReduceStats:
     """All-reduce ``tensor`` (float32, any shape, contiguity and length) in place over ``group`` with
     8-bit messages (module docstring): every rank gets the same approximation of the sum, or with
@@ -110,11 +111,13 @@ def quantized_all_reduce(
     ``timeout`` (seconds or timedelta, default 5 minutes)
     bounds every round as in ``cerar.all_reduce``. Raises ValueError for bad input and CollectiveError
     when a peer fails, stalls past the timeout or disagrees on N, d, B, the format, the op or the
-    version (on every rank). ``stats.bytes_sent`` counts the scales: ``quantized_bytes_sent(d, N, B)``."""
+    version (on every rank). ``stats.bytes_sent`` counts the scales: ``quantized_bytes_sent(d, N, B)``.
+    ``feedback``: this rank's error feedback (``cerar.int4.feedback.ErrorFeedback``: each message carries what the
+    last one of its shard dropped), or None; the same bytes either way."""
     operation = "cerar.quantized_all_reduce"
     check_quantized_call(tensor, op, block, operation, rounding, seed)
     return two_shot_all_reduce(tensor, Int8Codec(block, rounding, operation), group, op, timeout, seed=seed,
-                               timed=timed, operation=operation,
+                               timed=timed, feedback=feedback, operation=operation,
                                protocol={"quantized protocol version": QUANTIZED_PROTOCOL_VERSION})  # fmt: skip
 
 

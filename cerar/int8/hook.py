@@ -15,8 +15,8 @@ collects each bucket's stats. The CERAR fields the states inherit (c, constructi
 exact_ring) are not used.
 
 With ``error_feedback=True`` each bucket's roundings are fed back (``cerar.int4.feedback``): each rank keeps, per
-bucket, what its messages dropped and adds it back at the bucket's next call (the same two shots, or tiers, written
-once for any format, with the residuals: ``cerar.int4.two_shot``); ``feedback`` holds them (a checkpoint keeps its
+bucket, what its messages dropped and adds it back at the bucket's next call (``quantized_all_reduce``'s and
+``hierarchical_quantized_all_reduce``'s ``feedback``); ``feedback`` holds them (a checkpoint keeps its
 ``state_dict``).
 """
 
@@ -28,10 +28,7 @@ import torch.distributed as dist
 from cerar.ddp import CerarHookState, transport_group
 from cerar.formats.int8_blocks import DEFAULT_BLOCK, DEFAULT_ROUNDING, check_block, check_rounding
 from cerar.hierarchical.hook import HierarchicalHookState
-from cerar.int4.codecs import Int8Codec
 from cerar.int4.feedback import BucketFeedback, ErrorFeedback, bucket_feedback
-from cerar.int4.two_shot import two_shot_all_reduce
-from cerar.int4.two_tier import two_tier_all_reduce
 from cerar.int8.all_reduce import quantized_all_reduce
 from cerar.int8.two_tier import hierarchical_quantized_all_reduce
 from cerar.ring.protocol import AllReduceStats
@@ -59,13 +56,8 @@ class QuantizedHookState(CerarHookState):
 
     def _reduce(self, tensor: torch.Tensor, feedback: ErrorFeedback | None = None) -> AllReduceStats:
         group = self.transport if self.transport is not None else self.process_group
-        if feedback is not None:
-            return two_shot_all_reduce(tensor, Int8Codec(self.block, self.rounding), group, "avg", self.timeout,
-                                       seed=self.seed, timed=False, feedback=feedback,
-                                       operation="quantized_hook (error feedback)")  # fmt: skip
-        return quantized_all_reduce(
-            tensor, group, "avg", self.timeout, self.block, rounding=self.rounding, seed=self.seed, timed=False
-        )
+        return quantized_all_reduce(tensor, group, "avg", self.timeout, self.block, rounding=self.rounding,
+                                    seed=self.seed, timed=False, feedback=feedback)  # fmt: skip
 
 
 @dataclass
@@ -88,13 +80,9 @@ class HierarchicalQuantizedHookState(HierarchicalHookState):
         self.feedback = BucketFeedback() if self.error_feedback else None
 
     def _reduce(self, tensor: torch.Tensor, feedback: ErrorFeedback | None = None):
-        if feedback is not None:
-            return two_tier_all_reduce(tensor, Int8Codec(self.block, self.rounding), self.groups, "avg", self.timeout,
-                                       seed=self.seed, timed=False, feedback=feedback,
-                                       operation="hierarchical_quantized_hook (error feedback)")  # fmt: skip
-        return hierarchical_quantized_all_reduce(
-            tensor, self.groups, "avg", self.timeout, self.block, rounding=self.rounding, seed=self.seed, timed=False
-        )
+        return hierarchical_quantized_all_reduce(tensor, self.groups, "avg", self.timeout, self.block,
+                                                 rounding=self.rounding, seed=self.seed, timed=False,
+                                                 feedback=feedback)  # fmt: skip
 
 
 def quantized_hook(state: QuantizedHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -35,6 +35,8 @@ import torch
 from cerar.formats.int8_blocks import DEFAULT_BLOCK, DEFAULT_ROUNDING, format_name
 from cerar.hierarchical.collective import HierarchicalStats, _groups, run_tiers
 from cerar.hierarchical.layout import LAYOUT_VERSION, NodeLayout, TierGroups
+from cerar.int4.codecs import Int8Codec
+from cerar.int4.two_tier import two_tier_all_reduce
 from cerar.int8.all_reduce import QUANTIZED_PROTOCOL_VERSION, check_quantized_call, quantized_all_reduce
 from cerar.ring.checks import check_agreement
 from cerar.ring.protocol import AllReduceStats
@@ -53,6 +55,7 @@ def hierarchical_quantized_all_reduce(
     rounding: str = DEFAULT_ROUNDING,
     seed: int = 0,
     timed: bool = True,
+    feedback=None,
 ) -> HierarchicalStats:
     """All-reduce ``tensor`` (float32) in place: exact inside each node, 8-bit on the rails (module
     docstring); every rank gets the same result. ``layout`` as for ``hierarchical_all_reduce`` (a
@@ -60,9 +63,14 @@ def hierarchical_quantized_all_reduce(
     ``timeout``, ``block``, ``rounding``, ``seed`` as for ``quantized_all_reduce``. Raises ValueError for bad input and
     CollectiveError when a peer fails, stalls past the timeout, or disagrees on the layout, the
     format, B, the op or the length (on every rank). ``HierarchicalStats`` records each tier's bytes;
-    ``inter_node_method`` is "int8 quantized", or "none" on one node."""
+    ``inter_node_method`` is "int8 quantized", or "none" on one node. ``feedback``: this rank's error feedback
+    (``cerar.int4.feedback``: residuals of the rail's messages), or None: the tiers then run as
+    ``cerar.int4.two_tier.two_tier_all_reduce`` with the 8-bit codec, the same bytes."""
     operation = "cerar.hierarchical_quantized_all_reduce"
     check_quantized_call(tensor, op, block, operation, rounding, seed)
+    if feedback is not None:  # the same tiers, written once for any format, with the residuals (cerar.int4.two_tier)
+        return two_tier_all_reduce(tensor, Int8Codec(block, rounding, operation), layout, op, timeout, seed=seed,
+                                   timed=timed, feedback=feedback, operation=operation)  # fmt: skip
     groups = _groups(layout, timeout, operation)
     layout = groups.layout
     method = RAIL_METHOD if layout.nodes > 1 else "none"

@@ -610,17 +610,8 @@ class QuantizedAggregator(HookStatsBytes, Aggregator):
         self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
-        if self.feedback is not None:  # the same two shots, written once for any format: with the residuals
-            from cerar.formats.int8_blocks import DEFAULT_ROUNDING
-            from cerar.int4.all_reduce import two_shot_all_reduce
-            from cerar.int4.codecs import Int8Codec
-
-            stats = two_shot_all_reduce(flat, Int8Codec(self.block, DEFAULT_ROUNDING), self.transport, "avg",
-                                        self.timeout, seed=0, timed=True, feedback=self.feedback,
-                                        operation=f"aggregator={self.name} (error feedback)")  # fmt: skip
-            return int(stats.bytes_sent)
         stats = self.quantized.quantized_all_reduce(
-            flat, self.transport, op="avg", timeout=self.timeout, block=self.block
+            flat, self.transport, op="avg", timeout=self.timeout, block=self.block, feedback=self.feedback
         )
         return int(stats.bytes_sent)
 
@@ -663,18 +654,9 @@ class HierarchicalQuantizedAggregator(TwoTierBytes, Aggregator):
         self.check_scales(flat, scales)
         if self.world_size < 2:
             return 0
-        if self.feedback is not None:  # the same tiers, written once for any format: with the residuals
-            from cerar.formats.int8_blocks import DEFAULT_ROUNDING
-            from cerar.int4.codecs import Int8Codec
-            from cerar.int4.two_tier import two_tier_all_reduce
-
-            stats = two_tier_all_reduce(flat, Int8Codec(self.block, DEFAULT_ROUNDING), self.groups, "avg",
-                                        self.timeout, seed=0, timed=True, feedback=self.feedback,
-                                        operation=f"aggregator={self.name} (error feedback)")  # fmt: skip
-        else:
-            stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
-                flat, self.groups, op="avg", timeout=self.timeout, block=self.block
-            )
+        stats = self.hierarchical_quantized.hierarchical_quantized_all_reduce(
+            flat, self.groups, op="avg", timeout=self.timeout, block=self.block, feedback=self.feedback
+        )
         self.tier_bytes = {"intra_node": stats.intra_node.bytes_sent, "inter_node": stats.inter_node.bytes_sent}
         return int(stats.bytes_sent)
 
