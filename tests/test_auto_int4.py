@@ -153,7 +153,8 @@ def test_where_the_4_bit_error_exceeds_the_budget_it_is_refused_and_the_record_s
 
 @pytest.mark.quick
 def test_the_4_bit_candidates_follow_the_config_and_a_format_they_cannot_run_is_refused():
-    """auto's 4-bit candidates take aggregator.block, rotate and intra (priced and built so), never error feedback;
+    """auto's 4-bit candidates take aggregator.block, rotate and intra (priced and built so), unfed (fed back only
+    under aggregator.error_feedback: tests/test_auto_feedback.py);
     a rotated block that is not a power of two is refused before any process group, naming the field, unless the
     4-bit families are left out; rotate and intra enter auto's identity only where they differ from the default
     (auto runs from before the 4-bit candidates resume unchanged)."""

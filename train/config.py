@@ -146,11 +146,12 @@ class AggregatorConfig:
     # before rounding to 4 bits (block a power of two); hier_int4's reduce-scatter inside a node: int8 or exact
     rotate: bool = True
     intra: str = "int8"
-    # int8, hier_int8, int4, hier_int4: error feedback (cerar.int4.feedback, docs/int4.md): each rank adds to what it
-    # sends what its last messages' rounding dropped; the residuals (overlap: per DDP bucket) are checkpointed per
-    # rank. Judged per tensor over windows of feedback_window consecutive steps (null: 10 steps under feedback, no
-    # windows without; train/aggregation/feedback_window.py), which need trainer.measure_error_every 0, 1 or a
-    # multiple M of the window (the window ending at each multiple of M measured, whole).
+    # int8, hier_int8, int4, hier_int4 (and auto's candidates of those kinds, named *_ef): error feedback
+    # (cerar.int4.feedback, docs/int4.md): each rank adds to what it sends what its last messages' rounding dropped;
+    # the residuals (overlap: per DDP bucket) are checkpointed per rank. Judged per tensor over windows of
+    # feedback_window consecutive steps (null: 10 steps under feedback, no windows without;
+    # train/aggregation/feedback_window.py), which need trainer.measure_error_every 0, 1 or a multiple M of the
+    # window (the window ending at each multiple of M measured, whole).
     error_feedback: bool = False
     feedback_window: int | None = None
     # cerar, ring, hier_cerar, hier_ring: the dtype their messages travel in (cerar.formats.wire; docs/cerar-16bit.md):
@@ -481,17 +482,25 @@ def _validate_int4(a, who: str = "") -> None:
 
 def _validate_feedback(cfg) -> None:
     """aggregator.error_feedback: for the aggregators whose every rounding is a rank's own message (FEEDBACK_KINDS),
-    flat or overlapped (their DDP hooks keep the residuals per bucket); judged over windows of consecutive measured
-    steps (aggregator.feedback_window >= 1)."""
+    flat or overlapped (their DDP hooks keep the residuals per bucket), and for aggregator=auto's candidates of those
+    kinds; judged over windows of consecutive measured steps (aggregator.feedback_window >= 1)."""
     a, t = cfg.aggregator, cfg.trainer
     fed, window = getattr(a, "error_feedback", False), getattr(a, "feedback_window", None)
     _require(isinstance(fed, bool), f"aggregator.error_feedback={fed!r} must be true or false")
     _require(window is None or window >= 1, f"aggregator.feedback_window={window} must be >= 1 (steps) or null")
-    if fed:
+    if fed and a.kind == AUTO_KIND:  # its quantized candidates fed back (train/aggregation/auto_choice.py `fed`)
+        keep = a.auto_aggregators
+        _require(
+            keep is None or bool(set(keep) & set(FEEDBACK_KINDS)),
+            f"aggregator=auto aggregator.error_feedback=true feeds back its {', '.join(FEEDBACK_KINDS)} candidates; "
+            f"aggregator.auto_aggregators={list(keep or [])} keeps none of them",
+        )
+    elif fed:
         _require(
             a.kind in FEEDBACK_KINDS,
-            f"aggregator.error_feedback=true is built for {', '.join(FEEDBACK_KINDS)} (each rank keeps the residual of "
-            f"the messages it rounds itself); aggregator={a.name}'s error is not a rank's own rounding",
+            f"aggregator.error_feedback=true is built for {', '.join(FEEDBACK_KINDS)} and aggregator=auto's (each rank "
+            f"keeps the residual of the messages it rounds itself); aggregator={a.name}'s error is not a rank's own "
+            "rounding",
         )
     steps = feedback_window_steps(a)
     if steps is not None:

@@ -45,7 +45,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 FAULTS = Path(__file__).with_name("mutation_faults.py")
-PYTEST = ["-x", "-q", "-n", "0", "-p", "no:cacheprovider", "--no-header", "-rf"]
+PYTEST = ["-x", "-q", "-n", "0", "-p", "no:cacheprovider", "--no-header", "-rfE"]  # -rfE: a failing fixture named
 
 
 @dataclass

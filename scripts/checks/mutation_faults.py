@@ -763,8 +763,8 @@ FAULTS = [
     Fault(
         name="zero-tensor-unmeasured",
         file="train/aggregation/auto_aggregator.py",
-        original="        x[sample.in_tensors(zero).to(x.device)] = 0.0\n",
-        replacement="        pass\n",
+        original="            y[zeros] = 0.0\n",
+        replacement="            pass\n",
         tests=("tests/test_tensors_without_noise.py -k unused_parameter",),
         why="aggregator=auto measures CERAR's leak into an unused parameter that its call no longer leaves: "
         "rho = inf for every CERAR candidate, which never fit",
@@ -1442,6 +1442,32 @@ FAULTS = [
         quick=True,
     ),
     Fault(
+        name="auto-fed-window-against-one-steps-noise",
+        file="train/aggregation/auto_aggregator.py",
+        original="    return list(worst_tensor(estimate, variance, noise * math.sqrt(cand.window)))",
+        replacement="    return list(worst_tensor(estimate, variance, noise))",
+        tests=("tests/test_auto_feedback.py -k real_figure",),
+        why="aggregator=auto sets a fed-back candidate's window of W calls against one step's noise, not the W "
+        "steps' summed noise: over-rated sqrt(W)x, refused where it fits",
+    ),
+    Fault(
+        name="auto-check-rounds-with-the-runs-residuals",
+        file="train/aggregation/auto_aggregator.py",
+        original="    if kept is not None:\n        aggregator.feedback = ErrorFeedback()\n",
+        replacement="",
+        tests=("tests/test_auto_feedback.py -k residuals",),
+        why="auto's checks and trials round with the chosen candidate's own residuals: the run's next aggregate "
+        "carries a sample's or a trial's rounding",
+    ),
+    Fault(
+        name="auto-keeps-no-residuals-in-its-checkpoint",
+        file="train/aggregation/auto_aggregator.py",
+        original="        return self.current.feedback\n",
+        replacement="        return self.aggregators[EXACT].feedback\n",
+        tests=("tests/test_auto_feedback.py -k residuals",),
+        why="a fed auto run's checkpoint keeps no residuals: a resumed run is not the uninterrupted one's bits",
+    ),
+    Fault(
         name="cache-lock-unnamed-until-the-heartbeat",
         file="train/data.py",
         original="        _write_words(fd, who, 0)  # before any work: a holder stopped at once still names itself\n",
@@ -1577,8 +1603,8 @@ FAULTS = [
     Fault(
         name="int4-auto-measures-8-bit",
         file="train/aggregation/auto_aggregator.py",
-        original="        return agg.Int4Aggregator(world_size, timeout, int(a.block), bool(a.rotate), group=flat_group)",
-        replacement="        return agg.QuantizedAggregator(world_size, timeout, int(a.block), group=flat_group)",
+        original="        return agg.Int4Aggregator(world_size, timeout, int(a.block), bool(a.rotate), group=flat_group,",
+        replacement="        return agg.QuantizedAggregator(world_size, timeout, int(a.block), group=flat_group,",
         tests=("tests/test_auto_int4.py -k whole_calls",),
         why="auto's int4 candidate runs the 8-bit call: its error under-rated some 20x",
     ),

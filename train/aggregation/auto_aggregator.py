@@ -28,6 +28,7 @@ beside the prediction.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -68,8 +69,9 @@ def build_candidate(cand: Candidate, cfg, world_size: int, layout, flat_group) -
         return agg.AllReduceAggregator(world_size, timeout)
     if cand.kind in ("fp16", "bf16"):
         return agg.LowPrecisionAllReduce(world_size, timeout, torch.float16 if cand.kind == "fp16" else torch.bfloat16)
+    fed = cand.window > 0  # aggregator.error_feedback: the quantized candidates keep this rank's residuals
     if cand.kind == "int8":
-        return agg.QuantizedAggregator(world_size, timeout, int(a.block), group=flat_group)
+        return agg.QuantizedAggregator(world_size, timeout, int(a.block), group=flat_group, error_feedback=fed)
     if cand.kind == "cerar":
         return agg.CerarAggregator(world_size, timeout, cand.c, a.construction, a.eps, kappa, exact_ring=False,
                                    transport=cand.transport, group=flat_group,
@@ -79,12 +81,14 @@ def build_candidate(cand: Candidate, cfg, world_size: int, layout, flat_group) -
                                           kappa, cand.kind == "hier_ring", False, transport=cand.transport,
                                           describe=False, equilibrate=a.equilibrate)  # fmt: skip
     if cand.kind == "hier_int8":
-        return agg.HierarchicalQuantizedAggregator(world_size, timeout, layout, int(a.block), describe=False)
-    if cand.kind == "int4":  # never fed back: error feedback stays outside auto (docs/int4.md)
-        return agg.Int4Aggregator(world_size, timeout, int(a.block), bool(a.rotate), group=flat_group)
+        return agg.HierarchicalQuantizedAggregator(world_size, timeout, layout, int(a.block), describe=False,
+                                                   error_feedback=fed)  # fmt: skip
+    if cand.kind == "int4":
+        return agg.Int4Aggregator(world_size, timeout, int(a.block), bool(a.rotate), group=flat_group,
+                                  error_feedback=fed)  # fmt: skip
     if cand.kind == "hier_int4":
         return agg.HierarchicalInt4Aggregator(world_size, timeout, layout, int(a.block), bool(a.rotate), str(a.intra),
-                                              describe=False)  # fmt: skip
+                                              describe=False, error_feedback=fed)  # fmt: skip
     raise ValueError(f"aggregator=auto: no builder for candidate kind {cand.kind!r}")
 
 
@@ -213,6 +217,24 @@ def cluster_from_declared(layout, links: dict):
 # --------------------------------------------------------------------------------------------- the errors
 
 
+@contextlib.contextmanager
+def own_feedback(aggregator: Aggregator):
+    """While a fed-back candidate is called outside the run's aggregation (a check's sample, a trial's timing), it
+    rounds with residuals of its own, fresh, dropped after: the run's residuals hold what the run's aggregates
+    dropped and nothing else (a trial's rounding of this step's gradient, kept, would be added to this step's
+    aggregate). Unfed aggregators are called as they are."""
+    from cerar.int4.feedback import ErrorFeedback
+
+    kept = aggregator.feedback
+    if kept is not None:
+        aggregator.feedback = ErrorFeedback()
+    try:
+        yield
+    finally:
+        if kept is not None:
+            aggregator.feedback = kept
+
+
 def measure_candidate(
     aggregator: Aggregator, cand: Candidate, flat: torch.Tensor, layout, noise: torch.Tensor, generator,
     per_tensor: int, sizes: dict | None = None, g_bar: torch.Tensor | None = None, zero: torch.Tensor | None = None,
@@ -228,7 +250,12 @@ def measure_candidate(
     messages) share one all-reduce of the sizes and one computation of the probabilities (each still draws its
     own units). A `whole` candidate runs on a copy of the whole gradient instead, against `g_bar` (the exact
     mean): each tensor's error exactly, standard error 0 (one more gradient-sized buffer while it runs, one
-    aggregation's time)."""
+    aggregation's time). A fed-back candidate (`cand.window` = W > 0) is judged as the trainer judges a fed run
+    (train/aggregation/feedback_window.py): with residuals of its own (`own_feedback`), one call fills them, then the
+    error of the sum of the next W calls on the same sample, against sqrt(W) sigma_t (W steps' independent noises,
+    each taken as this step's). Fed back, that sum is E_first - E_after, two residuals, however many calls: what it
+    measures is the size of this gradient's residuals, which the gradients of the next steps share (the same
+    tensors, blocks and scales), where one call's error would not say what the optimizer integrates."""
     from train.aggregation.tensor_errors import TensorSample, unit_sizes, worst_tensor
 
     if cand.whole:
@@ -252,15 +279,24 @@ def measure_candidate(
     bounded(f"aggregator=auto: exact sample all_reduce ({cand.name})", lambda: dist.all_reduce(exact, async_op=True))
     exact /= dist.get_world_size()
     scales = aggregator.tensor_scales(flat)
-    with guarded(f"aggregator=auto: measuring {cand.name}"):
-        if scales is None:
-            aggregator.aggregate(x)
-        else:
-            aggregator.aggregate(x, scales=sample.scales(scales.to(x)))
-    if zero is not None:
-        x[sample.in_tensors(zero).to(x.device)] = 0.0
-    estimate, variance = sample.estimate((x.double() - exact).square())
-    return list(worst_tensor(estimate, variance, noise))
+    scales = None if scales is None else sample.scales(scales.to(x))
+    zeros = None if zero is None else sample.in_tensors(zero).to(x.device)
+
+    def error(y: torch.Tensor) -> torch.Tensor:  # the candidate's real call on the sample, its error in float64
+        with guarded(f"aggregator=auto: measuring {cand.name}"):
+            aggregator.aggregate(y) if scales is None else aggregator.aggregate(y, scales=scales)
+        if zeros is not None:
+            y[zeros] = 0.0
+        return y.double() - exact
+
+    if not cand.window:
+        estimate, variance = sample.estimate(error(x).square())
+        return list(worst_tensor(estimate, variance, noise))
+    with own_feedback(aggregator):
+        error(x.clone())  # fills the residuals: each call after carries the last one's
+        summed = sum(error(x.clone()) for _ in range(cand.window))
+    estimate, variance = sample.estimate(summed.square())
+    return list(worst_tensor(estimate, variance, noise * math.sqrt(cand.window)))
 
 
 # --------------------------------------------------------------------------------------------- the aggregator
@@ -306,6 +342,12 @@ class AutoAggregator(Aggregator):
     @property
     def current(self) -> Aggregator:
         return self.aggregators[self.choice.choice]
+
+    @property
+    def feedback(self):
+        """The residuals of the choice now aggregating (None: it does not feed back): what a checkpoint keeps of this
+        rank (`rank_state`), restored after the choice (`Trainer.restore` loads the choice first)."""
+        return self.current.feedback
 
     @property
     def replicas_differ(self) -> bool:
@@ -398,8 +440,15 @@ class AutoAggregator(Aggregator):
         measured = {name: (math.nan, 0.0) if refused[k] else tuple(every[worst[k], k, :2].tolist())
                     for k, name in enumerate(names)}  # fmt: skip
         tensors = {name: layout.names[int(every[worst[k], k, 2])] for k, name in enumerate(names)}
+        before = self.choice.choice
         record = self.choice.decide(step, float(every[0, -1, 0]), measured,
                                     lambda short: self.time_calls(short, flat), tensors)  # fmt: skip
+        if self.choice.choice != before and self.aggregators[before].feedback is not None:
+            from cerar.int4.feedback import ErrorFeedback
+
+            # a choice left has exceeded the budget and is never chosen again: its residuals, one call's roundings,
+            # are dropped once (and their memory freed)
+            self.aggregators[before].feedback = ErrorFeedback()
         if dist.get_rank() == 0:
             log.info("%s", self.choice.describe(record))
         out = {"auto/noise": record["noise"], "auto/allowed_error": record["allowed"]}
@@ -418,15 +467,16 @@ class AutoAggregator(Aggregator):
         scratch = torch.empty_like(flat)
         seconds = torch.zeros(len(names), dtype=torch.float64)
         for k, name in enumerate(names):
-            for call in range(1 + self.trial_calls):
-                scratch.copy_(flat)
-                sync_device(flat.device)
-                start = time.perf_counter()
-                with guarded(f"aggregator=auto: timing {name}"):
-                    self.aggregators[name].aggregate(scratch)
-                sync_device(flat.device)
-                if call:
-                    seconds[k] += (time.perf_counter() - start) / self.trial_calls
+            with own_feedback(self.aggregators[name]):  # a fed candidate's trials never touch the run's residuals
+                for call in range(1 + self.trial_calls):
+                    scratch.copy_(flat)
+                    sync_device(flat.device)
+                    start = time.perf_counter()
+                    with guarded(f"aggregator=auto: timing {name}"):
+                        self.aggregators[name].aggregate(scratch)
+                    sync_device(flat.device)
+                    if call:
+                        seconds[k] += (time.perf_counter() - start) / self.trial_calls
         seconds = seconds.to(flat.device)
         bounded("aggregator=auto: trial timings all_reduce",
                 lambda: dist.all_reduce(seconds, dist.ReduceOp.MAX, async_op=True))  # fmt: skip

@@ -7,8 +7,10 @@ code is admissible (`cerar16-c<c>`); on n >= 2 nodes of G >= 2 ranks also the tw
 (`hier_ring`), over float16 messages (`hier_fp16`), with int8 between the nodes (`hier_int8`), the 8/4 hierarchy
 (`hier_int4`: aggregator.intra inside the nodes, 4 bits between them) and, on n >= 3 nodes (on two, the code sends
 the exact ring's bytes), CERAR between them (`hier_cerar-c<c>`, `hier_cerar16-c<c>`). The 4-bit ones take the
-config's `block` and `rotate` (and `intra`); error feedback is never a candidate's (its error is judged over a
-window of steps, not one check's call: docs/int4.md).
+config's `block` and `rotate` (and `intra`). Under aggregator.error_feedback=true the quantized ones are fed back
+(`int8_ef`, `int4_ef`, `hier_int8_ef`, `hier_int4_ef`, in place of the unfed ones) and judged as the trainer judges a
+fed run: the error of the sum of W consecutive calls against the summed noise (`Candidate.window` = W,
+aggregator.feedback_window; train/aggregation/feedback_window.py), never one call's (docs/int4.md).
 
 Each candidate carries its cost model name (`cerar.planning.costmodel.two_tier_features`) and the layout of its
 arithmetic (`parts`, `pieces`, `unit`: the values that a call mixes or scales together), which is what a
@@ -34,10 +36,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from train.aggregation.auto_c import DEFAULT_ERROR_BUDGET, SIGMAS, candidate_codes
-from train.config import FAMILIES, code_kappa_max
+from train.config import FAMILIES, FEEDBACK_KINDS, code_kappa_max, feedback_window_steps
 
 EXACT = "nccl"
 """The exact flat all-reduce: the warm-up's aggregator and the fallback when the links are unknown."""
@@ -55,7 +57,9 @@ class Candidate:
     every tensor's root mean square is near 1, and the scale moves only values below 2^-29 of a message's largest,
     by at most 2^-39 of that largest: far below any tensor's own rounding unless one value is some 2^29 times its
     tensor's root mean square). `quantized`: the cost model's keywords for a quantized candidate's format
-    (`cerar.planning.costmodel.two_tier_features`: block, rotate, intra, intra_block), as (key, value) pairs."""
+    (`cerar.planning.costmodel.two_tier_features`: block, rotate, intra, intra_block), as (key, value) pairs.
+    `window`: a fed-back candidate's (aggregator.error_feedback) W, the steps its error is summed over when it is
+    judged; 0 for the unfed ones, judged on one call."""
 
     name: str
     kind: str
@@ -68,6 +72,7 @@ class Candidate:
     unit: int = 1
     whole: bool = False
     quantized: tuple = ()
+    window: int = 0
 
     def price(self, cluster, d: int) -> float:
         """Predicted seconds of one call on d values on `cluster` (`cerar.planning.costmodel.TwoTierCluster`)."""
@@ -98,7 +103,8 @@ def _cerar_codes(N: int, a, transport: str) -> dict[int, object]:
 
 def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
     """name -> Candidate for N = nodes x local_size ranks and aggregator config `a` (construction, eps,
-    kappa_max, block, auto_aggregators: the kinds to keep, null: all)."""
+    kappa_max, block, auto_aggregators: the kinds to keep, null: all; error_feedback: the quantized ones fed back,
+    `fed`)."""
     block = int(a.block)
     keep = a.auto_aggregators
 
@@ -139,7 +145,18 @@ def candidates(N: int, nodes: int, local_size: int, a) -> dict[str, Candidate]:
         if unknown:
             raise ValueError(f"aggregator.auto_aggregators holds {unknown}: not among {', '.join(FAMILIES)}")
         pool = [cand for cand in pool if cand.exact or cand.model in keep or cand.name in keep]
+    if getattr(a, "error_feedback", False):
+        pool = [fed(cand, feedback_window_steps(a)) for cand in pool]
     return {cand.name: cand for cand in pool}
+
+
+def fed(cand: Candidate, window: int) -> Candidate:
+    """`cand` fed back, named `<name>_ef` and judged over windows of `window` steps, where its kind feeds back (every
+    rounding a rank's own message: FEEDBACK_KINDS); the others unchanged (the casts' and CERAR's errors are not a
+    rank's own rounding, docs/int4.md)."""
+    if cand.kind not in FEEDBACK_KINDS:
+        return cand
+    return replace(cand, name=f"{cand.name}_ef", window=window)
 
 
 def fastest_within(seconds: dict[str, float], bound: dict[str, float], allowed: float) -> str:
@@ -350,10 +367,12 @@ class AutoChoice:
         trial = "; timed per call: " + ", ".join(
             f"{name} {1e3 * s:.3g} ms" for name, s in sorted(timed.items(), key=lambda kv: kv[1])
         ) if timed else ""  # fmt: skip
+        windows = sorted({self.candidates[name].window for name in record["errors"]} - {0})
+        fed = f" (the fed-back _ef: the sum of {windows[0]} calls' errors, the noise summed alike)" if windows else ""
         return (
             f"step {record['step']}: aggregator=auto {record['reason']}: {move}, predicted "
             f"{1e3 * record['predicted_s']:.3g} ms per step (exact {EXACT}: {1e3 * self.seconds[EXACT]:.3g} ms); "
-            f"noise {record['noise']:.3g}; per tensor, error <= {self.budget:g} x that tensor's noise; "
+            f"noise {record['noise']:.3g}; per tensor, error <= {self.budget:g} x that tensor's noise{fed}; "
             f"{len(record['errors'])} measured, fitting by predicted time: {', '.join(fits) or 'none but the exact'}"
             f"{trial}{worst_tensors(record)}"
         )
