@@ -4,7 +4,10 @@ numbers of a finished run folder, and the CSV rows, appended as runs finish (the
 
 Why one launch per run (not ``train/sweep.py``): the load average is recorded before and after each run, and each
 row's load is its own; so is the CPU time its processes used (``cpu_s`` in its launch.json: the launched
-processes' user + system seconds, ``RUSAGE_CHILDREN``; runs launched before issue 53 lack it). The code that
+processes' user + system seconds, ``RUSAGE_CHILDREN``; runs launched before issue 53 lack it), and what every other
+process on the machine used meanwhile (``others_cpu_s``: the machine's busy seconds, ``machine_busy_s``, over the
+run, less the run's own; with ``cores``), which two load samples at its start and end cannot show: work that came
+and went in between. The code that
 trains is a snapshot of one commit (``code_snapshot``: ``git archive`` of cerar, train and configs), so the
 ``commit`` column names exactly what ran, whatever else the checkout holds.
 """
@@ -68,6 +71,19 @@ def overrides(setting: Setting, name: str, seed: int, steps: int, eval_every: in
         "trainer.drift_every=0", "trainer.progress_bar=false", "checkpoint.every=0", "checkpoint.at_end=false",
         "resume=false", "wandb.mode=disabled", f"hydra.run.dir={run_dir}", *extra,
     ]  # fmt: skip
+
+
+def machine_busy_s(stat: Path = Path("/proc/stat")) -> float | None:
+    """CPU seconds every process on the machine has used since boot, all cores together: /proc/stat's user, nice,
+    system, irq, softirq and steal (not idle, not iowait); None where it cannot be read (not Linux)."""
+    try:
+        fields = stat.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    if len(fields) < 9 or fields[0] != "cpu":
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def children_cpu() -> float:

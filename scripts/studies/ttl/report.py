@@ -86,10 +86,18 @@ def loads_vary(loads: list[float]) -> bool:
 def _run(folder: Path | None, name: str, seed: str, window: range) -> dict:
     """What the report reads from one run folder: its evaluations, steady-state phases, CPU seconds, metrics."""
     if folder is None:
-        return {"evaluations": [], "phases": None, "cpu": None, "metrics": []}
+        return {"evaluations": [], "phases": None, "cpu": None, "others": None, "metrics": []}
     metrics = read_metrics(folder / f"{name}_s{seed}")
+    launched = load_json(folder / f"{name}_s{seed}" / "launch.json")
     return {"evaluations": evaluations(metrics), "phases": metric.phases(metrics, window), "metrics": metrics,
-            "cpu": _f(load_json(folder / f"{name}_s{seed}" / "launch.json").get("cpu_s"))}  # fmt: skip
+            "cpu": _f(launched.get("cpu_s")), "others": others_share(launched)}  # fmt: skip
+
+
+def others_share(launched: dict) -> float | None:
+    """The share of the machine's cores that other work used during a run: launch.json's ``others_cpu_s`` over
+    ``cores`` x the run's seconds (None for the runs launched before it was recorded)."""
+    others, cores, seconds = (_f(launched.get(k)) for k in ("others_cpu_s", "cores", "seconds"))
+    return None if others is None or not cores or not seconds else others / (cores * seconds)
 
 
 def summarize(rows: list[dict], folder: Path | None = None, warmup: int = WARMUP_STEPS) -> dict:
@@ -115,7 +123,8 @@ def summarize(rows: list[dict], folder: Path | None = None, warmup: int = WARMUP
             r, base = by[(name, seed)], nccl.get(seed)
             mine, theirs = runs[(name, seed)], runs.get(("nccl", seed))
             cross = metric.crossing(mine["evaluations"], goal[1]) if goal and mine["evaluations"] else None
-            one = {"seed": seed, "row": r, "crossing": cross, "phases": mine["phases"], "metrics": mine["metrics"]}
+            one = {"seed": seed, "row": r, "crossing": cross, "phases": mine["phases"], "metrics": mine["metrics"],
+                   "others": mine["others"]}  # fmt: skip
             if base is not None:
                 cross0 = metric.crossing(theirs["evaluations"], goal[1]) if goal and theirs["evaluations"] else None
                 p, p0 = mine["phases"] or {}, theirs["phases"] or {}
@@ -161,6 +170,9 @@ def _aggregate(name: str, per_seed: list[dict], band: float | None) -> dict:
         values = [s[key] for s in paired if s.get(key) is not None]
         out[key] = statistics.fmean(values) if values and (key not in ("ttt", "stt") or reached) else None
         out[key + "_span"] = (min(values), max(values)) if len(values) >= 2 else None
+    others = [s["others"] for s in per_seed if s.get("others") is not None]  # a share, not a ratio to nccl's
+    out["others"], out["others_n"] = (statistics.fmean(others) if others else None), len(others)
+    out["others_span"] = (min(others), max(others)) if len(others) >= 2 else None
     return out
 
 
@@ -269,6 +281,16 @@ def _with_span(a: dict, key: str) -> str:
     return _x(a[key]) + (f" ({span[0]:.3f}..{span[1]:.3f})" if span and _x(span[0]) != _x(span[1]) else "")
 
 
+def others_column(a: dict) -> str:
+    """Other work's mean CPU share during the aggregator's runs, its seeds' span, and how many seeds recorded it."""
+    if a["others"] is None:
+        return "-"
+    span = a["others_span"]
+    wide = span and round(100 * span[0]) != round(100 * span[1])
+    spread = f" ({100 * span[0]:.0f}..{100 * span[1]:.0f} %)" if wide else ""
+    return f"{100 * a['others']:.0f} %{spread} ({a['others_n']} seed{'s' * (a['others_n'] != 1)})"
+
+
 def _s(x: float) -> str:
     """Seconds to 3 decimals, a rounded -0 as 0."""
     return f"{round(x, 3) + 0.0:.3f}"
@@ -348,12 +370,12 @@ def setting_section(setting: Setting, srows: list[dict], runs: Path, figures: Pa
     lines += ["", commits_paragraph(summary, retired)]
     lines += ["", "| aggregator | seeds | chose | wall / nccl | time to target / nccl | steps to target / nccl "
               "| steady step / nccl | aggregation / nccl | forward+backward / nccl (control) | CPU / nccl "
-              "| load / nccl's |", "|" + " --- |" * 11]  # fmt: skip
+              "| load / nccl's | other work's CPU share (seeds) |", "|" + " --- |" * 12]  # fmt: skip
     for name, a in aggs.items():
         ttt = _with_span(a, "ttt") if a["reached"] else f"never at s{', s'.join(a['never'])}"
         lines.append(f"| {name} | {a['n']} | {a['chosen'] or '-'} | {_with_span(a, 'wall')} | {ttt} | "
                      f"{_x(a['stt'])} | {_x(a['steady'])} | {_x(a['agg'])} | {_x(a['compute'])} | {_x(a['cpu'])} | "
-                     f"{_with_span(a, 'load')} |")  # fmt: skip
+                     f"{_with_span(a, 'load')} | {others_column(a)} |")  # fmt: skip
     fractions = " / ".join(f"{summary['gap_steps'][f]}" for f in GAP_FRACTIONS)
     lines += ["", f"| aggregator | seeds | final val loss (mean) | gap to nccl, paired by seed: mean [95 % t "
               f"interval] | gap at steps {fractions} | within nccl's band at every seed |", "|" + " --- |" * 6]
@@ -483,7 +505,11 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures_dir: Path, reti
         "contention the run met, not its aggregator. CPU: the run's processes' user + system seconds "
         f"(launch.json's `cpu_s`, recorded from issue 53 on: {cpu_recorded(rows, runs)} of these {len(rows)} runs "
         "have it). Load: the run's "
-        "mean 1-minute load, start and end, over nccl's at the same seed. Brackets: the seeds' span.",
+        "mean 1-minute load, start and end, over nccl's at the same seed. Other work's CPU share: what every "
+        "other process on the machine used while the run ran (launch.json's `others_cpu_s`, the machine's busy "
+        "seconds from /proc/stat less the run's own), over its cores x its seconds; recorded from 2026-12-05 on "
+        "(the seeds that have it in brackets), it shows work that came and went between the two load samples. "
+        "Brackets: the seeds' span.",
         f"- **Headlines** need {HEADLINE_SEEDS} seeds of the aggregator and of nccl; a figure with fewer says "
         "\"n seeds: not a headline\". A setting whose rows come from more than one commit says so, whether their "
         "code differs, and every retired (replaced) row.",
