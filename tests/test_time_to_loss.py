@@ -279,6 +279,9 @@ def test_the_reports_arithmetic_from_a_hand_made_study(tmp_path):
     assert "checks 0.110 + rest 0.000, 1.200x fp16's 0.800 s" in apart
     best, why = headline(s)
     assert best == "fp16" and "0.800x nccl's (3 seeds" in why and "cerar_c16 1 seed, auto 1 seed: not headlines" in why
+    assert "separate" not in why  # fp16 0.8x at every seed, nccl 1.0x: apart
+    fp16["ttt_span"] = (0.7, 1.02)  # had one seed been 1.02x nccl's: the seeds would not separate the two
+    assert headline(s)[1].count("; its seeds (0.700..1.020) do not separate it from nccl 1.000x;") == 1
     verdict = auto_verdict(s)
     assert verdict.startswith("MISSED") and f"{21.2 / 19.0 / 0.8:.3f}" in verdict
     assert "1 seed: not a headline" in verdict

@@ -179,7 +179,8 @@ def _aggregate(name: str, per_seed: list[dict], band: float | None) -> dict:
 def headline(summary: dict) -> tuple[str | None, str]:
     """(the aggregator the rows support taking, why): the one with the least time to the target among those with
     ``HEADLINE_SEEDS`` seeds or more that ended within nccl's band at every seed, nccl itself with as many; else
-    None and what is missing."""
+    None and what is missing. The others of those whose seeds' times to the target reach into its seeds' span are
+    named as not separated from it: a mean ahead by less than the seeds spread is not a lead the rows show."""
     aggs = summary["aggregators"]
     n_nccl = aggs.get("nccl", {}).get("n", 0)
     if n_nccl < HEADLINE_SEEDS:
@@ -194,7 +195,24 @@ def headline(summary: dict) -> tuple[str | None, str]:
     commits = sorted({s["row"]["commit"] for a in aggs.values() for s in a["seeds"]})
     mixed = any(code_differs(commits[0], c) for c in commits[1:])
     caveat = f"; **rows from {len(commits)} commits whose code differs**" if mixed else ""
-    return best, f"{describe_time(fits[best])}; ends {_gap(fits[best])}{caveat}{tail}"
+    return best, f"{describe_time(fits[best])}; ends {_gap(fits[best])}{unseparated(fits, best)}{caveat}{tail}"
+
+
+def unseparated(fits: dict, best: str) -> str:
+    """'; the seeds do not separate it from ...' naming each other aggregator of ``fits`` whose seeds' times to the
+    target (their span, or their mean with one value) overlap ``best``'s seeds' span; '' when none does."""
+
+    def span(a: dict) -> tuple[float, float]:
+        return a["ttt_span"] or (a["ttt"], a["ttt"])
+
+    lo, hi = span(fits[best])
+    close = [n for n in fits if n != best and span(fits[n])[0] <= hi and span(fits[n])[1] >= lo]
+    if not close:
+        return ""
+    named = ", ".join(f"{n} {fits[n]['ttt']:.3f}x" + (f" ({span(fits[n])[0]:.3f}..{span(fits[n])[1]:.3f})"
+                                                      if span(fits[n])[0] != span(fits[n])[1] else "")
+                      for n in sorted(close, key=lambda n: fits[n]["ttt"]))  # fmt: skip
+    return f"; its seeds ({lo:.3f}..{hi:.3f}) do not separate it from {named}"
 
 
 def auto_verdict(summary: dict) -> str | None:
