@@ -202,17 +202,18 @@ def unseparated(fits: dict, best: str) -> str:
     """'; the seeds do not separate it from ...' naming each other aggregator of ``fits`` whose seeds' times to the
     target (their span, or their mean with one value) overlap ``best``'s seeds' span; '' when none does."""
 
-    def span(a: dict) -> tuple[float, float]:
-        return a["ttt_span"] or (a["ttt"], a["ttt"])
-
-    lo, hi = span(fits[best])
-    close = [n for n in fits if n != best and span(fits[n])[0] <= hi and span(fits[n])[1] >= lo]
+    spans = {n: a["ttt_span"] or (a["ttt"], a["ttt"]) for n, a in fits.items()}
+    lo, hi = spans[best]
+    overlap = [n for n, (a, b) in spans.items() if n != best and a <= hi and b >= lo]
+    close = sorted(overlap, key=lambda n: fits[n]["ttt"])
     if not close:
         return ""
-    named = ", ".join(f"{n} {fits[n]['ttt']:.3f}x" + (f" ({span(fits[n])[0]:.3f}..{span(fits[n])[1]:.3f})"
-                                                      if span(fits[n])[0] != span(fits[n])[1] else "")
-                      for n in sorted(close, key=lambda n: fits[n]["ttt"]))  # fmt: skip
-    return f"; its seeds ({lo:.3f}..{hi:.3f}) do not separate it from {named}"
+
+    def name(n: str) -> str:
+        a, b = spans[n]
+        return f"{n} {fits[n]['ttt']:.3f}x" + (f" ({a:.3f}..{b:.3f})" if a != b else "")
+
+    return f"; its seeds ({lo:.3f}..{hi:.3f}) do not separate it from {', '.join(map(name, close))}"
 
 
 def auto_verdict(summary: dict) -> str | None:
