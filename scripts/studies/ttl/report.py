@@ -201,19 +201,14 @@ def headline(summary: dict) -> tuple[str | None, str]:
 def unseparated(fits: dict, best: str) -> str:
     """'; the seeds do not separate it from ...' naming each other aggregator of ``fits`` whose seeds' times to the
     target (their span, or their mean with one value) overlap ``best``'s seeds' span; '' when none does."""
-
     spans = {n: a["ttt_span"] or (a["ttt"], a["ttt"]) for n, a in fits.items()}
     lo, hi = spans[best]
     overlap = [n for n, (a, b) in spans.items() if n != best and a <= hi and b >= lo]
     close = sorted(overlap, key=lambda n: fits[n]["ttt"])
     if not close:
         return ""
-
-    def name(n: str) -> str:
-        a, b = spans[n]
-        return f"{n} {fits[n]['ttt']:.3f}x" + (f" ({a:.3f}..{b:.3f})" if a != b else "")
-
-    return f"; its seeds ({lo:.3f}..{hi:.3f}) do not separate it from {', '.join(map(name, close))}"
+    names = ", ".join(f"{n} {_with_span(fits[n], 'ttt')}x" for n in close)
+    return f"; its seeds ({lo:.3f}..{hi:.3f}) do not separate it from {names}"
 
 
 def auto_verdict(summary: dict) -> str | None:
