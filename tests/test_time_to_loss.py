@@ -307,7 +307,9 @@ def test_the_report_is_rebuilt_from_the_csv_the_retired_rows_and_the_folders_alo
     retired = tmp_path / "retired.csv"
     gone = {**rows.read_rows(csv_path)[0], "wall_s": "55.5", "commit": "0ld0ld0", "retired_in": "bdae7f3",
             "reason": "rerun at lower load"}  # fmt: skip
-    study.append(retired, [gone], RETIRED_COLUMNS)
+    stamped = {**rows.read_rows(csv_path)[1], "commit": "0ld0ld0", "retired_in": "2026-12-05T16:51:58+00:00",
+               "reason": "code of 0ld0ld0 differs"}  # fmt: skip
+    study.append(retired, [gone, stamped], RETIRED_COLUMNS)
     report, figures = tmp_path / "report.md", tmp_path / "figures"
     out = write_report(csv_path, runs, report, figures, retired)
     assert report.read_text() == out
@@ -316,7 +318,9 @@ def test_the_report_is_rebuilt_from_the_csv_the_retired_rows_and_the_folders_alo
     assert "| fp16 | 3 | 4.6547 | +0.100 % [-0.148, +0.348] % |" in out and "| cerar_c16 | 1 | 6.3000 |" in out
     assert "**Rows from 2 commits**, their code differs" in out and f"{repo['other code']}: fp16 (s3)" in out
     assert "nccl s1 of 0ld0ld0 (56 s, load 0.00 -> 0.00) retired in bdae7f3, replaced by" in out
-    assert "Why: rerun at lower load." in out and "The 1-minute load ran from 0.00 to 2.00" in out
+    assert "retired at 2026-12-05T16:51:58+00:00, replaced" in out  # the launcher's stamp is a time, not a commit
+    assert "Why: code of 0ld0ld0 differs / rerun at lower load." in out
+    assert "The 1-minute load ran from 0.00 to 2.00" in out
     assert "**fp16**: time to the target 0.800x" in out and "whose code differs" in out
     assert "Status: a pilot" in out and "lab-4x2:tiny" in out and "--plan headline" in out
     assert (figures / f"time_to_loss_{LAB.key}.png").stat().st_size > 10_000

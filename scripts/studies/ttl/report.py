@@ -10,6 +10,7 @@ states them once, in "How to read it". A headline needs ``HEADLINE_SEEDS`` seeds
 
 from __future__ import annotations
 
+import re
 import statistics
 from pathlib import Path
 
@@ -354,12 +355,17 @@ def commits_paragraph(summary: dict, retired: list[dict]) -> str:
             replaced = (f"by {new['commit']}'s ({float(new['wall_s']):.0f} s, load {new['load_before'].split()[0]} "
                         f"-> {new['load_after'].split()[0]})" if new else "not rerun")  # fmt: skip
             each.append(f"{r['aggregator']} s{r['seed']} of {r['commit']} ({float(r['wall_s']):.0f} s, load "
-                        f"{r['load_before'].split()[0]} -> {r['load_after'].split()[0]}) retired in {r['retired_in']}, "
-                        f"replaced {replaced}")  # fmt: skip
+                        f"{r['load_before'].split()[0]} -> {r['load_after'].split()[0]}) "
+                        f"retired {retired_when(r['retired_in'])}, replaced {replaced}")  # fmt: skip
         reasons = sorted({r["reason"] for r in mine})
         text += f" Retired rows ({len(mine)}): " + "; ".join(each) + ". Why: " + " / ".join(reasons)
         text += "" if text.endswith(".") else "."
     return text
+
+
+def retired_when(retired_in: str) -> str:
+    """'in <commit>' for a row retired by hand in a commit, 'at <time>' for the launcher's --retire-stale stamp."""
+    return f"in {retired_in}" if re.fullmatch(r"[0-9a-f]{7,40}", retired_in) else f"at {retired_in}"
 
 
 def setting_section(setting: Setting, srows: list[dict], runs: Path, figures: Path, retired: list[dict]):
