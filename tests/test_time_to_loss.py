@@ -305,9 +305,9 @@ def test_the_report_is_rebuilt_from_the_csv_the_retired_rows_and_the_folders_alo
     text = csv_path.read_text()
     csv_path.write_text(text.replace("abc1234", repo["code"]).replace("def5678", repo["other code"]))
     retired = tmp_path / "retired.csv"
-    gone = {**rows.read_rows(csv_path)[0], "wall_s": "55.5", "commit": "0ld0ld0", "retired_in": "bdae7f3",
-            "reason": "rerun at lower load"}  # fmt: skip
-    stamped = {**rows.read_rows(csv_path)[1], "commit": "0ld0ld0", "retired_in": "2026-12-05T16:51:58+00:00",
+    first, second = rows.read_rows(csv_path)[:2]
+    gone = {**first, "wall_s": "55.5", "commit": "0ld0ld0", "retired_in": "bdae7f3", "reason": "rerun at lower load"}
+    stamped = {**second, "commit": "0ld0ld0", "retired_in": "2026-12-05T16:51:58+00:00",
                "reason": "code of 0ld0ld0 differs"}  # fmt: skip
     study.append(retired, [gone, stamped], RETIRED_COLUMNS)
     report, figures = tmp_path / "report.md", tmp_path / "figures"
