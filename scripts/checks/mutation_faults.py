@@ -932,6 +932,14 @@ FAULTS = [
         why="the headline's 'its seeds do not separate it from' names every slower aggregator, apart or not",
     ),
     Fault(
+        name="ttl-others-count-the-runs-own-packets",
+        file="scripts/studies/ttl/report.py",
+        original="    return max(0.0, others - (irq or 0.0)) / (cores * seconds)",
+        replacement="    return others / (cores * seconds)",
+        tests=("tests/test_time_to_loss.py::test_the_reports_arithmetic_from_a_hand_made_study",),
+        why="the other work's share counts the kernel's interrupt work, mostly the run's own packets in the lab",
+    ),
+    Fault(
         name="ttl-shuffle-once-per-setting",
         file="scripts/studies/ttl/plan.py",
         original='        random.Random(f"{order_seed}/{setting.key}/{seed}").shuffle(out)',

@@ -5,9 +5,10 @@ numbers of a finished run folder, and the CSV rows, appended as runs finish (the
 Why one launch per run (not ``train/sweep.py``): the load average is recorded before and after each run, and each
 row's load is its own; so is the CPU time its processes used (``cpu_s`` in its launch.json: the launched
 processes' user + system seconds, ``RUSAGE_CHILDREN``; runs launched before issue 53 lack it), and what every other
-process on the machine used meanwhile (``others_cpu_s``: the machine's busy seconds, ``machine_busy_s``, over the
+process on the machine used meanwhile (``others_cpu_s``: the machine's busy seconds, ``machine_cpu_s``, over the
 run, less the run's own; with ``cores``), which two load samples at its start and end cannot show: work that came
-and went in between. The code that
+and went in between. Of those, ``irq_s`` is the kernel's interrupt work (from 2026-12-06 on), mostly the lab's own
+packets, which the run's rusage does not count. The code that
 trains is a snapshot of one commit (``code_snapshot``: ``git archive`` of cerar, train and configs), so the
 ``commit`` column names exactly what ran, whatever else the checkout holds.
 """
@@ -73,9 +74,12 @@ def overrides(setting: Setting, name: str, seed: int, steps: int, eval_every: in
     ]  # fmt: skip
 
 
-def machine_busy_s(stat: Path = Path("/proc/stat")) -> float | None:
-    """CPU seconds every process on the machine has used since boot, all cores together: /proc/stat's user, nice,
-    system, irq, softirq and steal (not idle, not iowait); None where it cannot be read (not Linux)."""
+def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float] | None:
+    """CPU seconds the whole machine has used since boot, all cores together, as (busy, interrupts): busy is
+    /proc/stat's user, nice, system, irq, softirq and steal (not idle, not iowait); interrupts its irq and softirq,
+    the kernel's interrupt work, which no process's rusage counts: in the lab, mostly the ranks' own packets through
+    the veth pairs and their tbf (about 2 s a minute in a two-tier pythia-14m run with nothing else running). None
+    where it cannot be read (not Linux)."""
     try:
         fields = stat.read_text().split("\n", 1)[0].split()
     except OSError:
@@ -83,7 +87,8 @@ def machine_busy_s(stat: Path = Path("/proc/stat")) -> float | None:
     if len(fields) < 9 or fields[0] != "cpu":
         return None
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return (user + nice + system + irq + softirq + steal) / tick, (irq + softirq) / tick
 
 
 def children_cpu() -> float:

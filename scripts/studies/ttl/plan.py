@@ -169,20 +169,23 @@ def launch_one(args, p: Planned, code: Path, commit: str, k: int) -> bool:
     argv = L.overrides(p.setting, p.name, p.seed, p.setting.steps, args.eval_for(p.setting),
                        args.micro_batch_for(p.setting), run_dir, args.extra)  # fmt: skip
     record = {"commit": commit, "load_before": L.loadavg(), "started": L._now()}
-    t0, cpu0, busy0 = time.monotonic(), L.children_cpu(), L.machine_busy_s()
+    t0, cpu0, machine0 = time.monotonic(), L.children_cpu(), L.machine_cpu_s()
     ok, how, shown = L.launch(p.setting, argv, code, folder / "logs" / f"{p.name}_s{p.seed}", args.timeout,
                               args.mtu, 29500 + (os.getpid() + k) % 400)  # fmt: skip
     record.update(load_after=L.loadavg(), seconds=round(time.monotonic() - t0, 1),
                   cpu_s=round(L.children_cpu() - cpu0, 1), ended=how, ok=ok,
                   command=shown.replace(str(code) + "/", ""))  # fmt: skip
-    busy = L.machine_busy_s()
-    if busy0 is not None and busy is not None:  # the rest of the machine's busy seconds: other work beside the run
-        record.update(others_cpu_s=round(max(0.0, busy - busy0 - record["cpu_s"]), 1), cores=os.cpu_count())
+    machine = L.machine_cpu_s()
+    if machine0 is not None and machine is not None:  # the rest of the machine: other work, and the kernel's
+        busy, interrupts = (after - before for before, after in zip(machine0, machine, strict=True))  # interrupts
+        record.update(others_cpu_s=round(max(0.0, busy - record["cpu_s"]), 1), irq_s=round(interrupts, 1),
+                      cores=os.cpu_count())  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "launch.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"time_to_loss: {p.setting.key} {p.name} seed {p.seed}: {how} in {record['seconds']} s "
-          f"({record['cpu_s']} s CPU; others {record.get('others_cpu_s', '?')} s), load {record['load_before']} -> "
-          f"{record['load_after']}", flush=True)  # fmt: skip
+          f"({record['cpu_s']} s CPU; others {record.get('others_cpu_s', '?')} s, of them interrupts "
+          f"{record.get('irq_s', '?')} s), load {record['load_before']} -> {record['load_after']}",
+          flush=True)  # fmt: skip
     return ok
 
 
