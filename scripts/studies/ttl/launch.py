@@ -7,10 +7,10 @@ row's load is its own; so is the CPU time its processes used (``cpu_s`` in its l
 processes' user + system seconds, ``RUSAGE_CHILDREN``; runs launched before issue 53 lack it), and what every other
 process on the machine used meanwhile (``others_cpu_s``: the machine's busy seconds, ``machine_cpu_s``, over the
 run, less the run's own; with ``cores``), which two load samples at its start and end cannot show: work that came
-and went in between. Of those, ``irq_s`` is the kernel's interrupt work (from 2026-12-06 on), mostly the lab's own
-packets, which the run's rusage does not count. The code that
-trains is a snapshot of one commit (``code_snapshot``: ``git archive`` of cerar, train and configs), so the
-``commit`` column names exactly what ran, whatever else the checkout holds.
+and went in between. Of those, ``irq_s`` is the kernel's interrupt work (from 2026-12-05 23:09 UTC on), mostly the
+lab's own packets, which the run's rusage does not count. The code that trains is a snapshot of one commit
+(``code_snapshot``: ``git archive`` of cerar, train and configs), so the ``commit`` column names exactly
+what ran, whatever else the checkout holds.
 """
 
 from __future__ import annotations

@@ -176,8 +176,9 @@ def launch_one(args, p: Planned, code: Path, commit: str, k: int) -> bool:
                   cpu_s=round(L.children_cpu() - cpu0, 1), ended=how, ok=ok,
                   command=shown.replace(str(code) + "/", ""))  # fmt: skip
     machine = L.machine_cpu_s()
-    if machine0 is not None and machine is not None:  # the rest of the machine: other work, and the kernel's
-        busy, interrupts = (after - before for before, after in zip(machine0, machine, strict=True))  # interrupts
+    # the rest of the machine's busy seconds: other work beside the run, and the kernel's interrupts apart
+    if machine0 is not None and machine is not None:
+        busy, interrupts = (after - before for before, after in zip(machine0, machine, strict=True))
         record.update(others_cpu_s=round(max(0.0, busy - record["cpu_s"]), 1), irq_s=round(interrupts, 1),
                       cores=os.cpu_count())  # fmt: skip
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -97,8 +97,8 @@ def _run(folder: Path | None, name: str, seed: str, window: range) -> dict:
 def others_share(launched: dict) -> float | None:
     """The share of the machine's cores that other processes used during a run: launch.json's ``others_cpu_s``,
     less its ``irq_s`` where recorded (the kernel's interrupt work, mostly the run's own packets in the lab; runs
-    before 2026-12-06 include it), over ``cores`` x the run's seconds (None for the runs launched before
-    ``others_cpu_s`` was recorded)."""
+    launched before 2026-12-05 23:09 UTC include it), over ``cores`` x the run's seconds (None for the runs
+    launched before ``others_cpu_s`` was recorded)."""
     others, irq, cores, seconds = (_f(launched.get(k)) for k in ("others_cpu_s", "irq_s", "cores", "seconds"))
     if others is None or not cores or not seconds:
         return None
@@ -533,8 +533,8 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures_dir: Path, reti
         "other process on the machine used while the run ran (launch.json's `others_cpu_s`, the machine's busy "
         "seconds from /proc/stat less the run's own), over its cores x its seconds; recorded from 2026-12-05 on "
         "(the seeds that have it in brackets), it shows work that came and went between the two load samples. "
-        "From 2026-12-06 on the kernel's interrupt work (irq and softirq, launch.json's `irq_s`) is left out: "
-        "no process's CPU time counts it, and in the lab it is mostly the run's own packets (about 2 s a minute "
+        "From 2026-12-05 23:09 UTC on the kernel's interrupt work (irq and softirq, launch.json's `irq_s`) is left "
+        "out: no process's CPU time counts it, and in the lab it is mostly the run's own packets (about 2 s a minute "
         "in a two-tier run at pythia-14m); the runs before include it, so their share is an upper bound. "
         "Brackets: the seeds' span.",
         f"- **Headlines** need {HEADLINE_SEEDS} seeds of the aggregator and of nccl; a figure with fewer says "
