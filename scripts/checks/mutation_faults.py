@@ -932,12 +932,29 @@ FAULTS = [
         why="the headline's 'its seeds do not separate it from' names every slower aggregator, apart or not",
     ),
     Fault(
-        name="ttl-others-count-the-runs-own-packets",
+        name="ttl-others-the-machine-less-the-run",
         file="scripts/studies/ttl/report.py",
-        original="    return max(0.0, others - (irq or 0.0)) / (cores * seconds)",
-        replacement="    return others / (cores * seconds)",
+        original="    return (procs if procs is not None else others) / (cores * seconds), procs is None",
+        replacement="    return others / (cores * seconds), procs is None",
         tests=("tests/test_time_to_loss.py::test_the_reports_arithmetic_from_a_hand_made_study",),
-        why="the other work's share counts the kernel's interrupt work, mostly the run's own packets in the lab",
+        why="the other work's share is the machine's busy seconds less the run's (the kernel's interrupts and "
+        "threads, mostly the run's own packets in the lab) where the processes were counted one by one",
+    ),
+    Fault(
+        name="ttl-others-count-the-runs-children",
+        file="scripts/studies/ttl/launch.py",
+        original="            if pid == run:",
+        replacement="            if pid == run and pid == parent.get(pid):",
+        tests=("tests/test_time_to_loss.py::test_the_launcher_counts_other_processes_one_by_one",),
+        why="the other processes counted one by one include the launcher and the run it started",
+    ),
+    Fault(
+        name="ttl-others-miss-waited-for-jobs",
+        file="scripts/studies/ttl/launch.py",
+        original="        grew = (own - own0) + (kids - kids0 if key[0] != 1 else 0.0)",
+        replacement="        grew = own - own0",
+        tests=("tests/test_time_to_loss.py::test_the_launcher_counts_other_processes_one_by_one",),
+        why="a job that began and ended beside the run (a test suite its shell waited for) is not other work",
     ),
     Fault(
         name="ttl-shuffle-once-per-setting",

@@ -5,10 +5,13 @@ numbers of a finished run folder, and the CSV rows, appended as runs finish (the
 Why one launch per run (not ``train/sweep.py``): the load average is recorded before and after each run, and each
 row's load is its own; so is the CPU time its processes used (``cpu_s`` in its launch.json: the launched
 processes' user + system seconds, ``RUSAGE_CHILDREN``; runs launched before issue 53 lack it), and what every other
-process on the machine used meanwhile (``others_cpu_s``: the machine's busy seconds, ``machine_cpu_s``, over the
-run, less the run's own; with ``cores``), which two load samples at its start and end cannot show: work that came
-and went in between. Of those, ``irq_s`` is the kernel's interrupt work (from 2026-12-05 23:09 UTC on), mostly the
-lab's own packets, which the run's rusage does not count. The code that trains is a snapshot of one commit
+process on the machine used meanwhile, which two load samples at its start and end cannot show: work that came
+and went in between. ``others_cpu_s`` (from 2026-12-05): the machine's busy seconds over the run
+(``machine_cpu_s``), less the run's own, with ``cores``; an upper bound, since it holds the kernel's interrupt work
+on idle cores and its threads' (in the lab mostly the run's own packets), of which ``irq_s`` is the interrupt part
+(from 2026-12-05 23:09 UTC on; not all of it is outside the run's own seconds: ``machine_cpu_s``). ``others_procs_s``
+and ``kthreads_s`` (from 2026-12-06 on): the other processes' seconds counted process by process, and the
+kernel threads' (``other_processes_cpu_s``). The code that trains is a snapshot of one commit
 (``code_snapshot``: ``git archive`` of cerar, train and configs), so the ``commit`` column names exactly
 what ran, whatever else the checkout holds.
 """
@@ -77,9 +80,14 @@ def overrides(setting: Setting, name: str, seed: int, steps: int, eval_every: in
 def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float] | None:
     """CPU seconds the whole machine has used since boot, all cores together, as (busy, interrupts): busy is
     /proc/stat's user, nice, system, irq, softirq and steal (not idle, not iowait); interrupts its irq and softirq,
-    the kernel's interrupt work, which no process's rusage counts: in the lab, mostly the ranks' own packets through
-    the veth pairs and their tbf (about 2 s a minute in a two-tier pythia-14m run with nothing else running). None
-    where it cannot be read (not Linux)."""
+    the kernel's interrupt work: in the lab, mostly the ranks' own packets through the veth pairs and their tbf
+    (about 2 s a minute in a two-tier pythia-14m run with nothing else running). Under tick accounting
+    (CONFIG_TICK_CPU_ACCOUNTING without CONFIG_IRQ_TIME_ACCOUNTING, this machine's kernel) a tick that lands in an
+    interrupt is charged to the interrupt column and to the task it interrupted (kernel/sched/cputime.c,
+    ``account_system_time`` -> ``account_system_index_time``: ``p->stime += cputime`` and the cpustat field), so
+    the part that interrupted the run is in the run's own seconds too, and the part that interrupted the idle task
+    in no process's: the busy seconds less the run's bound other work from above, less the interrupts too from
+    below. None where it cannot be read (not Linux)."""
     try:
         fields = stat.read_text().split("\n", 1)[0].split()
     except OSError:
@@ -89,6 +97,67 @@ def machine_cpu_s(stat: Path = Path("/proc/stat")) -> tuple[float, float] | None
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
     tick = os.sysconf("SC_CLK_TCK")
     return (user + nice + system + irq + softirq + steal) / tick, (irq + softirq) / tick
+
+
+PF_KTHREAD = 0x00200000  # include/linux/sched.h: the task is a kernel thread (/proc/<pid>/stat's flags)
+
+
+def processes(proc: Path = Path("/proc")) -> dict[tuple[int, int], tuple[int, float, float, bool]] | None:
+    """Every process under ``proc`` as {(pid, start tick): (parent pid, its own CPU seconds, its waited-for
+    children's CPU seconds, whether a kernel thread)}, from each /proc/<pid>/stat (proc(5): fields 4 ppid, 9 flags,
+    14-17 utime, stime, cutime, cstime, 22 starttime, all threads of the process together; the command name, field
+    2, may hold spaces and parentheses, so the fields are counted from its last ")"). The start tick tells a pid
+    reused between two snapshots from the process that had it. None where ``proc`` cannot be read (not Linux)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        entries = [e for e in proc.iterdir() if e.name.isdigit()]
+    except OSError:
+        return None
+    out = {}
+    for entry in entries:
+        try:
+            text = (entry / "stat").read_text()
+        except OSError:  # it ended between the listing and the read
+            continue
+        field = text[text.rindex(")") + 2 :].split()  # field[k - 3] is proc(5)'s field k
+        ppid, flags, start = int(field[1]), int(field[6]), int(field[19])
+        utime, stime, cutime, cstime = (int(x) for x in field[11:15])
+        out[(int(entry.name), start)] = (ppid, (utime + stime) / tick, (cutime + cstime) / tick,
+                                         bool(flags & PF_KTHREAD))  # fmt: skip
+    return out
+
+
+def other_processes_cpu_s(before: dict, after: dict, run: int) -> tuple[float, float]:
+    """(other processes, kernel threads): the CPU seconds the machine's processes used between two ``processes``
+    snapshots, apart from the run's: ``run`` (the launcher, whose waited-for children are the run) and every process
+    descended from it at ``after``. A process in both snapshots counts the growth of its own seconds and of its
+    waited-for children's (a job its shell started and waited for between the two counts in the shell); one that
+    began between them counts all of its own. Left out: init's (pid 1) children's seconds, since the orphans it
+    reaps may be the run's (a compile worker whose trainer ended first), and a process that began and ended
+    between the snapshots with no waiting parent in both: so a lower bound on other work, where the busy seconds
+    less the run's (``machine_cpu_s``) are an upper one."""
+    parent = {pid: ppid for (pid, _), (ppid, *_) in after.items()}
+
+    def runs(pid: int) -> bool:
+        seen = set()
+        while pid > 1 and pid not in seen:
+            if pid == run:
+                return True
+            seen.add(pid)
+            pid = parent.get(pid, 0)
+        return False
+
+    procs = kthreads = 0.0
+    for key, (_, own, kids, kthread) in after.items():
+        if runs(key[0]):
+            continue
+        own0, kids0 = before[key][1:3] if key in before else (0.0, 0.0)
+        grew = (own - own0) + (kids - kids0 if key[0] != 1 else 0.0)
+        if kthread:
+            kthreads += grew
+        else:
+            procs += grew
+    return procs, kthreads
 
 
 def children_cpu() -> float:

@@ -169,23 +169,29 @@ def launch_one(args, p: Planned, code: Path, commit: str, k: int) -> bool:
     argv = L.overrides(p.setting, p.name, p.seed, p.setting.steps, args.eval_for(p.setting),
                        args.micro_batch_for(p.setting), run_dir, args.extra)  # fmt: skip
     record = {"commit": commit, "load_before": L.loadavg(), "started": L._now()}
-    t0, cpu0, machine0 = time.monotonic(), L.children_cpu(), L.machine_cpu_s()
+    t0, cpu0, machine0, procs0 = time.monotonic(), L.children_cpu(), L.machine_cpu_s(), L.processes()
     ok, how, shown = L.launch(p.setting, argv, code, folder / "logs" / f"{p.name}_s{p.seed}", args.timeout,
                               args.mtu, 29500 + (os.getpid() + k) % 400)  # fmt: skip
     record.update(load_after=L.loadavg(), seconds=round(time.monotonic() - t0, 1),
                   cpu_s=round(L.children_cpu() - cpu0, 1), ended=how, ok=ok,
                   command=shown.replace(str(code) + "/", ""))  # fmt: skip
-    machine = L.machine_cpu_s()
-    # the rest of the machine's busy seconds: other work beside the run, and the kernel's interrupts apart
+    machine, procs = L.machine_cpu_s(), L.processes()
+    # the rest of the machine's busy seconds (other work, at most), the kernel's interrupts apart; then the other
+    # processes' seconds counted one by one (other work, at least) and the kernel threads'
     if machine0 is not None and machine is not None:
         busy, interrupts = (after - before for before, after in zip(machine0, machine, strict=True))
         record.update(others_cpu_s=round(max(0.0, busy - record["cpu_s"]), 1), irq_s=round(interrupts, 1),
                       cores=os.cpu_count())  # fmt: skip
+    if procs0 is not None and procs is not None:
+        others, kthreads = L.other_processes_cpu_s(procs0, procs, os.getpid())
+        record.update(others_procs_s=round(others, 1), kthreads_s=round(kthreads, 1))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "launch.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"time_to_loss: {p.setting.key} {p.name} seed {p.seed}: {how} in {record['seconds']} s "
-          f"({record['cpu_s']} s CPU; others {record.get('others_cpu_s', '?')} s, of them interrupts "
-          f"{record.get('irq_s', '?')} s), load {record['load_before']} -> {record['load_after']}",
+          f"({record['cpu_s']} s CPU; the rest of the machine {record.get('others_cpu_s', '?')} s, of them "
+          f"interrupts {record.get('irq_s', '?')} s; other processes {record.get('others_procs_s', '?')} s, "
+          f"kernel threads {record.get('kthreads_s', '?')} s), load {record['load_before']} -> "
+          f"{record['load_after']}",
           flush=True)  # fmt: skip
     return ok
 

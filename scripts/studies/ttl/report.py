@@ -94,15 +94,18 @@ def _run(folder: Path | None, name: str, seed: str, window: range) -> dict:
             "cpu": _f(launched.get("cpu_s")), "others": others_share(launched)}  # fmt: skip
 
 
-def others_share(launched: dict) -> float | None:
-    """The share of the machine's cores that other processes used during a run: launch.json's ``others_cpu_s``,
-    less its ``irq_s`` where recorded (the kernel's interrupt work, mostly the run's own packets in the lab; runs
-    launched before 2026-12-05 23:09 UTC include it), over ``cores`` x the run's seconds (None for the runs
-    launched before ``others_cpu_s`` was recorded)."""
-    others, irq, cores, seconds = (_f(launched.get(k)) for k in ("others_cpu_s", "irq_s", "cores", "seconds"))
-    if others is None or not cores or not seconds:
+def others_share(launched: dict) -> tuple[float, bool] | None:
+    """(the share of the machine's cores that other processes used during a run, whether an upper bound), over
+    ``cores`` x the run's seconds: launch.json's ``others_procs_s`` where recorded (other processes counted one by
+    one), else its ``others_cpu_s`` (the machine's busy seconds less the run's: an upper bound, holding the kernel's
+    interrupt work on idle cores and its threads', in the lab mostly the run's own packets; ``launch.py``'s
+    ``machine_cpu_s`` says why its ``irq_s`` cannot simply be taken off). None for the runs launched before
+    ``others_cpu_s`` was recorded."""
+    procs, others, cores, seconds = (_f(launched.get(k)) for k in ("others_procs_s", "others_cpu_s", "cores",
+                                                                    "seconds"))  # fmt: skip
+    if (procs is None and others is None) or not cores or not seconds:
         return None
-    return max(0.0, others - (irq or 0.0)) / (cores * seconds)
+    return (procs if procs is not None else others) / (cores * seconds), procs is None
 
 
 def summarize(rows: list[dict], folder: Path | None = None, warmup: int = WARMUP_STEPS) -> dict:
@@ -175,9 +178,11 @@ def _aggregate(name: str, per_seed: list[dict], band: float | None) -> dict:
         values = [s[key] for s in paired if s.get(key) is not None]
         out[key] = statistics.fmean(values) if values and (key not in ("ttt", "stt") or reached) else None
         out[key + "_span"] = (min(values), max(values)) if len(values) >= 2 else None
-    others = [s["others"] for s in per_seed if s.get("others") is not None]  # a share, not a ratio to nccl's
+    shares = [s["others"] for s in per_seed if s.get("others") is not None]  # a share, not a ratio to nccl's
+    others = [share for share, _ in shares]
     out["others"], out["others_n"] = (statistics.fmean(others) if others else None), len(others)
     out["others_span"] = (min(others), max(others)) if len(others) >= 2 else None
+    out["others_bound"] = any(bound for _, bound in shares)
     return out
 
 
@@ -301,13 +306,15 @@ def _with_span(a: dict, key: str) -> str:
 
 
 def others_column(a: dict) -> str:
-    """Other work's mean CPU share during the aggregator's runs, its seeds' span, and how many seeds recorded it."""
+    """Other work's mean CPU share during the aggregator's runs, its seeds' span, and how many seeds recorded it;
+    "at most" where one of those seeds' shares is an upper bound (``others_share``)."""
     if a["others"] is None:
         return "-"
     span = a["others_span"]
     wide = span and round(100 * span[0]) != round(100 * span[1])
     spread = f" ({100 * span[0]:.0f}..{100 * span[1]:.0f} %)" if wide else ""
-    return f"{100 * a['others']:.0f} %{spread} ({a['others_n']} seed{'s' * (a['others_n'] != 1)})"
+    bound = "at most " if a.get("others_bound") else ""
+    return f"{bound}{100 * a['others']:.0f} %{spread} ({a['others_n']} seed{'s' * (a['others_n'] != 1)})"
 
 
 def _s(x: float) -> str:
@@ -530,13 +537,17 @@ def write_report(csv_path: Path, runs: Path, path: Path, figures_dir: Path, reti
         f"(launch.json's `cpu_s`, recorded from issue 53 on: {cpu_recorded(rows, runs)} of these {len(rows)} runs "
         "have it). Load: the run's "
         "mean 1-minute load, start and end, over nccl's at the same seed. Other work's CPU share: what every "
-        "other process on the machine used while the run ran (launch.json's `others_cpu_s`, the machine's busy "
-        "seconds from /proc/stat less the run's own), over its cores x its seconds; recorded from 2026-12-05 on "
-        "(the seeds that have it in brackets), it shows work that came and went between the two load samples. "
-        "From 2026-12-05 23:09 UTC on the kernel's interrupt work (irq and softirq, launch.json's `irq_s`) is left "
-        "out: no process's CPU time counts it, and in the lab it is mostly the run's own packets (about 2 s a minute "
-        "in a two-tier run at pythia-14m); the runs before include it, so their share is an upper bound. "
-        "Brackets: the seeds' span.",
+        "other process on the machine used while the run ran, over its cores x its seconds; recorded from "
+        "2026-12-05 on (the seeds that have it in brackets), it shows work that came and went between the two "
+        "load samples. From 2026-12-06 on it is counted process by process (the runs whose launch.json has "
+        "`others_procs_s`: every process not the run's, its own and its waited-for children's seconds, from "
+        "/proc/<pid>/stat; kernel threads apart). Before, it is the machine's busy seconds from /proc/stat less "
+        "the run's own (`others_cpu_s`): **at most**, since that holds the kernel's interrupt work on idle cores "
+        "and its threads' too, in the lab mostly the run's own packets (interrupts alone about 2 s a minute in a "
+        "two-tier run at pythia-14m; `irq_s` from 2026-12-05 23:09 UTC on). The interrupts cannot simply be taken "
+        "off: this machine's kernel charges an interrupted tick to the interrupt column and to the task it "
+        "interrupted (kernel/sched/cputime.c, `account_system_index_time`), so some are in the run's own seconds "
+        "too. Brackets: the seeds' span.",
         f"- **Headlines** need {HEADLINE_SEEDS} seeds of the aggregator and of nccl; a figure with fewer says "
         "\"n seeds: not a headline\". A setting whose rows come from more than one commit says so, whether their "
         "code differs, and every retired (replaced) row.",
