@@ -590,9 +590,10 @@ def test_every_configuration_of_the_study_composes_and_validates():
     from tests.runs import composed
     from train.config import validate
 
-    assert set(FLAT) | set(TWO_TIER) | {"int4", "int4_ef"} == set(AGGREGATORS)  # int4*: named, outside the lists
+    named = {"lab": ["int4", "int4_ef"], "loopback": ["int4", "int4_ef"], "lab-4x2": ["hier_int4"]}
+    assert set(FLAT) | set(TWO_TIER) | {n for ns in named.values() for n in ns} == set(AGGREGATORS)  # named, outside
     for setting in parse_settings("lab:tiny,lab-4x2:tiny,loopback:tiny"):
-        for name in setting.aggregators + ["int4", "int4_ef"] * (setting.links != "lab-4x2"):
+        for name in setting.aggregators + named[setting.links]:
             extra = [f"aggregator.local_size={setting.ranks_per_host}"] if setting.links == "lab-4x2" else []
             cfg = composed(*AGGREGATORS[name], f"model={setting.model}", *extra)
             validate(cfg, world_size=setting.ranks)
