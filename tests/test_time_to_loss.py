@@ -590,7 +590,7 @@ def test_every_configuration_of_the_study_composes_and_validates():
     from tests.runs import composed
     from train.config import validate
 
-    named = {"lab": ["int4", "int4_ef"], "loopback": ["int4", "int4_ef"], "lab-4x2": ["hier_int4"]}
+    named = {"lab": ["int4", "int4_ef"], "loopback": ["int4", "int4_ef"], "lab-4x2": ["hier_int4", "hier_int4_exact"]}
     assert set(FLAT) | set(TWO_TIER) | {n for ns in named.values() for n in ns} == set(AGGREGATORS)  # named, outside
     for setting in parse_settings("lab:tiny,lab-4x2:tiny,loopback:tiny"):
         for name in setting.aggregators + named[setting.links]:

@@ -12,7 +12,7 @@ from scripts.studies.ttl.rows import curve, read_metrics
 from scripts.studies.ttl.settings import AGGREGATORS, Setting
 
 _TAB10 = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf"]
-_DARK2 = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#e6ab02", "#a6761d", "#66a61e"]
+_DARK2 = ["#1b9e77", "#d95f02", "#7570b3", "#e7298a", "#e6ab02", "#a6761d", "#66a61e", "#666666"]
 COLOURS = dict(zip(AGGREGATORS, _TAB10 + _DARK2, strict=True))
 """Each aggregator's colour, by its place in the study's catalogue (``settings.AGGREGATORS``): matplotlib's tab10 for
 the first ten (the flat list, then ``hier_ring``), Dark2 for the rest, so that no two in the catalogue share one and

@@ -61,6 +61,8 @@ AGGREGATORS: dict[str, list[str]] = {
     "int4_ef": ["aggregator=int4", "aggregator.error_feedback=true", "trainer.measure_error_every=1"],
     # issue 54 on two tiers: 8 bits inside each host, 4 between them (cerar.int4.two_tier), every tensor's error logged
     "hier_int4": ["aggregator=hier_int4", "trainer.measure_error_every=10"],
+    # the same with exact float32 sums inside each host (the faster of the two in the 4x2 lab, docs/int4.md)
+    "hier_int4_exact": ["aggregator=hier_int4", "aggregator.intra=exact", "trainer.measure_error_every=10"],
 }
 
 FLAT = ["nccl", "fp16", "bf16", "int8", "cerar_c16", "cerar_cauto", "cerar16_c5", "cerar16_c8", "auto"]
